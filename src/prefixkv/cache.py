@@ -1,0 +1,508 @@
+"""``PagedPrefixCache``: the per-call ``transformers.Cache`` whose rows are block tables into a store.
+
+Layout. Every row of the batch has the same number of *columns* (what ``get_seq_length`` reports, pads
+included). Row ``i`` has ``pad`` leading padding columns that read the null block, then its tokens:
+token ``t`` sits at column ``pad + t`` and in slot ``table[t // block_size] * block_size + t % block_size``.
+One block id indexes every layer's pool, so a row has one table for all layers.
+
+Life of a call. At construction the prompt of each row is matched in the trie; matched whole blocks are
+shared (refcount), a matched part-block is copied (copy-on-write), and ``get_seq_length`` reports the
+reused columns so ``generate`` only prefills the rest. Before each forward the model hook hands over the
+ids being fed (DESIGN.md rule 1), and the cache allocates their slots; ``update`` writes K/V there and
+returns K/V read back from the blocks; after the forward, blocks that became full are published to the
+trie. ``close()`` (or garbage collection) gives every block back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import CacheMisuseError
+from .store import PrefixStore
+from .trie import Node
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Prompt tokens of one row, how many were reused from the store and how many computed."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Batch totals of :class:`RowStats`, and ``per_row``."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    per_row: tuple[RowStats, ...]
+
+
+class _Row:
+    """One batch row: leading pad columns, known token ids (``None`` once unknown), block table,
+    number of its chunks already in the trie, and the trie node it keeps locked."""
+
+    __slots__ = ("handle", "pad", "prompt_len", "published", "table", "tokens")
+
+    def __init__(self, pad: int, tokens: list[int] | None, table: list[int], published: int, handle: Node | None):
+        self.pad = pad
+        self.tokens = tokens
+        self.prompt_len = len(tokens) if tokens is not None else 0
+        self.table = table
+        self.published = published
+        self.handle = handle
+
+    def clone(self) -> _Row:
+        row = _Row(self.pad, None if self.tokens is None else list(self.tokens), list(self.table),
+                   self.published, self.handle)
+        row.prompt_len = self.prompt_len
+        return row
+
+
+class _PagedLayer(CacheLayerMixin):
+    """The per-layer face transformers expects; all state lives in the owning cache."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: PagedPrefixCache, layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self._layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self._layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self._layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self._layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+
+def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> list[int]:
+    """Pool slots of columns ``[start, stop)`` of ``row``; pad columns read slot 0 (the null block)."""
+    table, pad = row.table, row.pad
+    return [
+        0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
+        for c in range(start, stop)
+    ]
+
+
+def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[list[int]]]:
+    """Validate a prompt batch; return each row's pad count and real token ids."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
+            or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"input_ids must be a 2-D integer tensor [batch, seq_len] (e.g. tokenizer(..., return_tensors='pt')), "
+            f"got {shape}"
+        )
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
+    if attention_mask is None:
+        pads = [0] * input_ids.shape[0]
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
+        mask = attention_mask.to(torch.long).cpu()
+        if ((mask != 0) & (mask != 1)).any():
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            raise ValueError(
+                "attention_mask has padding after a token: prefixkv needs left padding "
+                "(tokenizer.padding_side = 'left'), as generate does for decoder-only models"
+            )
+        pads = (mask == 0).sum(dim=1).tolist()
+        if max(pads) == input_ids.shape[1]:
+            raise ValueError(f"row {pads.index(input_ids.shape[1])} of attention_mask is all padding")
+    ids = input_ids.cpu().tolist()
+    return pads, [row[p:] for row, p in zip(ids, pads)]
+
+
+class PagedPrefixCache(Cache):
+    """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
+
+    Build one per ``generate`` call. With ``input_ids`` (and, for a padded batch, ``attention_mask``)
+    each row's longest cached prefix is attached at construction, so ``generate`` only prefills the rest;
+    at least the last prompt token is always recomputed. Close it (``close()``, ``with``) to give its
+    blocks back; what it computed stays cached in the store for later calls.
+
+    >>> import prefixkv, torch
+    >>> model = prefixkv.models.tiny_model("llama")
+    >>> store = prefixkv.PrefixStore(model, block_size=4)
+    >>> ids = torch.arange(1, 12).unsqueeze(0)
+    >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
+    ...     out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    >>> cache.stats.cached_tokens, cache.stats.computed_tokens
+    (0, 11)
+    """
+
+    def __init__(self, store: PrefixStore, input_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> None:
+        if not isinstance(store, PrefixStore):
+            raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
+        self.store = store
+        self.block_size = store.block_size
+        num_layers = len(store.pool.specs)
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
+        self._rows: list[_Row] = []
+        self._length = 0
+        self._seen = [0] * num_layers
+        self._slots = torch.zeros((0, 0), dtype=torch.long)
+        self._slots_by_device: dict[torch.device, torch.Tensor] = {}
+        self._owner: int | None = None
+        self._guard = threading.Lock()
+        self._closed = False
+        self._stats = CacheStats(0, 0, 0, ())
+        store._register(self)
+        if input_ids is not None:
+            self._attach_prompt(*_check_prompt(input_ids, attention_mask))
+        elif attention_mask is not None:
+            raise ValueError("attention_mask was given without input_ids")
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _attach_prompt(self, pads: list[int], rows: list[list[int]]) -> None:
+        """Match each row, keep the batch to one offset (DESIGN.md rule 3), share or copy blocks."""
+        store, bs = self.store, self.block_size
+        matches = store._lookup(rows)
+        # at least one prompt token stays uncached (rule 2)
+        matched = [min(m.length, len(r) - 1) for m, r in zip(matches, rows)]
+        offset = min(p + m for p, m in zip(pads, matched))
+        reused = [max(0, offset - p) for p in pads]
+        handles: list[Node | None] = []
+        tables: list[list[int]] = []
+        with store._lock:
+            try:
+                for m, r in zip(matches, reused):
+                    handles.append(m.node if r else None)
+                    if r:
+                        store._lock_node(m.node)
+                for m, r in zip(matches, reused):
+                    shared = m.blocks[: r // bs]
+                    store._incref(shared)
+                    tables.append(shared)
+                    if r % bs:
+                        shared.append(store._copy_prefix(m.blocks[r // bs], r % bs))
+            except BaseException:
+                for table in tables:
+                    store._decref(table)
+                for h in handles:
+                    if h is not None:
+                        store._unlock_node(h)
+                raise
+        self._rows = [_Row(p, toks, table, r // bs, h)
+                      for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)]
+        self._length = offset
+        self._seen = [offset] * len(self._seen)
+        self._slots = torch.tensor([_column_slots(row, 0, offset, bs) for row in self._rows],
+                                   dtype=torch.long).view(len(rows), offset)
+        self._slots_by_device.clear()
+        per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
+        self._stats = CacheStats(sum(s.prompt_tokens for s in per_row), sum(reused),
+                                 sum(s.computed_tokens for s in per_row), per_row)
+        store._count_query([len(t) for t in rows], reused)
+
+    @property
+    def stats(self) -> CacheStats:
+        """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
+        return self._stats
+
+    # -- the forward protocol (called by the model hooks in patch.py) ----------------------------
+
+    def _begin_forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                       attention_mask: torch.Tensor | None) -> None:
+        """Take the ids about to be fed and allocate their slots. Mutates."""
+        me = threading.get_ident()
+        with self._guard:
+            if self._closed:
+                raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
+            if self._owner is not None and self._owner != me:
+                raise CacheMisuseError(
+                    "this PagedPrefixCache is in use by a generate call in another thread; "
+                    "give each concurrent call its own cache"
+                )
+            self._owner = me
+        if self._length != min(self._seen):
+            self._truncate(min(self._seen))  # an earlier forward raised half-way: drop its columns
+        x = input_ids if input_ids is not None else inputs_embeds
+        if x is None:
+            raise CacheMisuseError("a forward with a PagedPrefixCache needs input_ids or inputs_embeds")
+        batch, q = x.shape[0], x.shape[1]
+        if not self._rows:
+            self._start_rows(batch, q, input_ids, attention_mask)
+        elif batch != len(self._rows):
+            if batch % len(self._rows):
+                raise CacheMisuseError(
+                    f"this cache holds {len(self._rows)} rows but the forward feeds {batch}; "
+                    "build the cache from the same batch you pass to generate"
+                )
+            self._select([i for i in range(len(self._rows)) for _ in range(batch // len(self._rows))])
+        self._take_ids(input_ids.tolist() if input_ids is not None else None, q)
+        self._allocate(q)
+
+    def _start_rows(self, batch: int, q: int, input_ids: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None) -> None:
+        pads = [0] * batch
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= q:
+            mask = attention_mask[:, : self._length + q].to(torch.long).cpu()
+            pads = (mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
+        known = input_ids is not None and self._length == 0
+        self._rows = [_Row(p, [] if known else None, [], 0, None) for p in pads]
+        self._slots = torch.zeros((batch, self._length), dtype=torch.long)
+        self._slots_by_device.clear()
+
+    def _take_ids(self, ids: list[list[int]] | None, q: int) -> None:
+        """Check fed ids against the known ones (a cache is tied to its prompt) and record new ones."""
+        start = self._length
+        for i, row in enumerate(self._rows):
+            skip = min(q, max(0, row.pad - start))  # new columns that are padding
+            first = max(0, start - row.pad)  # token index of the first new real column
+            count = q - skip
+            if row.tokens is None or count == 0:
+                continue
+            if ids is None:
+                if first + count > len(row.tokens):
+                    row.tokens = None  # embeddings with no ids: store, but never publish (rule 1)
+                continue
+            fed = ids[i][skip:]
+            known = row.tokens[first : first + count]
+            if fed[: len(known)] != known:
+                raise CacheMisuseError(
+                    f"row {i}: the tokens fed at positions {first}..{first + count - 1} differ from the prompt "
+                    "this PagedPrefixCache was built with; build a new cache for a new prompt"
+                )
+            row.tokens.extend(fed[len(known):])
+
+    def _allocate(self, q: int) -> None:
+        """Blocks (and copies of shared part-blocks about to be written) for ``q`` new columns."""
+        store, bs, start = self.store, self.block_size, self._length
+        cow, grow = [], []
+        for i, row in enumerate(self._rows):
+            first = max(0, start - row.pad)
+            last = start + q - row.pad  # tokens after this step
+            if last <= 0:
+                grow.append(0)
+                continue
+            if first % bs and first // bs < len(row.table) and store._refcount(row.table[first // bs]) > 1:
+                cow.append(i)
+            grow.append(max(0, -(-last // bs) - len(row.table)))
+        if cow or any(grow):
+            with store._lock:
+                store._ensure_free(len(cow) + sum(grow))
+                for i in cow:
+                    row = self._rows[i]
+                    c = max(0, start - row.pad) // bs
+                    old = row.table[c]
+                    row.table[c] = store._copy_prefix(old, (start - row.pad) % bs)
+                    store._decref([old])
+                    # the columns already in that chunk must now read the copy: the old block may be
+                    # freed and reused once the rows still sharing it are gone
+                    col = row.pad + c * bs
+                    self._slots[i, col:start] = torch.tensor(_column_slots(row, col, start, bs), dtype=torch.long)
+                for row, n in zip(self._rows, grow):
+                    if n:
+                        row.table.extend(store._allocate(n))
+        new = torch.tensor([_column_slots(row, start, start + q, bs) for row in self._rows],
+                           dtype=torch.long).view(len(self._rows), q)
+        self._slots = torch.cat([self._slots, new], dim=1)
+        self._slots_by_device.clear()
+        self._length = start + q
+
+    def _end_forward(self) -> None:
+        """Publish the blocks this forward filled, so later calls can reuse them. Mutates."""
+        bs = self.block_size
+        try:
+            for row in self._rows:
+                if row.tokens is None:
+                    continue
+                full = max(0, self._length - row.pad) // bs
+                if full > row.published:
+                    row.handle = self.store._publish(row.tokens[: full * bs], row.table[:full], row.handle)
+                    row.published = full
+        finally:
+            self._owner = None
+
+    # -- transformers Cache interface ------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V (``[B, kv_heads, q, head_dim]``) into their slots and return the layer's
+        whole K/V read from the blocks, ``[B, kv_heads, columns, head_dim]``."""
+        if self._owner != threading.get_ident():
+            raise CacheMisuseError(
+                "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
+                "for (or after the store was closed); pass the cache to that model"
+            )
+        specs = self.store.pool.specs
+        if layer_idx >= len(specs):
+            raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
+        spec = specs[layer_idx]
+        if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
+            raise CacheMisuseError(
+                f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
+                f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
+            )
+        if key_states.device != spec.device or key_states.dtype != self.store.model_dtype:
+            raise CacheMisuseError(
+                f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
+                f"built for {self.store.model_dtype} on {spec.device}: the model was moved or cast after the "
+                "PrefixStore was built; build a new store"
+            )
+        seen, q = self._seen[layer_idx], key_states.shape[-2]
+        if seen + q != self._length:
+            raise CacheMisuseError(
+                f"layer {layer_idx} got {q} new tokens but this forward allocated {self._length - seen}"
+            )
+        slots = self._slots_on(key_states.device)
+        pool = self.store.pool
+        with self.store._lock:  # the pool may grow under another thread between write and read
+            pool.write(layer_idx, slots[:, seen:], key_states, value_states)
+            keys, values = pool.gather(layer_idx, slots)
+        self._seen[layer_idx] = self._length
+        if keys.dtype != key_states.dtype:
+            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+        return keys, values
+
+    def _slots_on(self, device: torch.device) -> torch.Tensor:
+        slots = self._slots_by_device.get(device)
+        if slots is None:
+            slots = self._slots_by_device[device] = self._slots.to(device)
+        return slots
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns stored for ``layer_idx`` (pads included), a Python int."""
+        return self._seen[layer_idx] if layer_idx < len(self._seen) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]``, sharing its blocks. Mutates."""
+        self._select(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([i for i in range(len(self._rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices.tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (a negative int, as in ``DynamicCache``). Mutates."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove:
+            self._truncate(max(0, self._length + tokens_to_remove))
+
+    def reset(self) -> None:
+        """Give every block back and forget the rows; the cache can start a new sequence. Mutates."""
+        self._release_rows(self._rows)
+        self._rows = []
+        self._length = 0
+        self._seen = [0] * len(self._seen)
+        self._slots = torch.zeros((0, 0), dtype=torch.long)
+        self._slots_by_device.clear()
+
+    # -- row surgery -----------------------------------------------------------------------------
+
+    def _select(self, indices: list[int]) -> None:
+        if indices == list(range(len(self._rows))):
+            return
+        store = self.store
+        rows = [self._rows[j].clone() for j in indices]
+        with store._lock:
+            for row in rows:
+                store._incref(row.table)
+                if row.handle is not None:
+                    store._lock_node(row.handle)
+            self._release_rows(self._rows)
+        self._rows = rows
+        self._slots = self._slots[torch.tensor(indices, dtype=torch.long)]
+        self._slots_by_device.clear()
+
+    def _truncate(self, length: int) -> None:
+        bs = self.block_size
+        dropped: list[int] = []
+        for row in self._rows:
+            keep = max(0, length - row.pad)
+            chunks = -(-keep // bs)
+            dropped.extend(row.table[chunks:])
+            del row.table[chunks:]
+            row.published = min(row.published, keep // bs)
+            if row.tokens is not None:
+                del row.tokens[max(keep, row.prompt_len):]
+        self.store._decref(dropped)
+        self._length = length
+        self._seen = [length] * len(self._seen)
+        self._slots = self._slots[:, :length]
+        self._slots_by_device.clear()
+
+    def _release_rows(self, rows: list[_Row]) -> None:
+        store = self.store
+        with store._lock:
+            store._decref([b for row in rows for b in row.table])
+            for row in rows:
+                if row.handle is not None:
+                    store._unlock_node(row.handle)
+
+    def _held_blocks(self) -> Counter[int]:
+        return Counter(b for row in self._rows for b in row.table)
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Give the blocks back to the store (what was published stays cached). Idempotent."""
+        with self._guard:
+            if self._closed:
+                return
+            self._closed = True
+        self._release_rows(self._rows)
+        self._rows = []
+        self.store._unregister(self)
+
+    def __enter__(self) -> PagedPrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown or a half-built cache: nothing left to give back
+            pass
+
+    def __repr__(self) -> str:
+        s = self._stats
+        state = "closed" if self._closed else f"{len(self._rows)} rows x {self._length} columns"
+        return (f"PagedPrefixCache({state}, prompt_tokens={s.prompt_tokens}, cached_tokens={s.cached_tokens}, "
+                f"computed_tokens={s.computed_tokens})")

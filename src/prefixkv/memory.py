@@ -1,0 +1,92 @@
+"""KV footprint arithmetic: bytes per token with grouped-query heads, and budget strings."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+import torch
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"2GiB"`` -> 2147483648; ints pass through.
+
+    >>> parse_bytes("1.5 MiB")
+    1572864
+    """
+    if isinstance(value, bool):
+        raise TypeError("a memory size must be a number of bytes or a string such as '2GiB'")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"a memory size must be positive, got {value}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a memory size; write e.g. '512MiB', '2GiB' or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return size
+
+
+class AttentionShape(NamedTuple):
+    """What the KV of one model occupies: attention layers, KV heads and head size (K and V alike)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config: Any) -> AttentionShape:
+    """Read layers, KV heads and head size from a transformers config (text part for multimodal ones)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if kv_heads is None:
+        kv_heads = 1 if getattr(config, "multi_query", False) else heads
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None:
+        hidden = _first(config, "hidden_size", "n_embd", "d_model")
+        head_dim = hidden // heads
+    return AttentionShape(int(layers), int(kv_heads), int(head_dim))
+
+
+def _first(config: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    raise ValueError(f"{type(config).__name__} has none of {names}; prefixkv cannot size its KV cache")
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
+    """KV bytes one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+
+    >>> from transformers import LlamaConfig
+    >>> cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    >>> kv_bytes_per_token(cfg, torch.float16)
+    256
+    """
+    s = attention_shape(config)
+    return 2 * s.num_layers * s.kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def estimate(config: Any, tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """KV bytes that ``tokens`` tokens occupy (``tokens * kv_bytes_per_token``)."""
+    return tokens * kv_bytes_per_token(config, dtype)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,268 @@
+"""A token-granular radix trie from token prefixes to the blocks that hold their KV. No torch.
+
+Edges are runs of token ids; a node splits wherever two sequences part, at any token. Each node also
+keeps, for every chunk of ``block_size`` positions its edge touches, the id of a block whose slots hold
+the KV of that chunk *along this node's path* (valid at least up to the end of the edge). A chunk cut by
+a split is touched by both halves, so its block occurs twice; the trie reports every occurrence it adds
+or drops so that the owner of the refcounts (the store) keeps them true.
+
+Eviction follows SGLang: unlocked leaves wait in a heap by last access; evicting one may turn its parent
+into an unlocked leaf, which then joins the heap. Locks count per path: locking a node locks every
+ancestor too, so a locked node is never a leaf candidate and nor is any node above it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class Node:
+    """One edge of the trie and the node below it. ``start`` is the position of ``tokens[0]``."""
+
+    __slots__ = ("alive", "blocks", "children", "last_access", "lock", "parent", "start", "tokens")
+
+    def __init__(self, tokens: list[int], start: int, blocks: list[int], parent: Node | None) -> None:
+        self.tokens = tokens
+        self.start = start
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.lock = 0
+        self.last_access = 0
+        self.alive = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Node(start={self.start}, len={len(self.tokens)}, blocks={self.blocks}, lock={self.lock})"
+
+
+class Match(NamedTuple):
+    """Result of :meth:`RadixTrie.match`: ``length`` tokens matched; ``blocks[c]`` holds chunk ``c``
+    (the last one possibly only partly matched); ``node`` is the node holding the last matched token."""
+
+    length: int
+    blocks: list[int]
+    node: Node
+
+
+class Insert(NamedTuple):
+    """Result of :meth:`RadixTrie.insert`: the node holding the last inserted token, and the block
+    occurrences the trie added (the caller increments their refcounts)."""
+
+    node: Node
+    added: list[int]
+
+
+def _common_prefix(edge: list[int], seq: list[int], pos: int) -> int:
+    """Length of the common prefix of ``edge`` and ``seq[pos:]``, by bisection over slice compares."""
+    hi = min(len(edge), len(seq) - pos)
+    if edge[:hi] == seq[pos : pos + hi]:
+        return hi
+    lo = 0  # edge[:lo] matches, edge[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if edge[lo:mid] == seq[pos + lo : pos + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class RadixTrie:
+    """Token-granular radix trie over block ids.
+
+    >>> t = RadixTrie(block_size=2)
+    >>> t.insert([1, 2, 3, 4], [10, 11]).added
+    [10, 11]
+    >>> m = t.match([1, 2, 3, 9])
+    >>> m.length, m.blocks
+    (3, [10, 11])
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.root = Node([], 0, [], None)
+        self.root.lock = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self._tiebreak = itertools.count()
+        self._heap: list[tuple[int, int, Node]] = []
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def match(self, seq: Sequence[int]) -> Match:
+        """Longest cached prefix of ``seq``. Does not mutate (see :meth:`touch`)."""
+        seq = seq if isinstance(seq, list) else list(seq)
+        bs = self.block_size
+        node, pos, last = self.root, 0, self.root
+        blocks: list[int] = []
+        while pos < len(seq):
+            child = node.children.get(seq[pos])
+            if child is None:
+                break
+            k = _common_prefix(child.tokens, seq, pos)
+            first = child.start // bs
+            c0, c1 = pos // bs, (pos + k - 1) // bs
+            del blocks[c0:]
+            blocks.extend(child.blocks[c0 - first : c1 - first + 1])
+            pos += k
+            last = child
+            if k < len(child.tokens):
+                break
+            node = child
+        return Match(pos, blocks, last)
+
+    def is_leaf(self, node: Node) -> bool:
+        return not node.children and node is not self.root
+
+    def nodes(self) -> list[Node]:
+        """Every node but the root, parents before children. Does not mutate."""
+        out: list[Node] = []
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    # -- mutations -------------------------------------------------------------------------------
+
+    def insert(self, seq: Sequence[int], table: Sequence[int]) -> Insert:
+        """Add ``seq`` whose chunk ``c`` is held by ``table[c]``. Mutates.
+
+        Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
+        ``table``. Returns the node holding the last token and the block occurrences added.
+        """
+        seq = seq if isinstance(seq, list) else list(seq)
+        bs = self.block_size
+        if len(table) * bs < len(seq):
+            raise ValueError(f"{len(seq)} tokens need {-(-len(seq) // bs)} blocks, got {len(table)}")
+        added: list[int] = []
+        node, pos = self.root, 0
+        if not seq:
+            return Insert(node, added)
+        while True:
+            child = node.children.get(seq[pos])
+            if child is None:
+                leaf = Node(seq[pos:], pos, list(table[pos // bs : (len(seq) - 1) // bs + 1]), node)
+                node.children[seq[pos]] = leaf
+                added.extend(leaf.blocks)
+                self.touch(leaf)
+                return Insert(leaf, added)
+            k = _common_prefix(child.tokens, seq, pos)
+            if pos + k == len(seq):
+                self.touch(child)
+                return Insert(child, added)
+            if k < len(child.tokens):
+                child, straddle = self._split(child, k)
+                if straddle is not None:
+                    added.append(straddle)
+            node, pos = child, pos + k
+
+    def _split(self, node: Node, k: int) -> tuple[Node, int | None]:
+        """Cut ``node``'s edge after ``k`` tokens; return the new upper node and the block of a chunk
+        now touched by both halves (one more occurrence), if any. Mutates."""
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None
+        cut = node.start + k
+        upper_chunks = (cut - 1) // bs - node.start // bs + 1
+        upper = Node(node.tokens[:k], node.start, node.blocks[:upper_chunks], parent)
+        upper.lock = node.lock
+        upper.last_access = node.last_access
+        lower_first = cut // bs - node.start // bs
+        straddle = node.blocks[lower_first] if cut % bs else None
+        node.tokens = node.tokens[k:]
+        node.blocks = node.blocks[lower_first:]
+        node.start = cut
+        node.parent = upper
+        upper.children[node.tokens[0]] = node
+        parent.children[upper.tokens[0]] = upper
+        return upper, straddle
+
+    def touch(self, node: Node) -> None:
+        """Mark ``node`` and its ancestors as used now (LRU). Mutates."""
+        now = next(self._clock)
+        n: Node | None = node
+        while n is not None and n is not self.root:
+            n.last_access = now
+            n = n.parent
+        self._offer(node)
+
+    def lock(self, node: Node) -> None:
+        """Protect ``node`` and its ancestors from eviction (a live cache reads them, or a pin). Mutates."""
+        n: Node | None = node
+        while n is not None:
+            n.lock += 1
+            n = n.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one :meth:`lock`. Mutates."""
+        n: Node | None = node
+        while n is not None:
+            if n.lock <= 0:
+                raise ValueError(f"unlock of {n}, which is not locked")
+            n.lock -= 1
+            n = n.parent
+        self._offer(node)
+
+    def _offer(self, node: Node) -> None:
+        if node.alive and node.lock == 0 and self.is_leaf(node):
+            heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+
+    def evict_one(self) -> list[int] | None:
+        """Drop the least recently used unlocked leaf; return its block occurrences (the caller
+        decrements them), or ``None`` if no leaf can go. Mutates."""
+        while self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not node.alive or node.lock or node.children or stamp != node.last_access:
+                continue
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.tokens[0]]
+            node.alive = False
+            self._offer(parent)
+            return node.blocks
+        return None
+
+    def clear(self) -> list[int]:
+        """Drop every unlocked node (leaves first, repeatedly); return their block occurrences. Mutates."""
+        released: list[int] = []
+        while (blocks := self.evict_one()) is not None:
+            released.extend(blocks)
+        return released
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_invariants(self) -> Counter[int]:
+        """Raise ``AssertionError`` on a malformed trie; return the block occurrences. Does not mutate."""
+        bs = self.block_size
+        occurrences: Counter[int] = Counter()
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for key, child in node.children.items():
+                if not child.alive or child.parent is not node:
+                    raise AssertionError(f"{child} is detached from its parent")
+                if not child.tokens or child.tokens[0] != key:
+                    raise AssertionError(f"{child} is filed under token {key}")
+                if child.start != node.end:
+                    raise AssertionError(f"{child} starts at {child.start}, parent ends at {node.end}")
+                chunks = (child.end - 1) // bs - child.start // bs + 1
+                if len(child.blocks) != chunks:
+                    raise AssertionError(f"{child} touches {chunks} chunks but holds {len(child.blocks)} blocks")
+                child_locks += child.lock
+                occurrences.update(child.blocks)
+                stack.append(child)
+            if node.lock < child_locks:
+                raise AssertionError(f"{node} has lock {node.lock} < its children's {child_locks}")
+        return occurrences
