@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +10,6 @@ import torch
 from transformers import DynamicCache
 
 import prefixkv
-
-warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
 
 
 @dataclass
@@ -52,14 +49,31 @@ def max_logit_diff(a: Any, b: Any) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
-def compare(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, mask: torch.Tensor | None = None,
-            *, seed: int = 0, spelling: str = "cache", max_new_tokens: int = 8, **kwargs: Any) -> Comparison:
+def compare(
+    model: Any,
+    store: prefixkv.PrefixStore,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    seed: int = 0,
+    spelling: str = "cache",
+    max_new_tokens: int = 8,
+    **kwargs: Any,
+) -> Comparison:
     """Run generate with a fresh DynamicCache and with a PagedPrefixCache from ``store``."""
 
     def run(cache: Any) -> Any:
         torch.manual_seed(seed)
-        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0, **{spelling: cache}, **kwargs)
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **{spelling: cache},
+            **kwargs,
+        )
 
     ref = run(DynamicCache(config=model.config))
     counter = FeedCounter(model)
@@ -71,8 +85,14 @@ def compare(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, mask: to
         cache.close()
     store.check_invariants()
     same = out.sequences.shape == ref.sequences.shape and bool((out.sequences == ref.sequences).all())
-    return Comparison(ref, out, max_logit_diff(out.logits, ref.logits), same, cache,
-                      counter.calls[0] if counter.calls else 0)
+    return Comparison(
+        ref,
+        out,
+        max_logit_diff(out.logits, ref.logits),
+        same,
+        cache,
+        counter.calls[0] if counter.calls else 0,
+    )
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +101,8 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, t
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 

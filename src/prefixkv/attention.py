@@ -28,9 +28,14 @@ def _base(config: Any) -> str:
     return getattr(config, _BASE, None) or "sdpa"
 
 
-def prefixkv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                               value: torch.Tensor, attention_mask: torch.Tensor | None,
-                               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prefixkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over K/V read from the blocks (``[B, kv_heads, columns, head_dim]``), computed by the
     implementation the model had before the store switched it."""
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]

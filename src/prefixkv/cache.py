@@ -15,6 +15,7 @@ trie. ``close()`` (or garbage collection) gives every block back.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -62,8 +63,13 @@ class _Row:
         self.handle = handle
 
     def clone(self) -> _Row:
-        row = _Row(self.pad, None if self.tokens is None else list(self.tokens), list(self.table),
-                   self.published, self.handle)
+        row = _Row(
+            self.pad,
+            None if self.tokens is None else list(self.tokens),
+            list(self.table),
+            self.published,
+            self.handle,
+        )
         row.prompt_len = self.prompt_len
         return row
 
@@ -84,8 +90,9 @@ class _PagedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cache.update(key_states, value_states, self._layer_idx)
 
     def get_seq_length(self) -> int:
@@ -115,8 +122,13 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> list[int
 
 def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[list[int]]]:
     """Validate a prompt batch; return each row's pad count and real token ids."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point() \
-            or input_ids.is_complex() or input_ids.dtype == torch.bool:
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.is_floating_point()
+        or input_ids.is_complex()
+        or input_ids.dtype == torch.bool
+    ):
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(
             f"input_ids must be a 2-D integer tensor [batch, seq_len] (e.g. tokenizer(..., return_tensors='pt')), "
@@ -163,8 +175,12 @@ class PagedPrefixCache(Cache):
     (0, 11)
     """
 
-    def __init__(self, store: PrefixStore, input_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        store: PrefixStore,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> None:
         if not isinstance(store, PrefixStore):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
         self.store = store
@@ -217,16 +233,22 @@ class PagedPrefixCache(Cache):
                     if h is not None:
                         store._unlock_node(h)
                 raise
-        self._rows = [_Row(p, toks, table, r // bs, h)
-                      for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)]
+        self._rows = [
+            _Row(p, toks, table, r // bs, h) for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)
+        ]
         self._length = offset
         self._seen = [offset] * len(self._seen)
-        self._slots = torch.tensor([_column_slots(row, 0, offset, bs) for row in self._rows],
-                                   dtype=torch.long).view(len(rows), offset)
+        self._slots = torch.tensor([_column_slots(row, 0, offset, bs) for row in self._rows], dtype=torch.long).view(
+            len(rows), offset
+        )
         self._slots_by_device.clear()
         per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
-        self._stats = CacheStats(sum(s.prompt_tokens for s in per_row), sum(reused),
-                                 sum(s.computed_tokens for s in per_row), per_row)
+        self._stats = CacheStats(
+            sum(s.prompt_tokens for s in per_row),
+            sum(reused),
+            sum(s.computed_tokens for s in per_row),
+            per_row,
+        )
         store._count_query([len(t) for t in rows], reused)
 
     @property
@@ -236,8 +258,12 @@ class PagedPrefixCache(Cache):
 
     # -- the forward protocol (called by the model hooks in patch.py) ----------------------------
 
-    def _begin_forward(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
-                       attention_mask: torch.Tensor | None) -> None:
+    def _begin_forward(
+        self,
+        input_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
         """Take the ids about to be fed and allocate their slots. Mutates."""
         me = threading.get_ident()
         with self._guard:
@@ -267,8 +293,9 @@ class PagedPrefixCache(Cache):
         self._take_ids(input_ids.tolist() if input_ids is not None else None, q)
         self._allocate(q)
 
-    def _start_rows(self, batch: int, q: int, input_ids: torch.Tensor | None,
-                    attention_mask: torch.Tensor | None) -> None:
+    def _start_rows(
+        self, batch: int, q: int, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> None:
         pads = [0] * batch
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= q:
             mask = attention_mask[:, : self._length + q].to(torch.long).cpu()
@@ -298,7 +325,7 @@ class PagedPrefixCache(Cache):
                     f"row {i}: the tokens fed at positions {first}..{first + count - 1} differ from the prompt "
                     "this PagedPrefixCache was built with; build a new cache for a new prompt"
                 )
-            row.tokens.extend(fed[len(known):])
+            row.tokens.extend(fed[len(known) :])
 
     def _allocate(self, q: int) -> None:
         """Blocks (and copies of shared part-blocks about to be written) for ``q`` new columns."""
@@ -329,8 +356,9 @@ class PagedPrefixCache(Cache):
                 for row, n in zip(self._rows, grow):
                     if n:
                         row.table.extend(store._allocate(n))
-        new = torch.tensor([_column_slots(row, start, start + q, bs) for row in self._rows],
-                           dtype=torch.long).view(len(self._rows), q)
+        new = torch.tensor([_column_slots(row, start, start + q, bs) for row in self._rows], dtype=torch.long).view(
+            len(self._rows), q
+        )
         self._slots = torch.cat([self._slots, new], dim=1)
         self._slots_by_device.clear()
         self._length = start + q
@@ -351,8 +379,9 @@ class PagedPrefixCache(Cache):
 
     # -- transformers Cache interface ------------------------------------------------------------
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V (``[B, kv_heads, q, head_dim]``) into their slots and return the layer's
         whole K/V read from the blocks, ``[B, kv_heads, columns, head_dim]``."""
         if self._owner != threading.get_ident():
@@ -459,7 +488,7 @@ class PagedPrefixCache(Cache):
             del row.table[chunks:]
             row.published = min(row.published, keep // bs)
             if row.tokens is not None:
-                del row.tokens[max(keep, row.prompt_len):]
+                del row.tokens[max(keep, row.prompt_len) :]
         self.store._decref(dropped)
         self._length = length
         self._seen = [length] * len(self._seen)
@@ -496,13 +525,14 @@ class PagedPrefixCache(Cache):
         self.close()
 
     def __del__(self) -> None:
-        try:
+        # at interpreter shutdown, or for a half-built cache, there may be nothing left to give back to
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:  # interpreter shutdown or a half-built cache: nothing left to give back
-            pass
 
     def __repr__(self) -> str:
         s = self._stats
         state = "closed" if self._closed else f"{len(self._rows)} rows x {self._length} columns"
-        return (f"PagedPrefixCache({state}, prompt_tokens={s.prompt_tokens}, cached_tokens={s.cached_tokens}, "
-                f"computed_tokens={s.computed_tokens})")
+        return (
+            f"PagedPrefixCache({state}, prompt_tokens={s.prompt_tokens}, cached_tokens={s.cached_tokens}, "
+            f"computed_tokens={s.computed_tokens})"
+        )

@@ -43,8 +43,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build(config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-          attn_implementation: str = "sdpa") -> Any:
+def build(config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa") -> Any:
     """A causal LM from ``config`` with seeded random weights, in eval mode."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
@@ -52,8 +51,14 @@ def build(config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0,
     return model.eval()
 
 
-def tiny_model(family: str = "llama", *, dtype: torch.dtype = torch.float32, seed: int = 0,
-               attn_implementation: str = "sdpa", **overrides: Any) -> Any:
+def tiny_model(
+    family: str = "llama",
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> Any:
     """A tiny random-weight model of ``family``: what tests use.
 
     >>> tiny_model("qwen2").config.num_hidden_layers
@@ -64,15 +69,31 @@ def tiny_model(family: str = "llama", *, dtype: torch.dtype = torch.float32, see
 
 def demo_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """A small Llama-shaped model (4 layers, hidden 256, grouped-query heads) for the demo."""
-    config = tiny_config("llama", vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    config = tiny_config(
+        "llama",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     return build(config, dtype=dtype, seed=seed)
 
 
 def bench_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """A ~100M-parameter Llama-shaped model (12 layers, hidden 768, 12 heads, 4 KV heads)."""
-    config = tiny_config("llama", vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=8192)
+    config = tiny_config(
+        "llama",
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=8192,
+    )
     return build(config, dtype=dtype, seed=seed)
 
 

@@ -65,7 +65,9 @@ def _check_supported(model: Any) -> None:
             "prefixkv cannot reuse a prefix for it"
         )
     if getattr(text, "kv_lora_rank", None) is not None:
-        raise UnsupportedModelError(f"{family} uses multi-head latent attention (MLA), which prefixkv does not support yet")
+        raise UnsupportedModelError(
+            f"{family} uses multi-head latent attention (MLA), which prefixkv does not support yet"
+        )
     v_dim = getattr(text, "v_head_dim", None)
     if v_dim is not None and v_dim != attention_shape(text).head_dim:
         raise UnsupportedModelError(

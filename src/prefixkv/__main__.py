@@ -1,0 +1,3 @@
+from prefixkv.cli import main
+
+raise SystemExit(main())

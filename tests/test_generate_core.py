@@ -1,0 +1,136 @@
+"""End to end on tiny Llama, Qwen2 and Mistral in float64: cold and warm calls give the logits of stock
+generate with DynamicCache (within 1e-6) and the same tokens, while the warm prefill is shorter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compare, left_pad, random_tokens
+
+import prefixkv
+
+FAMILIES = ["llama", "qwen2", "mistral"]
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request: pytest.FixtureRequest) -> object:
+    return prefixkv.models.tiny_model(request.param, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("spelling", ["cache", "past_key_values"])
+def test_cold_then_warm_matches_stock(model: object, sampling: bool, spelling: str) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system = random_tokens(45, seed=1)
+    first = torch.cat([system, random_tokens(6, seed=2)])[None]
+    second = torch.cat([system, random_tokens(9, seed=3)])[None]
+    kw = dict(do_sample=True, top_k=30, top_p=0.9, temperature=0.8) if sampling else dict(do_sample=False)
+
+    cold = compare(model, store, first, spelling=spelling, **kw)
+    assert cold.same_tokens and cold.max_diff <= TOL
+    assert cold.cache.stats.cached_tokens == 0
+    assert cold.fed_tokens == first.shape[1]
+
+    warm = compare(model, store, second, spelling=spelling, **kw)
+    assert warm.same_tokens and warm.max_diff <= TOL
+    # 45 shared tokens, 44 of them in whole blocks of 4, and the 45th in the copied part-block
+    assert warm.cache.stats.cached_tokens == 45
+    assert warm.fed_tokens == second.shape[1] - 45
+    store.close()
+
+
+def test_generated_tokens_are_reused_by_the_next_call(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    prompt = random_tokens(20, seed=4)[None]
+    first = compare(model, store, prompt, max_new_tokens=12)
+    turn2 = torch.cat([first.out.sequences, random_tokens(5, seed=5)[None]], dim=1)
+    second = compare(model, store, turn2)
+    assert second.same_tokens and second.max_diff <= TOL
+    # 20 prompt + 11 fed generated tokens were computed; 28 of them fill whole blocks
+    assert second.cache.stats.cached_tokens == 28
+    store.close()
+
+
+def test_full_match_still_recomputes_the_last_token(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    prompt = random_tokens(16, seed=6)[None]
+    compare(model, store, prompt)
+    again = compare(model, store, prompt)
+    assert again.same_tokens and again.max_diff <= TOL
+    assert again.cache.stats.cached_tokens == 15
+    assert again.fed_tokens == 1
+    store.close()
+
+
+def test_partial_block_is_copied_not_shared(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=8)
+    base = random_tokens(24, seed=7)
+    compare(model, store, base[None])
+    used_before = store.stats.blocks_used
+    # diverges after 13 tokens: block 0 shared, block 1 copied for its first 5 slots
+    other = torch.cat([base[:13], random_tokens(6, seed=8)])[None]
+    with prefixkv.PagedPrefixCache(store, other) as cache:
+        assert cache.stats.cached_tokens == 13
+        assert store.stats.blocks_used == used_before + 1
+        shared, copied = cache._rows[0].table
+        assert store._refcount(shared) == 2 and store._refcount(copied) == 1
+    comparison = compare(model, store, other)
+    assert comparison.same_tokens and comparison.max_diff <= TOL
+    store.close()
+
+
+def test_padded_batch_with_warm_and_cold_rows(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system = random_tokens(32, seed=9)
+    compare(model, store, torch.cat([system, random_tokens(3, seed=10)])[None])
+    warm = torch.cat([system, random_tokens(4, seed=11)])
+    cold = random_tokens(21, seed=12)
+    ids, mask = left_pad([warm, cold])
+    result = compare(model, store, ids, mask)
+    assert result.same_tokens and result.max_diff <= TOL
+    # one offset per batch: the cold row (15 pads, nothing cached) allows skipping 15 columns,
+    # all padding for it and 15 cached tokens for the warm row
+    assert [r.cached_tokens for r in result.cache.stats.per_row] == [15, 0]
+    assert result.fed_tokens == ids.shape[1] - 15
+    store.close()
+
+
+def test_blocks_are_released_on_close_and_on_garbage_collection(model: object) -> None:
+    import gc
+
+    store = prefixkv.PrefixStore(model, block_size=4)
+    prompt = random_tokens(18, seed=13)[None]
+    cache = prefixkv.PagedPrefixCache(store, prompt)
+    model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+    held = sum(cache._held_blocks().values())
+    assert held == 6  # 18 prompt + 4 fed generated tokens = 22 -> 6 blocks
+    del cache
+    gc.collect()
+    store.check_invariants()
+    s = store.stats
+    assert s.blocks_used == s.blocks_evictable == 5  # only the 5 full blocks stay cached
+    assert store.clear() == 5
+    assert store.stats.blocks_used == 0
+    store.close()
+
+
+def test_store_switches_attention_and_restores_it(model: object) -> None:
+    assert model.config._attn_implementation == "sdpa"
+    store = prefixkv.PrefixStore(model)
+    second = prefixkv.PrefixStore(model)
+    assert model.config._attn_implementation == "prefixkv"
+    store.close()
+    assert model.config._attn_implementation == "prefixkv"  # still used by the second store
+    second.close()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_pool_grows_on_demand_from_a_small_start(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert store.pool.capacity <= 17
+    prompt = random_tokens(150, seed=14)[None]
+    result = compare(model, store, prompt, max_new_tokens=2)
+    assert result.same_tokens
+    assert store.pool.capacity >= 38
+    store.close()
