@@ -10,7 +10,7 @@ if ! .venv/bin/python - <<'PY' 2>/dev/null
 import sys
 import torch
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-sys.exit(0 if (2, 6) <= (major, minor) < (3, 0) else 1)
+sys.exit(0 if (2, 13) <= (major, minor) < (3, 0) else 1)
 PY
 then
   "${PIP[@]}" "torch==2.13.0"
