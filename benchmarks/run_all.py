@@ -1,0 +1,91 @@
+"""Run every benchmark and write ``docs/benchmarks.md`` (tables) and ``docs/benchmarks.png`` (plot).
+
+``python benchmarks/run_all.py`` (full: the ~100M model, ~15 min on 2 cores) or ``--quick`` (the small
+model, small sizes, ~1 min; what CI smoke-tests). Also ``python -m prefixkv bench [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import decode  # noqa: E402
+import memory  # noqa: E402
+import throughput  # noqa: E402
+import trie_ops  # noqa: E402
+import ttft  # noqa: E402
+import zero_hit  # noqa: E402
+from _common import machine  # noqa: E402
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def plot(ttft_result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ttft_result["rows"]
+    xs = [r["prefix"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in [("none", "no reuse (fresh DynamicCache)"), ("deepcopy", "deepcopy recipe"),
+                       ("prefixkv", "prefixkv (warm)"), ("bare", "bare forward, 32 tokens")]:
+        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xlabel("shared prefix length P (tokens), + 32-token query")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"TTFT, {ttft_result['size']} model, CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small model and sizes (a smoke run)")
+    ap.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
+    args = ap.parse_args(argv)
+    q = args.quick
+    size = "small" if q else "100m"
+    started = time.perf_counter()
+    sections = []
+    r = ttft.run(size, [128, 512] if q else [256, 1024, 2048], repeat=2 if q else 5)
+    plot(r, args.out.with_suffix(".png"))
+    sections.append(("Time to first token", ttft.report(r)))
+    r = decode.run(size, [128] if q else [512, 4096], [1, 8], new=16 if q else 128, repeat=1 if q else 2)
+    sections.append(("Decode speed", decode.report(r)))
+    r = memory.run(size, 256 if q else 1024, 16, 32, 8 if q else 32)
+    sections.append(("Memory", memory.report(r)))
+    r = throughput.run(size, 2 if q else 4, 4 if q else 16, 128 if q else 512, 8 if q else 32,
+                       ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
+    sections.append(("Throughput", throughput.report(r)))
+    r = zero_hit.run(size, 128 if q else 512, 8 if q else 32, repeat=2 if q else 6)
+    sections.append(("Zero-hit overhead", zero_hit.report(r)))
+    r = trie_ops.run(2_000 if q else 100_000, 100, 1536, 64, 2000, 100 if q else 500, 16)
+    sections.append(("Store operations", trie_ops.report(r)))
+    elapsed = time.perf_counter() - started
+    command = "python benchmarks/run_all.py" + (" --quick" if q else "")
+    text = [f"Machine: {machine()}. Command: `{command}` ({elapsed / 60:.1f} min).", ""]
+    for title, body in sections:
+        text += [f"### {title}", "", body, ""]
+    print("\n".join(text))
+    if not q:
+        write_docs(args.out, "\n".join(text))
+
+
+def write_docs(path: Path, results: str) -> None:
+    """Replace the generated part of docs/benchmarks.md (between the markers), keeping the prose."""
+    start, end = "<!-- results:start -->", "<!-- results:end -->"
+    page = path.read_text() if path.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    head, rest = page.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    path.write_text(f"{head}{start}\n{results}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    main()

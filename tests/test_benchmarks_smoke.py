@@ -1,0 +1,57 @@
+"""A quick smoke run of every benchmark on the tiny model (benchmarks are not timed tests): each runs,
+prints its table, and the properties that do not depend on timing hold."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+
+import decode  # noqa: E402
+import memory  # noqa: E402
+import throughput  # noqa: E402
+import trie_ops  # noqa: E402
+import ttft  # noqa: E402
+import zero_hit  # noqa: E402
+
+
+def test_ttft_smoke() -> None:
+    r = ttft.run("tiny", [48], repeat=1)
+    assert set(r["rows"][0]) >= {"none", "deepcopy", "prefixkv", "bare", "lookup"}
+    assert "prefixkv speedup" in ttft.report(r)
+
+
+def test_decode_smoke() -> None:
+    r = decode.run("tiny", [24], [1, 2], new=4, repeat=1)
+    assert len(r["rows"]) == 2 and all(row["prefixkv"] > 0 for row in r["rows"])
+    assert "StaticCache" in decode.report(r)
+
+
+def test_memory_smoke_shares_the_prefix() -> None:
+    r = memory.run("tiny", 64, 4, 8, 4)
+    # four requests over one 64-token prefix: shared blocks hold far less than four deep copies
+    assert r["prefixkv_blocks"] < 0.5 * r["deepcopy"]
+    assert r["prefixkv_blocks"] <= 1.5 * r["ideal"]
+    assert "ideal shared layout" in memory.report(r)
+
+
+def test_throughput_smoke_gives_the_same_tokens_everywhere() -> None:
+    r = throughput.run("tiny", 2, 2, 40, 4, ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
+    assert all(r["same_as_plain"].values()), r["same_as_plain"]
+    assert "requests/s" in throughput.report(r)
+
+
+def test_zero_hit_smoke_never_hits() -> None:
+    r = zero_hit.run("tiny", 32, 4, repeat=1)
+    assert r["hit_tokens"] == 0
+    assert "overhead" in zero_hit.report(r)
+
+
+@pytest.mark.parametrize("sequences", [300])
+def test_trie_ops_smoke(sequences: int) -> None:
+    r = trie_ops.run(sequences, 10, 64, 16, 100, 20, 16)
+    assert r["nodes"] >= 10 and r["median_ms"] > 0
+    assert "sequences" in trie_ops.report(r)
