@@ -1,0 +1,559 @@
+"""Cached prefixes on disk: one safetensors file per save, so loading a file never runs code.
+
+The file holds, per attention layer, K and V of the saved blocks only (``k.{layer}``, ``v.{layer}``,
+``[blocks, block_size, kv_heads, head_dim]``, renumbered ``0..blocks-1``), and the trie as integer
+tensors, nodes listed parents first:
+
+- ``trie.parent``: ``[nodes]``, the index of each node's parent, ``-1`` under the root;
+- ``trie.length``, ``trie.tokens``: each node's edge length, and all edges' token ids end to end;
+- ``trie.num_blocks``, ``trie.blocks``: how many blocks each node keeps (one per ``block_size`` chunk its
+  edge touches), and those file block indices end to end.
+
+The string metadata records the format and its version, the block size, the pool's and the model's
+dtypes, the layer and head shapes, a fingerprint of the model (:func:`fingerprint`) and a sha256 over
+all of the above (every tensor's name, dtype, shape and bytes, and every other metadata entry). A file is
+fully read and checked before a store is touched, so a refused file leaves the store as it was.
+
+Loading inserts each saved leaf's whole path into the trie with its block table: positions the store
+already holds keep their blocks, and only the blocks of new positions are copied in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .errors import CapacityError, PersistError
+from .memory import attention_shape, format_bytes
+from .trie import Node, RadixTrie
+
+if TYPE_CHECKING:
+    from .store import PrefixStore
+
+FORMAT = "prefixkv.prefixes"
+FORMAT_VERSION = 1
+_SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models
+_TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """What a save wrote: cached ``prefixes`` (trie leaves), their ``tokens`` (shared parts counted
+    once) and KV ``blocks``. What a merge added: prefixes the store lacked (in whole or in part), the
+    token positions and the pool blocks it took for them."""
+
+    prefixes: int
+    tokens: int
+    blocks: int
+
+
+class PrefixFile(NamedTuple):
+    """A file read and verified by :func:`read`: its metadata, each saved leaf's whole path as
+    ``(tokens, table)`` with ``table`` indexing the blocks, and per layer K/V of those blocks."""
+
+    meta: dict[str, str]
+    block_size: int
+    dtype: torch.dtype
+    model_dtype: torch.dtype
+    paths: list[tuple[list[int], list[int]]]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+# -- model fingerprint -------------------------------------------------------------------------------
+
+
+def fingerprint(model: Any) -> str:
+    """A sha256 that tells models apart by what shapes their K/V: every parameter's name, dtype,
+    shape and a fixed strided sample of its values (all of them for tensors up to 16384 values), the
+    rotary settings of the config and the active adapters. Deterministic across processes, devices and
+    accelerate layouts (offloaded weights are read from accelerate's weights map). Does not mutate.
+
+    >>> import prefixkv
+    >>> fingerprint(prefixkv.models.tiny_model(seed=0)) == fingerprint(prefixkv.models.tiny_model(seed=0))
+    True
+    """
+    digest = hashlib.sha256()
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights may come apart under offload
+    for name in sorted(params):
+        tensor = params[name]
+        if tensor.device.type == "meta":
+            tensor = _offloaded_tensor(model, name)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(_as_bytes(_sample(tensor.detach())))
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    rotary = {k: v for k, v in config.to_dict().items() if "rope" in k or "rotary" in k}
+    digest.update(json.dumps(rotary, sort_keys=True, default=str).encode())
+    digest.update(_adapter_state(model).encode())
+    return digest.hexdigest()
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """Every value of a small tensor; ``_SAMPLE`` values at a fixed stride (and the last) of a large one."""
+    flat = tensor.reshape(-1)
+    if flat.numel() <= _SAMPLE:
+        return flat.cpu()
+    stride = flat.numel() // _SAMPLE
+    index = torch.cat([torch.arange(_SAMPLE) * stride, torch.tensor([flat.numel() - 1])]).to(flat.device)
+    return flat.index_select(0, index).cpu()
+
+
+def _offloaded_tensor(model: Any, name: str) -> torch.Tensor:
+    """The value of a parameter that accelerate offloaded (to CPU or disk), from the weights map of the
+    hook on its module or on an ancestor that places its submodules."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = model.get_submodule(".".join(parts[:cut]))
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            weights = getattr(h, "weights_map", None)
+            if getattr(h, "offload", False) and weights is not None:
+                try:
+                    value: torch.Tensor = weights[".".join(parts[cut:])]
+                except KeyError:
+                    continue
+                return value
+    raise PersistError(
+        f"parameter {name} is on the meta device and no accelerate hook holds its value; "
+        "prefixkv cannot fingerprint a model whose weights are not loaded"
+    )
+
+
+def _adapter_state(model: Any) -> str:
+    """Active and disabled PEFT adapters (read from the first tuner layer), or ``""`` without any."""
+    for module in model.modules():
+        active = getattr(module, "active_adapter", None)
+        if active is not None and hasattr(module, "disable_adapters"):
+            names = [active] if isinstance(active, str) else list(active)
+            return json.dumps({"active": names, "disabled": bool(module.disable_adapters)})
+    return ""
+
+
+# -- save ----------------------------------------------------------------------------------------------
+
+
+def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -> PersistStats:
+    """Write the store's cached prefixes (all, or the cached part of each of ``prefixes``) to ``path``.
+    Does not mutate the store; the file appears whole or not at all."""
+    now = getattr(store.model, "dtype", store.model_dtype)
+    if now != store.model_dtype:
+        raise PersistError(
+            f"the model now computes in {now} but the store's K/V were computed in "
+            f"{store.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
+        )
+    model_print = fingerprint(store.model)
+    with store._lock:
+        nodes = _select_nodes(store._trie, prefixes)
+        tensors, blocks = _trie_tensors(nodes, store.block_size)
+        keys, values = store.pool.read_blocks(blocks)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        tensors[f"k.{layer}"] = k
+        tensors[f"v.{layer}"] = v
+    spec = store.pool.specs[0]
+    meta = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "block_size": str(store.block_size),
+        "dtype": _dtype_name(store.dtype),
+        "model_dtype": _dtype_name(store.model_dtype),
+        "num_layers": str(len(store.pool.specs)),
+        "kv_heads": str(spec.kv_heads),
+        "head_dim": str(spec.head_dim),
+        "model_type": str(getattr(store.model.config, "model_type", type(store.model).__name__)),
+        "model_fingerprint": model_print,
+    }
+    meta["checksum"] = _checksum(tensors, meta)
+    _write_atomically(Path(path), tensors, meta)
+    return PersistStats(
+        prefixes=sum(1 for n in nodes if not n.children),
+        tokens=sum(len(n.tokens) for n in nodes),
+        blocks=len(blocks),
+    )
+
+
+class _Saved(NamedTuple):
+    """A trie node as written: its edge cut to the saved length, and which of the saved nodes are
+    its parent and children."""
+
+    tokens: list[int]
+    blocks: list[int]
+    parent: int
+    children: list[int]
+
+
+def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None) -> list[_Saved]:
+    """The saved part of the trie, parents first: every node, or the paths of the cached part of each
+    wanted prefix (a path may end inside an edge). Does not mutate."""
+    keep: dict[int, int] = {}  # id(node) -> tokens of its edge kept
+    order: list[Node] = []
+    if wanted is None:
+        order = trie.nodes()
+        keep = {id(n): len(n.tokens) for n in order}
+    else:
+        for i, tokens in enumerate(wanted):
+            m = trie.match(tokens)
+            if m.length == 0:
+                raise ValueError(
+                    f"prefix {i} ({len(tokens)} tokens) is not cached in this store, so there is nothing to save "
+                    "for it; generate with it first (pin it to keep it from eviction) or leave it out"
+                )
+            path: list[Node] = []
+            n: Node | None = m.node
+            while n is not None and n is not trie.root:
+                path.append(n)
+                n = n.parent
+            for n in reversed(path):
+                if id(n) not in keep:
+                    order.append(n)
+                    keep[id(n)] = 0
+            for n in path[1:]:
+                keep[id(n)] = len(n.tokens)
+            keep[id(m.node)] = max(keep[id(m.node)], m.length - m.node.start)
+    index = {id(n): i for i, n in enumerate(order)}
+    bs = trie.block_size
+    saved = []
+    for n in order:
+        k = keep[id(n)]
+        chunks = (n.start + k - 1) // bs - n.start // bs + 1
+        parent = -1 if n.parent is trie.root or n.parent is None else index[id(n.parent)]
+        saved.append(_Saved(n.tokens[:k], n.blocks[:chunks], parent, []))
+    for i, s in enumerate(saved):
+        if s.parent >= 0:
+            saved[s.parent].children.append(i)
+    return saved
+
+
+def _trie_tensors(nodes: list[_Saved], block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The integer tensors of the trie, and the pool blocks they reference in file order."""
+    renumber: dict[int, int] = {}
+    file_blocks = [renumber.setdefault(b, len(renumber)) for n in nodes for b in n.blocks]
+    tensors = {
+        "trie.parent": _longs([n.parent for n in nodes]),
+        "trie.length": _longs([len(n.tokens) for n in nodes]),
+        "trie.tokens": _longs([t for n in nodes for t in n.tokens]),
+        "trie.num_blocks": _longs([len(n.blocks) for n in nodes]),
+        "trie.blocks": _longs(file_blocks),
+    }
+    return tensors, list(renumber)
+
+
+def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# -- read and verify -------------------------------------------------------------------------------------
+
+
+def read(path: PathLike) -> PrefixFile:
+    """Read a prefix file and verify its format version, checksum and structure. Raises
+    :class:`PersistError` saying what is wrong; ``FileNotFoundError`` if there is no file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prefix file at {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    except Exception as e:  # safetensors raises its own error type for every malformed file
+        raise PersistError(
+            f"{path} is not a readable safetensors file (truncated or corrupted?): {e}. Save the prefixes again"
+        ) from e
+    if meta.get("format") != FORMAT:
+        raise PersistError(f"{path} is a safetensors file but not a prefixkv prefix file (no format={FORMAT!r})")
+    version = _int(meta, "format_version", path)
+    if version > FORMAT_VERSION:
+        raise PersistError(
+            f"{path} has format version {version}, written by a newer prefixkv; this one reads versions up to "
+            f"{FORMAT_VERSION}. Upgrade prefixkv to load it"
+        )
+    if version < 1:
+        raise PersistError(f"{path} has format version {version}, which no prefixkv writes; the file is corrupted")
+    if meta.get("checksum") != _checksum(tensors, meta):
+        raise PersistError(
+            f"{path} fails its checksum: its tensors or metadata changed after it was written "
+            "(a damaged copy or an edited file). Save the prefixes again"
+        )
+    return _parse(path, meta, tensors)
+
+
+def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> PrefixFile:
+    """Rebuild the leaf paths from the trie tensors, checking that they describe a well-formed trie
+    (a file with a valid checksum could still be made by hand)."""
+
+    def bad(what: str) -> PersistError:
+        return PersistError(f"{path} is malformed: {what}; it was not written by prefixkv.save")
+
+    bs = _int(meta, "block_size", path)
+    num_layers = _int(meta, "num_layers", path)
+    if bs < 1 or num_layers < 1:
+        raise bad(f"block_size {bs}, num_layers {num_layers}")
+    for name in (*_TRIE_KEYS, *(f"{kv}.{i}" for i in range(num_layers) for kv in "kv")):
+        if name not in tensors:
+            raise bad(f"tensor {name} is missing")
+    parent, length, tokens, num_blocks, blocks = (_long_list(tensors[k], k, bad) for k in _TRIE_KEYS)
+    keys = [tensors[f"k.{i}"] for i in range(num_layers)]
+    values = [tensors[f"v.{i}"] for i in range(num_layers)]
+    shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
+    dtype = _dtype(meta, "dtype", path)
+    count = keys[0].shape[0] if keys[0].dim() == 4 else -1
+    for t in (*keys, *values):
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != dtype:
+            raise bad(
+                f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
+                f"expected {dtype} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+            )
+    nodes = len(parent)
+    if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
+        raise bad("the trie tensors disagree in length")
+    if any(not 0 <= b < count for b in blocks) or any(t < 0 for t in tokens):
+        raise bad("a block index or token id is out of range")
+    starts: list[int] = []  # position of each node's first token
+    token_at: list[int] = []  # where each node's edge starts in ``tokens``, its blocks in ``blocks``
+    block_at: list[int] = []
+    has_child = [False] * nodes
+    for i in range(nodes):
+        p = parent[i]
+        if not -1 <= p < i or length[i] < 1:
+            raise bad(f"node {i} has parent {p} and length {length[i]}")
+        start = starts[p] + length[p] if p >= 0 else 0
+        chunks = (start + length[i] - 1) // bs - start // bs + 1
+        if num_blocks[i] != chunks:
+            raise bad(f"node {i} touches {chunks} chunks but lists {num_blocks[i]} blocks")
+        starts.append(start)
+        token_at.append(token_at[-1] + length[i - 1] if i else 0)
+        block_at.append(block_at[-1] + num_blocks[i - 1] if i else 0)
+        if p >= 0:
+            has_child[p] = True
+
+    def whole_path(leaf: int) -> tuple[list[int], list[int]]:
+        """The leaf's tokens from position 0, and the block of each chunk along its path (a node's
+        first block replaces its parent's last one when they share a chunk)."""
+        chain = []
+        while leaf >= 0:
+            chain.append(leaf)
+            leaf = parent[leaf]
+        path_tokens: list[int] = []
+        table: list[int] = []
+        for i in reversed(chain):
+            path_tokens += tokens[token_at[i] : token_at[i] + length[i]]
+            del table[starts[i] // bs :]
+            table += blocks[block_at[i] : block_at[i] + num_blocks[i]]
+        return path_tokens, table
+
+    paths = [whole_path(i) for i in range(nodes) if not has_child[i]]
+    return PrefixFile(
+        meta,
+        bs,
+        dtype,
+        _dtype(meta, "model_dtype", path),
+        paths,
+        keys,
+        values,
+    )
+
+
+# -- compatibility, load and merge ------------------------------------------------------------------------
+
+
+def check_compatible(
+    file: PrefixFile, path: PathLike, model: Any, block_size: int, dtype: torch.dtype, model_dtype: torch.dtype
+) -> None:
+    """Refuse a file made for another block size, dtype, shape or model. Does not mutate."""
+    meta = file.meta
+    if file.block_size != block_size:
+        raise PersistError(
+            f"{path} holds blocks of {file.block_size} tokens but the store uses block_size={block_size}; "
+            f"load it into a store with block_size={file.block_size}"
+        )
+    if file.model_dtype != model_dtype:
+        raise PersistError(
+            f"{path} was computed by a model in {file.model_dtype}, this model runs in {model_dtype}: its K/V "
+            f"would not be what this model computes; cast the model to {file.model_dtype} or save the prefixes again"
+        )
+    if file.dtype != dtype:
+        raise PersistError(
+            f"{path} keeps K/V in {file.dtype}, the store in {dtype}; build the store with dtype={file.dtype}"
+        )
+    shape = attention_shape(model.config)
+    theirs = (int(meta["num_layers"]), int(meta["kv_heads"]), int(meta["head_dim"]))
+    if theirs != tuple(shape):
+        raise PersistError(
+            f"{path} was saved from a model with {theirs[0]} layers of {theirs[1]} KV heads x {theirs[2]}, this "
+            f"model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}: it belongs to another model"
+        )
+    ours = fingerprint(model)
+    if meta["model_fingerprint"] != ours:
+        raise PersistError(
+            f"{path} was saved from a model with other weights: its K/V would give wrong output with this one "
+            f"(fingerprint {meta['model_fingerprint'][:12]} in the file, {ours[:12]} for this "
+            f"{meta.get('model_type', '?')} model). Load it with the model (weights and adapter) it was saved from"
+        )
+
+
+def load(cls: type[PrefixStore], path: PathLike, model: Any, **kwargs: Any) -> PrefixStore:
+    """A new store for ``model`` holding the file's prefixes. ``kwargs`` go to ``PrefixStore``; block size
+    and dtype default to the file's."""
+    file = read(path)
+    kwargs.setdefault("block_size", file.block_size)
+    kwargs["dtype"] = kwargs.get("dtype") or file.dtype
+    model_dtype = getattr(model, "dtype", torch.float32)
+    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype)
+    store = cls(model, **kwargs)
+    try:
+        add(store, file)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def merge(store: PrefixStore, path: PathLike) -> PersistStats:
+    """Add the file's prefixes to ``store``. Mutates the store (evicting LRU prefixes if its budget
+    needs room) only once the file has been verified and is known to fit."""
+    file = read(path)
+    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype)
+    return add(store, file)
+
+
+class _Plan(NamedTuple):
+    """A saved path to insert, and how many of its tokens the store will already hold by then."""
+
+    tokens: list[int]
+    table: list[int]
+    present: int
+
+
+def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
+    """Insert the file's paths; copy in only the blocks of positions the store lacks. Mutates, or raises
+    :class:`CapacityError` before any change when the budget cannot make room."""
+    bs = store.block_size
+    with store._lock:
+        trie, alloc = store._trie, store._allocator
+        plans, anchors = _plan(trie, file.paths)
+        needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
+        for node in anchors:
+            trie.lock(node)  # what the plan counts on must survive the evictions that make room
+        try:
+            room = _room(store)
+            if room is not None and len(needed) > room:
+                raise CapacityError(
+                    f"prefixkv: the file needs {len(needed)} new KV blocks "
+                    f"({format_bytes(len(needed) * store.bytes_per_block)}) but the store can make room for "
+                    f"only {room} (budget {store.max_blocks} blocks, {alloc.num_used} in use). Raise "
+                    "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
+                )
+            store._ensure_free(len(needed))
+            fresh = alloc.allocate(len(needed))
+            store.pool.write_blocks(fresh, *_blocks_of(file, needed))
+            slot = dict(zip(needed, fresh))
+            for plan in plans:
+                live = trie.match(plan.tokens)
+                assert live.length == plan.present, "the merge plan went stale under the store lock"
+                cut = live.length // bs
+                ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]])
+                alloc.incref(ins.added)
+            alloc.decref(fresh)  # the merge's own hold; the trie now holds every copied block
+        finally:
+            for node in anchors:
+                trie.unlock(node)
+    return PersistStats(
+        prefixes=len(plans),
+        tokens=sum(len(p.tokens) - p.present for p in plans),
+        blocks=len(needed),
+    )
+
+
+def _plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]]) -> tuple[list[_Plan], list[Node]]:
+    """For each path, in order, how much of it the trie (with the paths before it) will hold; and the
+    nodes it already matches in the trie. Does not mutate ``trie``."""
+    earlier = RadixTrie(trie.block_size)
+    plans: list[_Plan] = []
+    anchors: list[Node] = []
+    for tokens, table in paths:
+        live = trie.match(tokens)
+        if live.length:
+            anchors.append(live.node)
+        present = max(live.length, earlier.match(tokens).length)
+        if present < len(tokens):
+            plans.append(_Plan(tokens, table, present))
+            earlier.insert(tokens, table)
+    return plans, anchors
+
+
+def _room(store: PrefixStore) -> int | None:
+    """Blocks the store could make free: free ones, growth left in the budget, and evictable ones
+    (``None``: no budget, the pool grows as needed). Does not mutate."""
+    alloc = store._allocator
+    if store.max_blocks is None:
+        return None
+    evictable, _ = store._unlocked_and_pinned_blocks(store._trie.check_invariants())
+    return alloc.num_free + (store.max_blocks + 1 - alloc.capacity) + evictable
+
+
+def _blocks_of(file: PrefixFile, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    index = torch.tensor(blocks, dtype=torch.long)
+    return [k.index_select(0, index) for k in file.keys], [v.index_select(0, index) for v in file.values]
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+
+def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        digest.update(_as_bytes(t))
+    for key in sorted(meta):
+        if key != "checksum":
+            digest.update(f"{key}={meta[key]}\n".encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _longs(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _long_list(t: torch.Tensor, name: str, bad: Any) -> list[int]:
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise bad(f"{name} is {t.dtype} of shape {tuple(t.shape)}, expected 1-D int64")
+    values: list[int] = t.tolist()
+    return values
+
+
+def _int(meta: dict[str, str], key: str, path: Path) -> int:
+    try:
+        return int(meta[key])
+    except (KeyError, ValueError):
+        raise PersistError(f"{path} has no valid {key!r} in its metadata; the file is corrupted") from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(meta: dict[str, str], key: str, path: Path) -> torch.dtype:
+    value = getattr(torch, meta.get(key, ""), None)
+    if not isinstance(value, torch.dtype):
+        raise PersistError(f"{path} names no valid {key!r} in its metadata ({meta.get(key)!r}); it is corrupted")
+    return value
