@@ -1,0 +1,89 @@
+"""Which models prefixkv can cache exactly, decided when a ``PrefixStore`` is built.
+
+prefixkv keeps, per attention layer, one K and one V vector per token, all layers alike
+(``[num_blocks, block_size, kv_heads, head_dim]``), and reuses a prefix by handing those back. A model
+is supported when that is all its cache holds: every layer attends with full, sliding-window or chunked
+attention over per-token K/V of one shape. Everything else is refused with the family and the reason
+(DESIGN.md rule 8), never served with wrong output. ``docs/architectures.md`` lists the families.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import UnsupportedModelError
+from .memory import attention_shape
+
+# layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
+# which transformers builds from the positions and ``get_mask_sizes``
+KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# layer kinds that carry a recurrent (state-space, linear-attention or convolution) state
+_STATE_LAYER_TYPES = frozenset(
+    {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2", "recurrent", "attention_and_mamba"}
+)
+# layer kinds with no attention of their own (they would never call ``update``)
+_NO_KV_LAYER_TYPES = frozenset({"moe", "mlp", "dummy"})
+_STATE_FIELDS = ("ssm_state_size", "state_size", "mamba_d_state")
+
+
+def family(model: Any) -> str:
+    """The model's family as transformers names it (``config.model_type``). Does not mutate."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", None) or type(model).__name__)
+
+
+def check_supported(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError`, naming the family and the reason, unless prefixkv can cache
+    ``model`` exactly. Does not mutate."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a transformers causal LM")
+    name = family(model)
+    reason = _refusal(model, config)
+    if reason is not None:
+        raise UnsupportedModelError(f"{name} {reason}; generate without prefixkv (with a DynamicCache) for this model")
+
+
+def _refusal(model: Any, config: Any) -> str | None:
+    """Why ``model`` cannot be cached, or ``None``. Checks run from the broadest reason to the narrowest."""
+    if getattr(config, "is_encoder_decoder", False):
+        return (
+            "is an encoder-decoder model, whose decoder also attends to the encoder's output; "
+            "prefixkv caches decoder-only causal LMs only"
+        )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    stateful = getattr(model, "_is_stateful", False) or any(getattr(text, f, None) is not None for f in _STATE_FIELDS)
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
+    if stateful or set(layer_types) & _STATE_LAYER_TYPES or (supports_cache is not None and not supports_cache()):
+        return (
+            "has state-space, linear-attention or recurrent layers (or a cache of its own), whose state is "
+            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
+        )
+    no_kv = sorted(set(layer_types) & _NO_KV_LAYER_TYPES)
+    if no_kv:
+        return f"has layers of kind {no_kv} without attention of their own; prefixkv needs K/V in every layer"
+    unknown = sorted(set(layer_types) - KV_LAYER_TYPES)
+    if unknown:
+        return (
+            f"has layers of kind {unknown}; prefixkv caches only {sorted(KV_LAYER_TYPES)} layers "
+            "(attention over per-token K/V)"
+        )
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or getattr(text, "num_kv_shared_layers", None):
+        return "has layers that reuse the K/V of other layers; prefixkv keeps K/V for every layer itself"
+    if getattr(text, "kv_lora_rank", None) is not None:
+        return (
+            "uses multi-head latent attention (MLA), whose cache is a compressed latent, "
+            "not K/V heads; not supported yet"
+        )
+    if getattr(text, "is_heterogeneous", False):
+        return "has layers of different shapes (a per-layer config); prefixkv needs one KV shape for all layers"
+    head_dim = attention_shape(text).head_dim
+    for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
+        other = getattr(text, field, None)
+        if other is not None and other != head_dim:
+            return (
+                f"has {kind} heads of size {other} ({field}) and key heads of size {head_dim}; "
+                "prefixkv keeps K and V of one head size in every layer"
+            )
+    return None
