@@ -1,0 +1,142 @@
+"""Zero-code-change mode: ``prefixkv.enable(model)`` gives every cache-less ``generate`` call (and so
+``pipeline("text-generation")``) prefix reuse with the logits of stock ``generate``; ``disable`` puts the
+model back exactly as it was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import max_logit_diff, random_tokens
+from transformers import DynamicCache, pipeline
+
+import prefixkv
+
+TOL = 1e-6
+SYSTEM = random_tokens(32, seed=201)
+
+
+def _prompt(seed: int, n: int = 5) -> torch.Tensor:
+    return torch.cat([SYSTEM, random_tokens(n, seed=seed)])[None]
+
+
+@pytest.fixture
+def model() -> Any:
+    """A fresh model per test: enable mutates it."""
+    return prefixkv.models.tiny_model("llama", dtype=torch.float64)
+
+
+def _generate(model: Any, ids: torch.Tensor, **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    return model.generate(
+        ids, max_new_tokens=8, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs
+    )
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sampling": dict(do_sample=True, top_k=20, top_p=0.9),
+    "num_return_sequences": dict(do_sample=True, num_return_sequences=3),
+    "beams": dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    "prompt_lookup": dict(do_sample=False, prompt_lookup_num_tokens=3),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_enabled_generate_reuses_prefixes_and_matches_stock(model: Any, mode: str) -> None:
+    first, second = _prompt(seed=1), _prompt(seed=2)
+    refs = [_generate(model, ids, cache=DynamicCache(config=model.config), **MODES[mode]) for ids in (first, second)]
+    store = prefixkv.enable(model, block_size=4)
+    outs = [_generate(model, ids, **MODES[mode]) for ids in (first, second)]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max_logit_diff(out.logits, ref.logits) <= TOL
+    assert store.stats.queries == 2 and store.stats.hit_tokens == 32
+    assert all(out.cache._closed for out in outs)  # each call's cache was closed after it
+    s = store.stats
+    assert s.blocks_used == s.blocks_evictable > 0  # what the calls computed stays cached, held by no call
+    store.check_invariants()
+    prefixkv.disable(model)
+
+
+def test_assistant_models_keep_their_own_cache(model: Any) -> None:
+    assistant = prefixkv.models.tiny_model("llama", dtype=torch.float64, seed=1)
+    ids = _prompt(seed=3)
+    ref = _generate(model, ids, assistant_model=assistant, do_sample=False, cache=DynamicCache(config=model.config))
+    store, assistant_store = prefixkv.enable(model, block_size=4), prefixkv.enable(assistant, block_size=4)
+    _generate(model, _prompt(seed=4), do_sample=False)
+    out = _generate(model, ids, assistant_model=assistant, do_sample=False)
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) <= TOL
+    assert store.stats.hit_tokens == 32
+    assert assistant_store.stats.queries == 0  # its draft calls thread their own DynamicCache
+    prefixkv.disable(assistant)
+    prefixkv.disable(model)
+
+
+def test_calls_that_bring_or_refuse_a_cache_are_left_alone(model: Any) -> None:
+    store = prefixkv.enable(model, block_size=4)
+    ids = _prompt(seed=5)
+    own = DynamicCache(config=model.config)
+    out = _generate(model, ids, cache=own, do_sample=False)
+    assert out.cache is own and store.stats.queries == 0
+    _generate(model, ids, use_cache=False, do_sample=False)
+    assert store.stats.queries == 0
+    paged = prefixkv.PagedPrefixCache(store, ids)
+    out = _generate(model, ids, past_key_values=paged, do_sample=False)
+    assert out.cache is paged and not paged._closed  # the caller's cache stays the caller's
+    assert store.stats.queries == 1  # that cache's own lookup, no second one
+    paged.close()
+    prefixkv.disable(model)
+
+
+def test_disable_restores_the_model_exactly(model: Any) -> None:
+    ids = _prompt(seed=6)
+    before = (dict(vars(model)), model.config._attn_implementation, len(model._forward_pre_hooks))
+    plain = _generate(model, ids, do_sample=False)
+    store = prefixkv.enable(model, block_size=4)
+    assert prefixkv.enable(model) is store  # enabling again (a re-run notebook cell) keeps the store
+    with pytest.raises(ValueError, match="already enabled"):
+        prefixkv.enable(model, block_size=8)
+    assert model.config._attn_implementation == "prefixkv" and "generate" in vars(model)
+    _generate(model, ids, do_sample=False)
+    prefixkv.disable(model)
+    assert (dict(vars(model)), model.config._attn_implementation, len(model._forward_pre_hooks)) == before
+    assert model.generate.__func__ is type(model).generate
+    with pytest.raises(RuntimeError, match="closed"):
+        prefixkv.PagedPrefixCache(store, ids)  # the store enable built is closed with it
+    again = _generate(model, ids, do_sample=False)
+    assert torch.equal(again.sequences, plain.sequences) and max_logit_diff(again.logits, plain.logits) == 0
+    prefixkv.disable(model)  # a second disable does nothing
+
+
+def test_a_store_passed_to_enable_stays_open(model: Any) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert prefixkv.enable(model, store) is store
+    _generate(model, _prompt(seed=7), do_sample=False)
+    prefixkv.disable(model)
+    assert "generate" not in vars(model)
+    assert prefixkv.PagedPrefixCache(store, _prompt(seed=8)).stats.cached_tokens == 32
+    with pytest.raises(ValueError, match="another model"):
+        prefixkv.enable(prefixkv.models.tiny_model("llama"), store)
+    with pytest.raises(TypeError, match="not both"):
+        prefixkv.enable(model, store, block_size=4)
+    store.close()
+
+
+def test_pipeline_reuses_prefixes_across_calls(model: Any) -> None:
+    tok = prefixkv.models.tiny_tokenizer()
+    system = " ".join(tok.convert_ids_to_tokens(list(range(100, 140))))  # 40 words
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        for question in ("ba be bi ?", "ko ku ka ?")
+    ]
+    pipe = pipeline("text-generation", model=model, tokenizer=tok)
+    kw = dict(max_new_tokens=6, do_sample=False, return_full_text=False)
+    stock = [pipe(chat, **kw)[0]["generated_text"] for chat in chats]
+    store = prefixkv.enable(model, block_size=4)
+    reused = [pipe(chat, **kw)[0]["generated_text"] for chat in chats]
+    assert reused == stock and all(stock)
+    # the second call shares 43 tokens with the first: the system turn (role, 40 words, EOS) and "<|user|>"
+    assert store.stats.queries == 2 and store.stats.hit_tokens == 43
+    prefixkv.disable(model)
