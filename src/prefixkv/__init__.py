@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from . import models
+from . import display, models
 from .cache import CacheStats, PagedPrefixCache, RowStats
-from .errors import CacheMisuseError, CapacityError, PrefixKVError, UnsupportedModelError
+from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .memory import estimate, kv_bytes_per_token
+from .patch import disable, enable
+from .persist import PersistStats
 from .store import PrefixStore, StoreStats
 
 __version__ = "0.1.0"
@@ -15,12 +17,17 @@ __all__ = [
     "CacheStats",
     "CapacityError",
     "PagedPrefixCache",
+    "PersistError",
+    "PersistStats",
     "PrefixKVError",
     "PrefixStore",
     "RowStats",
     "StoreStats",
     "UnsupportedModelError",
     "__version__",
+    "disable",
+    "display",
+    "enable",
     "estimate",
     "kv_bytes_per_token",
     "models",

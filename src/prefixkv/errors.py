@@ -18,3 +18,8 @@ class UnsupportedModelError(PrefixKVError, ValueError):
 class CacheMisuseError(PrefixKVError, RuntimeError):
     """A ``PagedPrefixCache`` was used in a way that would give wrong output (another model, another
     prompt, two calls at once, after ``close()``)."""
+
+
+class PersistError(PrefixKVError, ValueError):
+    """A saved prefix file cannot be used: truncated, corrupted, from a newer prefixkv, or made with
+    another model, dtype or block size. The store it was meant for is left unchanged."""

@@ -57,7 +57,9 @@ def attention_shape(config: Any) -> AttentionShape:
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(config, "num_attention_heads", "n_head", "num_heads")
     kv_heads = getattr(config, "num_key_value_heads", None)
-    if kv_heads is None:
+    if getattr(config, "new_decoder_architecture", False):
+        kv_heads = heads  # Falcon's new decoder architecture caches its KV heads broadcast to every query head
+    elif kv_heads is None:
         kv_heads = 1 if getattr(config, "multi_query", False) else heads
     head_dim = getattr(config, "head_dim", None)
     if head_dim is None:

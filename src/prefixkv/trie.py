@@ -95,6 +95,7 @@ class RadixTrie:
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
         self._heap: list[tuple[int, int, Node]] = []
+        self._size = 0  # nodes below the root: bounds the heap's stale entries (see _offer)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -154,6 +155,7 @@ class RadixTrie:
             if child is None:
                 leaf = Node(seq[pos:], pos, list(table[pos // bs : (len(seq) - 1) // bs + 1]), node)
                 node.children[seq[pos]] = leaf
+                self._size += 1
                 added.extend(leaf.blocks)
                 self.touch(leaf)
                 return Insert(leaf, added)
@@ -186,7 +188,20 @@ class RadixTrie:
         node.parent = upper
         upper.children[node.tokens[0]] = node
         parent.children[upper.tokens[0]] = upper
+        self._size += 1
         return upper, straddle
+
+    def end_node(self, seq: Sequence[int]) -> Insert | None:
+        """The node whose edge ends exactly after ``seq``, splitting an edge there if needed, or ``None``
+        if ``seq`` is empty or not wholly in the trie. Mutates (the split); ``added`` is the block
+        occurrence a split adds (the caller increments it)."""
+        m = self.match(seq)
+        if m.length == 0 or m.length < len(seq):
+            return None
+        if m.node.end == m.length:
+            return Insert(m.node, [])
+        upper, straddle = self._split(m.node, m.length - m.node.start)
+        return Insert(upper, [] if straddle is None else [straddle])
 
     def touch(self, node: Node) -> None:
         """Mark ``node`` and its ancestors as used now (LRU). Mutates."""
@@ -217,6 +232,13 @@ class RadixTrie:
     def _offer(self, node: Node) -> None:
         if node.alive and node.lock == 0 and self.is_leaf(node):
             heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+            # every touch leaves a stale entry behind (and keeps evicted nodes alive): rebuild from the
+            # live leaves once stale entries outnumber the nodes, O(1) amortised per push
+            if len(self._heap) > 2 * self._size + 64:
+                self._heap = [
+                    (n.last_access, next(self._tiebreak), n) for n in self.nodes() if n.lock == 0 and not n.children
+                ]
+                heapq.heapify(self._heap)
 
     def evict_one(self) -> list[int] | None:
         """Drop the least recently used unlocked leaf; return its block occurrences (the caller
@@ -229,6 +251,7 @@ class RadixTrie:
             assert parent is not None
             del parent.children[node.tokens[0]]
             node.alive = False
+            self._size -= 1
             self._offer(parent)
             return node.blocks
         return None
@@ -265,4 +288,7 @@ class RadixTrie:
                 stack.append(child)
             if node.lock < child_locks:
                 raise AssertionError(f"{node} has lock {node.lock} < its children's {child_locks}")
+        held = len(self.nodes())
+        if self._size != held:
+            raise AssertionError(f"the trie counts {self._size} nodes but holds {held}")
         return occurrences
