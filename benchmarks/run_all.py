@@ -13,13 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import decode  # noqa: E402
-import memory  # noqa: E402
-import throughput  # noqa: E402
-import trie_ops  # noqa: E402
-import ttft  # noqa: E402
-import zero_hit  # noqa: E402
-from _common import machine  # noqa: E402
+import decode
+import memory
+import throughput
+import trie_ops
+import ttft
+import zero_hit
+from _common import machine
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -33,8 +33,12 @@ def plot(ttft_result: dict, path: Path) -> None:
     rows = ttft_result["rows"]
     xs = [r["prefix"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in [("none", "no reuse (fresh DynamicCache)"), ("deepcopy", "deepcopy recipe"),
-                       ("prefixkv", "prefixkv (warm)"), ("bare", "bare forward, 32 tokens")]:
+    for key, label in [
+        ("none", "no reuse (fresh DynamicCache)"),
+        ("deepcopy", "deepcopy recipe"),
+        ("prefixkv", "prefixkv (warm)"),
+        ("bare", "bare forward, 32 tokens"),
+    ]:
         ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
     ax.set_xlabel("shared prefix length P (tokens), + 32-token query")
     ax.set_ylabel("time to first token (ms)")
@@ -61,8 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     sections.append(("Decode speed", decode.report(r)))
     r = memory.run(size, 256 if q else 1024, 16, 32, 8 if q else 32)
     sections.append(("Memory", memory.report(r)))
-    r = throughput.run(size, 2 if q else 4, 4 if q else 16, 128 if q else 512, 8 if q else 32,
-                       ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
+    r = throughput.run(
+        size,
+        2 if q else 4,
+        4 if q else 16,
+        128 if q else 512,
+        8 if q else 32,
+        ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"],
+    )
     sections.append(("Throughput", throughput.report(r)))
     r = zero_hit.run(size, 128 if q else 512, 8 if q else 32, repeat=2 if q else 6)
     sections.append(("Zero-hit overhead", zero_hit.report(r)))

@@ -21,53 +21,65 @@ import prefixkv
 QUERY = 32
 
 
+def measure(model: Any, p: int, repeat: int) -> dict[str, float]:
+    """Median milliseconds of each variant for a prefix of ``p`` tokens (fresh queries every call)."""
+    vocab = model.config.vocab_size
+    prefix = tokens(p, vocab, seed=p)
+    queries = iter([torch.cat([prefix, tokens(QUERY, vocab, seed=1000 + i)])[None] for i in range(10 * repeat + 10)])
+    with torch.no_grad():
+        filled = DynamicCache(config=model.config)
+        model(prefix[None], cache=filled)
+    store = prefixkv.PrefixStore(model, block_size=16)
+    with prefixkv.PagedPrefixCache(store, prefix[None]) as warmup_cache:
+        model.generate(prefix[None], cache=warmup_cache, max_new_tokens=1, do_sample=False)
+
+    def first_token(cache: Any, ids: torch.Tensor) -> None:
+        model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+    def no_reuse() -> None:
+        first_token(DynamicCache(config=model.config), next(queries))
+
+    def deepcopy_recipe() -> None:
+        first_token(copy.deepcopy(filled), next(queries))
+
+    def prefixkv_warm() -> None:
+        ids = next(queries)
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            first_token(cache, ids)
+
+    def bare_forward() -> float:
+        cache, ids = copy.deepcopy(filled), next(queries)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids[:, p:], cache=cache)
+        return 1000 * (time.perf_counter() - start)
+
+    def lookup() -> float:
+        ids = next(queries)
+        start = time.perf_counter()
+        cache = prefixkv.PagedPrefixCache(store, ids)
+        ms = 1000 * (time.perf_counter() - start)
+        cache.close()
+        return ms
+
+    try:
+        return interleaved(
+            {
+                "none": no_reuse,
+                "deepcopy": deepcopy_recipe,
+                "prefixkv": prefixkv_warm,
+                "bare": bare_forward,
+                "lookup": lookup,
+            },
+            repeat,
+        )
+    finally:
+        store.close()
+
+
 def run(size: str, prefixes: list[int], repeat: int) -> dict[str, Any]:
     model = model_for(size)
-    vocab = model.config.vocab_size
-    rows = []
-    for p in prefixes:
-        prefix = tokens(p, vocab, seed=p)
-        queries = iter([torch.cat([prefix, tokens(QUERY, vocab, seed=1000 + i)])[None] for i in range(10 * repeat + 10)])
-        with torch.no_grad():
-            filled = DynamicCache(config=model.config)
-            model(prefix[None], cache=filled)
-        store = prefixkv.PrefixStore(model, block_size=16)
-        with prefixkv.PagedPrefixCache(store, prefix[None]) as warmup_cache:
-            model.generate(prefix[None], cache=warmup_cache, max_new_tokens=1, do_sample=False)
-
-        def first_token(cache: Any, ids: torch.Tensor) -> None:
-            model.generate(ids, cache=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
-
-        def no_reuse() -> None:
-            first_token(DynamicCache(config=model.config), next(queries))
-
-        def deepcopy_recipe() -> None:
-            first_token(copy.deepcopy(filled), next(queries))
-
-        def prefixkv_warm() -> None:
-            ids = next(queries)
-            with prefixkv.PagedPrefixCache(store, ids) as cache:
-                first_token(cache, ids)
-
-        def bare_forward() -> float:
-            cache, ids = copy.deepcopy(filled), next(queries)
-            start = time.perf_counter()
-            with torch.no_grad():
-                model(ids[:, p:], cache=cache)
-            return 1000 * (time.perf_counter() - start)
-
-        def lookup() -> float:
-            ids = next(queries)
-            start = time.perf_counter()
-            cache = prefixkv.PagedPrefixCache(store, ids)
-            ms = 1000 * (time.perf_counter() - start)
-            cache.close()
-            return ms
-
-        t = interleaved({"none": no_reuse, "deepcopy": deepcopy_recipe, "prefixkv": prefixkv_warm,
-                         "bare": bare_forward, "lookup": lookup}, repeat)
-        store.close()
-        rows.append({"prefix": p, **t})
+    rows = [{"prefix": p, **measure(model, p, repeat)} for p in prefixes]
     return {"size": size, "query": QUERY, "rows": rows}
 
 
@@ -76,13 +88,35 @@ def report(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         p = r["prefix"]
         ideal = (p + QUERY) / QUERY
-        out.append([p, f"{r['none']:.1f}", f"{r['deepcopy']:.1f}", f"{r['prefixkv']:.1f}", f"{r['bare']:.1f}",
-                    f"{r['none'] / r['deepcopy']:.1f}x", f"{r['none'] / r['prefixkv']:.1f}x", f"{ideal:.0f}x",
-                    f"{r['prefixkv'] / r['bare']:.2f} ({target(r['prefixkv'] <= 1.05 * r['bare'])})",
-                    f"{100 * r['lookup'] / r['prefixkv']:.2f}% ({target(r['lookup'] < 0.02 * r['prefixkv'])})"])
-    return table(["P", "no reuse ms", "deepcopy ms", "prefixkv ms", "bare fwd ms", "deepcopy speedup",
-                  "prefixkv speedup", "ideal (P+32)/32", "prefixkv / bare (target <=1.05)",
-                  "lookup share (target <2%)"], out)
+        out.append(
+            [
+                p,
+                f"{r['none']:.1f}",
+                f"{r['deepcopy']:.1f}",
+                f"{r['prefixkv']:.1f}",
+                f"{r['bare']:.1f}",
+                f"{r['none'] / r['deepcopy']:.1f}x",
+                f"{r['none'] / r['prefixkv']:.1f}x",
+                f"{ideal:.0f}x",
+                f"{r['prefixkv'] / r['bare']:.2f} ({target(r['prefixkv'] <= 1.05 * r['bare'])})",
+                f"{100 * r['lookup'] / r['prefixkv']:.2f}% ({target(r['lookup'] < 0.02 * r['prefixkv'])})",
+            ]
+        )
+    return table(
+        [
+            "P",
+            "no reuse ms",
+            "deepcopy ms",
+            "prefixkv ms",
+            "bare fwd ms",
+            "deepcopy speedup",
+            "prefixkv speedup",
+            "ideal (P+32)/32",
+            "prefixkv / bare (target <=1.05)",
+            "lookup share (target <2%)",
+        ],
+        out,
+    )
 
 
 def main() -> None:

@@ -10,12 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
-import decode  # noqa: E402
-import memory  # noqa: E402
-import throughput  # noqa: E402
-import trie_ops  # noqa: E402
-import ttft  # noqa: E402
-import zero_hit  # noqa: E402
+import decode
+import memory
+import throughput
+import trie_ops
+import ttft
+import zero_hit
 
 
 def test_ttft_smoke() -> None:

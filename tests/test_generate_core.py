@@ -134,3 +134,21 @@ def test_pool_grows_on_demand_from_a_small_start(model: object) -> None:
     assert result.same_tokens
     assert store.pool.capacity >= 38
     store.close()
+
+
+@pytest.mark.parametrize("pads", [(0, 8), (0, 5)], ids=["whole-block-padding", "part-block-padding"])
+def test_both_gather_paths_match_stock_and_padding_is_never_stored(model: object, pads: tuple[int, int]) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system = random_tokens(24, seed=15)
+    compare(model, store, torch.cat([system, random_tokens(3, seed=16)])[None])
+    long = torch.cat([system, random_tokens(10, seed=17)])
+    ids, mask = left_pad([long, long[pads[1] :]])
+    cache = prefixkv.PagedPrefixCache(store, ids, mask)
+    aligned = cache._block_table_on(torch.device("cpu")) is not None
+    assert aligned == (pads[1] % 4 == 0)
+    cache.close()
+    result = compare(model, store, ids, mask)
+    assert result.same_tokens and result.max_diff <= TOL
+    for keys, values in zip(store.pool.keys, store.pool.values):
+        assert not keys[0].any() and not values[0].any(), "padding K/V leaked into the null block"
+    store.close()

@@ -16,7 +16,9 @@ trie. ``close()`` (or garbage collection) gives every block back.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import display
 from .errors import CacheMisuseError
 from .store import PrefixStore
 from .trie import Node
@@ -111,13 +114,22 @@ class _PagedLayer(CacheLayerMixin):
         return None
 
 
-def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> list[int]:
-    """Pool slots of columns ``[start, stop)`` of ``row``; pad columns read slot 0 (the null block)."""
+def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Pool slots of columns ``[start, stop)`` of ``row``, a LongTensor; pad columns read slot 0 (the
+    null block)."""
     table, pad = row.table, row.pad
-    return [
-        0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
-        for c in range(start, stop)
-    ]
+    if stop - start <= 8:  # the decode step: plain ints beat tensor set-up
+        return torch.tensor(
+            [
+                0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
+                for c in range(start, stop)
+            ],
+            dtype=torch.long,
+        )
+    t = torch.arange(start - pad, stop - pad)
+    blocks = torch.tensor(table, dtype=torch.long) if table else torch.zeros(1, dtype=torch.long)
+    slots = blocks[t.clamp(min=0) // block_size] * block_size + t.clamp(min=0) % block_size
+    return slots.masked_fill_(t < 0, 0)
 
 
 def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[list[int]]]:
@@ -192,10 +204,16 @@ class PagedPrefixCache(Cache):
         self._seen = [0] * num_layers
         self._slots = torch.zeros((0, 0), dtype=torch.long)
         self._slots_by_device: dict[torch.device, torch.Tensor] = {}
+        # derived per step, for update(): positions of the new columns to store (None: all; pads are skipped so
+        # the null block stays zeros) and the block-aligned table (None: some row's padding is not whole blocks)
+        self._keep: torch.Tensor | None = None
+        self._tables_version = 0
+        self._block_table: tuple[tuple[int, int], torch.device, torch.Tensor | None] | None = None
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._closed = False
         self._stats = CacheStats(0, 0, 0, ())
+        self._refeed_pending = False
         store._register(self)
         if input_ids is not None:
             self._attach_prompt(*_check_prompt(input_ids, attention_mask))
@@ -207,14 +225,15 @@ class PagedPrefixCache(Cache):
     def _attach_prompt(self, pads: list[int], rows: list[list[int]]) -> None:
         """Match each row, keep the batch to one offset (DESIGN.md rule 3), share or copy blocks."""
         store, bs = self.store, self.block_size
-        matches = store._lookup(rows)
-        # at least one prompt token stays uncached (rule 2)
-        matched = [min(m.length, len(r) - 1) for m, r in zip(matches, rows)]
-        offset = min(p + m for p, m in zip(pads, matched))
-        reused = [max(0, offset - p) for p in pads]
         handles: list[Node | None] = []
         tables: list[list[int]] = []
+        # one critical section: another thread must not evict a match before its blocks are taken
         with store._lock:
+            matches = store._lookup(rows)
+            # at least one prompt token stays uncached (rule 2)
+            matched = [min(m.length, len(r) - 1) for m, r in zip(matches, rows)]
+            offset = min(p + m for p, m in zip(pads, matched))
+            reused = [max(0, offset - p) for p in pads]
             try:
                 for m, r in zip(matches, reused):
                     handles.append(m.node if r else None)
@@ -233,15 +252,14 @@ class PagedPrefixCache(Cache):
                     if h is not None:
                         store._unlock_node(h)
                 raise
-        self._rows = [
-            _Row(p, toks, table, r // bs, h) for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)
-        ]
+            self._rows = [
+                _Row(p, toks, table, r // bs, h) for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)
+            ]
         self._length = offset
         self._seen = [offset] * len(self._seen)
-        self._slots = torch.tensor([_column_slots(row, 0, offset, bs) for row in self._rows], dtype=torch.long).view(
-            len(rows), offset
-        )
+        self._slots = torch.stack([_column_slots(row, 0, offset, bs) for row in self._rows])
         self._slots_by_device.clear()
+        self._tables_version += 1
         per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
         self._stats = CacheStats(
             sum(s.prompt_tokens for s in per_row),
@@ -255,6 +273,128 @@ class PagedPrefixCache(Cache):
     def stats(self) -> CacheStats:
         """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
         return self._stats
+
+    def _prefill(self) -> None:
+        """Compute the uncached rest of this one-row prompt with the store's model and publish all of
+        it, the last part-filled block included (what ``PrefixStore.pin`` keeps). Mutates."""
+        (row,) = self._rows
+        assert row.tokens is not None and row.pad == 0
+        model = self.store.model
+        params = inspect.signature(model.forward).parameters
+        kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": self, "use_cache": True}
+        if "logits_to_keep" in params:
+            kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+        with torch.no_grad():
+            model(input_ids=torch.tensor([row.tokens[self._length :]], device=model.device), **kwargs)
+        row.handle = self.store._publish(row.tokens, row.table, row.handle)
+
+    # -- the generate-call protocol (called by the prepare_inputs_for_generation wrapper in patch.py)
+
+    def activate_past_recording(self) -> None:
+        """Assisted and prompt-lookup decoding call this before their first forward, which feeds the whole
+        sequence again (DESIGN.md rule 7); that forward will then skip the columns already held. Mutates."""
+        self._refeed_pending = True
+
+    def _plan_call(
+        self,
+        input_ids: torch.Tensor,
+        next_sequence_length: int | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        per_token_outputs: bool,
+    ) -> int | None:
+        """At the first forward of a ``generate`` call: check that the call's ``input_ids`` continue what this
+        cache holds (or raise :class:`CacheMisuseError`), and return the ``next_sequence_length`` to feed.
+
+        A second call on the same cache must pass the first call's output plus new tokens (transformers'
+        "continue generation" pattern); any other sequence would be silently attended to the wrong K/V.
+        Mutates only to give up reuse for an assisted call that asks for per-token attentions or hidden
+        states, which need the whole sequence recomputed."""
+        held, refeed = self._length, self._refeed_pending
+        self._refeed_pending = False
+        if held == 0 or input_ids.dim() != 2:
+            return next_sequence_length
+        width = input_ids.shape[1]
+        if next_sequence_length is None and not refeed:
+            self._check_new_tokens(width, attention_mask, position_ids)
+            return None
+        self._check_continues(input_ids, held)
+        if next_sequence_length is not None:
+            return next_sequence_length
+        if per_token_outputs:
+            warnings.warn(
+                "prefixkv: assisted or prompt-lookup decoding with output_attentions/output_hidden_states "
+                "recomputes the whole prompt, so prefix reuse is off for this generate call",
+                stacklevel=2,
+            )
+            self._drop_reuse()
+            return None
+        return width - held
+
+    def _check_new_tokens(
+        self, width: int, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> None:
+        """A call that passes only its new tokens (and chunked prefill) must place them right after the held
+        columns: its attention mask spans both, or (once generate dropped an all-ones mask) the position of its
+        last token is the last column's. Raise :class:`CacheMisuseError` otherwise."""
+        held = self._length
+        if attention_mask is not None and attention_mask.dim() == 2:
+            if attention_mask.shape[1] != held + width:
+                raise CacheMisuseError(
+                    f"generate was given {width} new tokens and an attention mask of {attention_mask.shape[1]} "
+                    f"columns, but this PagedPrefixCache holds {held}: the mask must span the cached columns and "
+                    "the new tokens (or pass the whole sequence: the last output plus new tokens)"
+                )
+            return
+        if position_ids is None or position_ids.dim() != 2 or not self._rows:
+            return
+        last = position_ids[:, -1].tolist()
+        per = max(1, len(last) // len(self._rows))
+        for j, position in enumerate(last):
+            expected = held + width - 1 - self._rows[min(j // per, len(self._rows) - 1)].pad
+            if position != expected:
+                raise CacheMisuseError(
+                    f"row {j}: generate places its {width} new tokens to end at position {position}, but after the "
+                    f"{held} columns this PagedPrefixCache holds they end at {expected}: pass an attention mask "
+                    "spanning the cached columns and the new tokens, or the whole sequence"
+                )
+
+    def _check_continues(self, input_ids: torch.Tensor, held: int) -> None:
+        """Raise :class:`CacheMisuseError` unless every row of ``input_ids`` starts with the tokens this cache
+        holds in its first ``held`` columns (rows whose tokens are unknown, from embeddings, are skipped)."""
+        width, batch, rows = input_ids.shape[1], input_ids.shape[0], len(self._rows)
+        if width <= held:
+            raise CacheMisuseError(
+                f"generate was called with {width} columns but this PagedPrefixCache already holds {held}: a cache "
+                "only continues a longer sequence that starts with what it holds (the output of its last generate "
+                "call plus new tokens). Build a new cache for a new prompt (the store still reuses its prefix)"
+            )
+        if rows == 0:
+            return
+        if batch % rows:
+            raise CacheMisuseError(
+                f"this cache holds {rows} rows but generate was called with {batch}; continue with the same batch"
+            )
+        ids = input_ids[:, :held].cpu().tolist()
+        for j, seq in enumerate(ids):
+            row = self._rows[j // (batch // rows)]
+            if row.tokens is None:
+                continue
+            stored = row.tokens[: max(0, held - row.pad)]
+            given = seq[min(row.pad, held) :]
+            if given[: len(stored)] != stored:
+                t = next(t for t, (a, b) in enumerate(zip(given, stored)) if a != b)
+                raise CacheMisuseError(
+                    f"row {j}: token {t} passed to generate is {given[t]}, but this PagedPrefixCache holds {stored[t]} "
+                    "there: a cache only continues the sequence it holds (the output of its last generate call plus "
+                    "new tokens). Build a new cache for a new prompt (the store still reuses its prefix)"
+                )
+
+    def _drop_reuse(self) -> None:
+        """Give back every held column, so the next forward recomputes the sequence from its start. Mutates."""
+        self._truncate(0)
+        per_row = tuple(RowStats(r.prompt_tokens, 0, r.prompt_tokens) for r in self._stats.per_row)
+        self._stats = CacheStats(self._stats.prompt_tokens, 0, self._stats.prompt_tokens, per_row)
 
     # -- the forward protocol (called by the model hooks in patch.py) ----------------------------
 
@@ -304,6 +444,7 @@ class PagedPrefixCache(Cache):
         self._rows = [_Row(p, [] if known else None, [], 0, None) for p in pads]
         self._slots = torch.zeros((batch, self._length), dtype=torch.long)
         self._slots_by_device.clear()
+        self._tables_version += 1
 
     def _take_ids(self, ids: list[list[int]] | None, q: int) -> None:
         """Check fed ids against the known ones (a cache is tied to its prompt) and record new ones."""
@@ -352,13 +493,13 @@ class PagedPrefixCache(Cache):
                     # the columns already in that chunk must now read the copy: the old block may be
                     # freed and reused once the rows still sharing it are gone
                     col = row.pad + c * bs
-                    self._slots[i, col:start] = torch.tensor(_column_slots(row, col, start, bs), dtype=torch.long)
+                    self._slots[i, col:start] = _column_slots(row, col, start, bs)
                 for row, n in zip(self._rows, grow):
                     if n:
                         row.table.extend(store._allocate(n))
-        new = torch.tensor([_column_slots(row, start, start + q, bs) for row in self._rows], dtype=torch.long).view(
-            len(self._rows), q
-        )
+            self._tables_version += 1
+        new = torch.stack([_column_slots(row, start, start + q, bs) for row in self._rows])
+        self._keep = (new.reshape(-1) != 0).nonzero().view(-1) if bool((new == 0).any()) else None
         self._slots = torch.cat([self._slots, new], dim=1)
         self._slots_by_device.clear()
         self._length = start + q
@@ -409,15 +550,37 @@ class PagedPrefixCache(Cache):
             raise CacheMisuseError(
                 f"layer {layer_idx} got {q} new tokens but this forward allocated {self._length - seen}"
             )
-        slots = self._slots_on(key_states.device)
+        device = key_states.device
+        slots = self._slots_on(device)
+        keep = None if self._keep is None else self._keep.to(device)
+        table = self._block_table_on(device)
         pool = self.store.pool
         with self.store._lock:  # the pool may grow under another thread between write and read
-            pool.write(layer_idx, slots[:, seen:], key_states, value_states)
-            keys, values = pool.gather(layer_idx, slots)
+            pool.write(layer_idx, slots[:, seen:], key_states, value_states, keep)
+            if table is not None:
+                keys, values = pool.gather_blocks(layer_idx, table, self._length)
+            else:
+                keys, values = pool.gather(layer_idx, slots)
         self._seen[layer_idx] = self._length
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
         return keys, values
+
+    def _block_table_on(self, device: torch.device) -> torch.Tensor | None:
+        """``[B, C]`` block ids such that column ``c`` of row ``i`` sits in block ``[i, c // block_size]`` at
+        offset ``c % block_size`` (leading whole blocks of padding read the null block), or ``None`` when some
+        row's padding is not a whole number of blocks. Rebuilt only when a table changed."""
+        cached = self._block_table
+        bs = self.block_size
+        chunks = -(-self._length // bs)
+        if cached is not None and cached[0] == (self._tables_version, chunks) and cached[1] == device:
+            return cached[2]
+        table: torch.Tensor | None = None
+        if self._rows and all(row.pad % bs == 0 for row in self._rows):
+            lists = [[0] * (row.pad // bs) + row.table for row in self._rows]
+            table = torch.tensor([t[:chunks] + [0] * (chunks - len(t)) for t in lists], dtype=torch.long, device=device)
+        self._block_table = ((self._tables_version, chunks), device, table)
+        return table
 
     def _slots_on(self, device: torch.device) -> torch.Tensor:
         slots = self._slots_by_device.get(device)
@@ -454,12 +617,14 @@ class PagedPrefixCache(Cache):
 
     def reset(self) -> None:
         """Give every block back and forget the rows; the cache can start a new sequence. Mutates."""
-        self._release_rows(self._rows)
-        self._rows = []
+        with self.store._lock:
+            self._release_rows(self._rows)
+            self._rows = []
         self._length = 0
         self._seen = [0] * len(self._seen)
         self._slots = torch.zeros((0, 0), dtype=torch.long)
         self._slots_by_device.clear()
+        self._tables_version += 1
 
     # -- row surgery -----------------------------------------------------------------------------
 
@@ -474,26 +639,29 @@ class PagedPrefixCache(Cache):
                 if row.handle is not None:
                     store._lock_node(row.handle)
             self._release_rows(self._rows)
-        self._rows = rows
+            self._rows = rows
         self._slots = self._slots[torch.tensor(indices, dtype=torch.long)]
         self._slots_by_device.clear()
+        self._tables_version += 1
 
     def _truncate(self, length: int) -> None:
         bs = self.block_size
         dropped: list[int] = []
-        for row in self._rows:
-            keep = max(0, length - row.pad)
-            chunks = -(-keep // bs)
-            dropped.extend(row.table[chunks:])
-            del row.table[chunks:]
-            row.published = min(row.published, keep // bs)
-            if row.tokens is not None:
-                del row.tokens[max(keep, row.prompt_len) :]
-        self.store._decref(dropped)
+        with self.store._lock:  # tables and refcounts change together (check_invariants may run meanwhile)
+            for row in self._rows:
+                keep = max(0, length - row.pad)
+                chunks = -(-keep // bs)
+                dropped.extend(row.table[chunks:])
+                del row.table[chunks:]
+                row.published = min(row.published, keep // bs)
+                if row.tokens is not None:
+                    del row.tokens[max(keep, row.prompt_len) :]
+            self.store._decref(dropped)
         self._length = length
         self._seen = [length] * len(self._seen)
         self._slots = self._slots[:, :length]
         self._slots_by_device.clear()
+        self._tables_version += 1
 
     def _release_rows(self, rows: list[_Row]) -> None:
         store = self.store
@@ -514,9 +682,10 @@ class PagedPrefixCache(Cache):
             if self._closed:
                 return
             self._closed = True
-        self._release_rows(self._rows)
-        self._rows = []
-        self.store._unregister(self)
+        with self.store._lock:
+            self._release_rows(self._rows)
+            self._rows = []
+            self.store._unregister(self)
 
     def __enter__(self) -> PagedPrefixCache:
         return self
@@ -536,3 +705,7 @@ class PagedPrefixCache(Cache):
             f"PagedPrefixCache({state}, prompt_tokens={s.prompt_tokens}, cached_tokens={s.cached_tokens}, "
             f"computed_tokens={s.computed_tokens})"
         )
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: reused and computed prompt tokens per row, and each row's block table."""
+        return display.cache_html(self)

@@ -63,13 +63,20 @@ class BlockPool:
             self.keys[i] = torch.cat([k, pad])
             self.values[i] = torch.cat([v, pad])
 
-    def write(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store new K/V. ``slots``: ``[B, q]``; ``key``/``value``: ``[B, kv_heads, q, head_dim]``. Mutates."""
+    def write(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> None:
+        """Store new K/V. ``slots``: ``[B, q]``; ``key``/``value``: ``[B, kv_heads, q, head_dim]``; ``keep``:
+        the positions (in ``B * q`` order) to store, ``None`` for all (padding is never stored). Mutates."""
         k, v = self.keys[layer], self.values[layer]
         flat = slots.reshape(-1)
         # [B, H, q, D] -> [B*q, H, D]
-        k.view(-1, *k.shape[2:]).index_copy_(0, flat, key.transpose(1, 2).reshape(-1, *k.shape[2:]).to(k.dtype))
-        v.view(-1, *v.shape[2:]).index_copy_(0, flat, value.transpose(1, 2).reshape(-1, *v.shape[2:]).to(v.dtype))
+        new_k = key.transpose(1, 2).reshape(-1, *k.shape[2:])
+        new_v = value.transpose(1, 2).reshape(-1, *v.shape[2:])
+        if keep is not None:
+            flat, new_k, new_v = flat[keep], new_k[keep], new_v[keep]
+        k.view(-1, *k.shape[2:]).index_copy_(0, flat, new_k.to(k.dtype))
+        v.view(-1, *v.shape[2:]).index_copy_(0, flat, new_v.to(v.dtype))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
@@ -80,8 +87,36 @@ class BlockPool:
         values = v.view(-1, *v.shape[2:]).index_select(0, flat).view(b, n, *v.shape[2:]).transpose(1, 2)
         return keys, values
 
+    def gather_blocks(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the first ``length`` columns when column ``c`` sits in block ``table[:, c // block_size]`` at
+        offset ``c % block_size``: whole blocks are copied, a ``block_size`` times shorter index than
+        :meth:`gather`. ``table``: ``[B, C]`` -> two ``[B, kv_heads, length, head_dim]`` tensors."""
+        k, v = self.keys[layer], self.values[layer]
+        b, c = table.shape
+        flat = table.reshape(-1)
+        keys = k.index_select(0, flat).view(b, c * self.block_size, *k.shape[2:])[:, :length].transpose(1, 2)
+        values = v.index_select(0, flat).view(b, c * self.block_size, *v.shape[2:])[:, :length].transpose(1, 2)
+        return keys, values
+
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer. Mutates."""
         for k, v in zip(self.keys, self.values):
             k[dst, :n] = k[src, :n]
             v[dst, :n] = v[src, :n]
+
+    def read_blocks(self, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of whole blocks on the CPU, per layer ``[len(blocks), block_size, kv_heads, head_dim]``."""
+        keys, values = [], []
+        for k, v in zip(self.keys, self.values):
+            index = torch.tensor(blocks, dtype=torch.long, device=k.device)
+            keys.append(k.index_select(0, index).cpu())
+            values.append(v.index_select(0, index).cpu())
+        return keys, values
+
+    def write_blocks(self, blocks: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill whole blocks of every layer from ``[len(blocks), block_size, kv_heads, head_dim]`` tensors,
+        moved to each layer's device and dtype. Mutates."""
+        for k, v, new_k, new_v in zip(self.keys, self.values, keys, values):
+            index = torch.tensor(blocks, dtype=torch.long, device=k.device)
+            k.index_copy_(0, index, new_k.to(device=k.device, dtype=k.dtype))
+            v.index_copy_(0, index, new_v.to(device=v.device, dtype=v.dtype))

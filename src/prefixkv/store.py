@@ -3,31 +3,37 @@ budget, eviction, pins, statistics and the lock that lets several threads share 
 
 from __future__ import annotations
 
+import inspect
+import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
-from . import attention, patch
+from . import attention, display, patch, persist
 from .allocator import BlockAllocator
-from .errors import CapacityError, UnsupportedModelError
-from .memory import attention_shape, format_bytes, parse_bytes
+from .errors import CapacityError
+from .memory import attention_shape, format_bytes, kv_bytes_per_token, parse_bytes
 from .pool import BlockPool, LayerSpec
-from .trie import Match, Node, RadixTrie
+from .support import check_supported
+from .trie import Insert, Match, Node, RadixTrie
 
 if TYPE_CHECKING:
-    from .cache import PagedPrefixCache
+    from .cache import CacheStats, PagedPrefixCache
 
 _INITIAL_BLOCKS = 16
 
 
 @dataclass(frozen=True)
 class StoreStats:
-    """A snapshot of a store. ``hit_rate`` is reused prompt tokens over all prompt tokens looked up."""
+    """A snapshot of a store. ``hit_rate`` is reused prompt tokens over all prompt tokens looked up;
+    ``misses`` counts looked-up rows that reused nothing; ``evictions`` counts the cached prefixes (trie
+    nodes) dropped to make room, least recently used first (not those dropped by :meth:`PrefixStore.clear`)."""
 
     queries: int
     misses: int
@@ -44,53 +50,29 @@ class StoreStats:
     nodes: int
 
 
-def _check_supported(model: Any) -> None:
-    """Refuse, by family and reason, the models whose cache prefixkv cannot hold exactly."""
-    config = getattr(model, "config", None)
-    if config is None:
-        raise UnsupportedModelError(f"{type(model).__name__} has no `config`; pass a transformers causal LM")
-    family = getattr(config, "model_type", type(model).__name__)
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{family} is an encoder-decoder model; prefixkv caches decoder-only causal LMs only"
-        )
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types = set(getattr(text, "layer_types", None) or [])
-    recurrent = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2", "recurrent"}
-    if layer_types & recurrent or any(
-        getattr(text, name, None) is not None for name in ("ssm_state_size", "state_size", "mamba_d_state")
-    ):
-        raise UnsupportedModelError(
-            f"{family} has state-space or linear-attention layers, whose state is not a per-token KV cache; "
-            "prefixkv cannot reuse a prefix for it"
-        )
-    if getattr(text, "kv_lora_rank", None) is not None:
-        raise UnsupportedModelError(
-            f"{family} uses multi-head latent attention (MLA), which prefixkv does not support yet"
-        )
-    v_dim = getattr(text, "v_head_dim", None)
-    if v_dim is not None and v_dim != attention_shape(text).head_dim:
-        raise UnsupportedModelError(
-            f"{family} has value heads of size {v_dim} and key heads of size {attention_shape(text).head_dim}; "
-            "prefixkv needs K and V of the same head size"
-        )
+def _execution_device(module: torch.nn.Module) -> torch.device | None:
+    """Where ``module`` computes: the execution device of the first accelerate hook on it or inside it
+    (``dispatch_model`` hooks whole layers, ``cpu_offload``/``disk_offload`` each linear layer, leaving
+    the weights on ``meta``), else the device of its first parameter not on ``meta``."""
+    for sub in module.modules():
+        hook = getattr(sub, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or [hook]:
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return torch.device(device)
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return None
 
 
 def _layer_devices(model: Any, num_layers: int) -> list[torch.device]:
     """The device each decoder layer computes on (accelerate's execution device when dispatched)."""
-    fallback = getattr(model, "device", torch.device("cpu"))
+    fallback = _execution_device(model) or torch.device("cpu")
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
-            devices = []
-            for layer in module:
-                hook = getattr(layer, "_hf_hook", None)
-                device = getattr(hook, "execution_device", None)
-                if device is None:
-                    param = next(layer.parameters(), None)
-                    device = param.device if param is not None and param.device.type != "meta" else fallback
-                devices.append(torch.device(device))
-            return devices
-    return [torch.device(fallback)] * num_layers
+            return [_execution_device(layer) or fallback for layer in module]
+    return [fallback] * num_layers
 
 
 class PrefixStore:
@@ -106,8 +88,8 @@ class PrefixStore:
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
     ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
-    >>> prefixkv.PagedPrefixCache(store, ids).stats.cached_tokens
-    8
+    >>> prefixkv.PagedPrefixCache(store, ids).stats.cached_tokens  # all but the last prompt token
+    10
     """
 
     def __init__(
@@ -123,7 +105,7 @@ class PrefixStore:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if max_memory is not None and num_blocks is not None:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
-        _check_supported(model)
+        check_supported(model)
         self.model = model
         self.block_size = block_size
         shape = attention_shape(model.config)
@@ -131,7 +113,7 @@ class PrefixStore:
         self.dtype = dtype or self.model_dtype
         devices = _layer_devices(model, shape.num_layers)
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
-        self.bytes_per_block = BlockPool(specs, block_size, 0).bytes_per_block
+        self.bytes_per_block = block_size * kv_bytes_per_token(model.config, self.dtype)
         self.max_blocks = self._budget(max_memory, num_blocks)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
         self._allocator = BlockAllocator(first + 1)
@@ -153,11 +135,12 @@ class PrefixStore:
         if max_memory is None:
             return None
         budget = parse_bytes(max_memory)
-        blocks = budget // self.bytes_per_block
+        # the pool's tensors stay within max_memory: the null block (padding) is paid from it too
+        blocks = budget // self.bytes_per_block - 1
         if blocks < 1:
             raise ValueError(
                 f"max_memory={max_memory!r} ({budget} bytes) is less than one block of {self.block_size} tokens "
-                f"({self.bytes_per_block} bytes); raise max_memory or lower block_size"
+                f"({self.bytes_per_block} bytes) plus the reserved padding block; raise max_memory or lower block_size"
             )
         return blocks
 
@@ -196,13 +179,18 @@ class PrefixStore:
                 unlocked.update(node.blocks)
         rc = self._allocator.refcount
         evictable = sum(1 for b, n in unlocked.items() if rc(b) == n)
+        return evictable, len(self._pinned_blocks())
+
+    def _pinned_blocks(self, extra: Node | None = None) -> set[int]:
+        """The blocks on the paths of every pin (and of ``extra``). Does not mutate."""
         pinned: set[int] = set()
-        for node in (n for nodes in self._pins.values() for n in nodes):
+        ends = [n for nodes in self._pins.values() for n in nodes]
+        for node in [*ends, extra] if extra is not None else ends:
             n: Node | None = node
             while n is not None:
                 pinned.update(n.blocks)
                 n = n.parent
-        return evictable, len(pinned)
+        return pinned
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live
@@ -223,26 +211,79 @@ class PrefixStore:
                 raise AssertionError(f"pool has {self.pool.capacity} blocks, allocator {self._allocator.capacity}")
 
     def pin(self, ids: Sequence[int] | torch.Tensor) -> int:
-        """Keep the cached part of ``ids`` from eviction until :meth:`unpin`. Mutates.
+        """Keep the prefix ``ids`` (a system prompt) cached until :meth:`unpin`. Mutates.
 
-        Returns the number of tokens pinned (the cached prefix of ``ids``, which may be shorter).
+        The part of ``ids`` not cached yet is computed first with the store's model (one forward; all
+        of ``ids`` is kept, a last part-filled block included). Pinned blocks count against the budget:
+        a pin that would take more blocks than the budget raises :class:`CapacityError` and pins
+        nothing. Pins nest: each ``pin`` needs its own ``unpin``. Returns ``len(ids)``.
+
+        >>> import prefixkv, torch
+        >>> model = prefixkv.models.tiny_model("llama")
+        >>> store = prefixkv.PrefixStore(model, block_size=4, num_blocks=8)
+        >>> store.pin(torch.arange(3, 13))
+        10
+        >>> store.stats.blocks_pinned
+        3
         """
         tokens = _as_token_list(ids)
+        if not tokens:
+            raise ValueError("pin() needs at least one token id")
         with self._lock:
-            m = self._trie.match(tokens)
-            if m.length == 0:
-                return 0
-            self._trie.lock(m.node)
-            self._pins.setdefault(tuple(tokens), []).append(m.node)
-            return m.length
+            self._check_pin_budget(tokens)
+            end = self._trie.end_node(tokens)
+            if end is not None:
+                self._add_pin(tokens, end)
+                return len(tokens)
+        from .cache import PagedPrefixCache  # cache.py imports this module
+
+        with PagedPrefixCache(self, torch.tensor([tokens])) as cache:
+            cache._prefill()  # the cache keeps the published tokens locked until the pin holds them
+            with self._lock:
+                end = self._trie.end_node(tokens)
+                assert end is not None, "the prefill published every token"
+                self._add_pin(tokens, end)
+        return len(tokens)
+
+    def _check_pin_budget(self, tokens: list[int]) -> None:
+        """Raise :class:`CapacityError` if pinning ``tokens`` surely exceeds the budget. Does not mutate."""
+        if self.max_blocks is None:
+            return
+        bs = self.block_size
+        m = self._trie.match(tokens)
+        full = m.length // bs  # chunks cached whole; the rest needs blocks of its own
+        pinned = self._pinned_blocks()
+        total = len(pinned | set(m.blocks[:full])) + -(-len(tokens) // bs) - full
+        if total > self.max_blocks:
+            raise self._pin_error(len(tokens), total - len(pinned), len(pinned))
+
+    def _add_pin(self, tokens: list[int], end: Insert) -> None:
+        """Lock ``end.node`` for a pin of ``tokens``, within the budget. Mutates."""
+        self._allocator.incref(end.added)  # a split made the straddled block occur twice
+        pinned = self._pinned_blocks()
+        total = len(self._pinned_blocks(end.node))
+        if self.max_blocks is not None and total > self.max_blocks:
+            raise self._pin_error(len(tokens), total - len(pinned), len(pinned))
+        self._trie.lock(end.node)
+        self._pins.setdefault(tuple(tokens), []).append(end.node)
+
+    def _pin_error(self, n: int, blocks: int, pinned: int) -> CapacityError:
+        return CapacityError(
+            f"prefixkv: pinning {n} tokens takes {blocks} more blocks of {self.block_size} tokens; with the "
+            f"{pinned} blocks already pinned that is {blocks + pinned}, over the budget of {self.max_blocks} "
+            "blocks. Unpin other prefixes, pin a shorter prefix, or raise max_memory/num_blocks."
+        )
 
     def unpin(self, ids: Sequence[int] | torch.Tensor) -> None:
-        """Undo one :meth:`pin` of the same ids. Mutates; raises ``KeyError`` if they are not pinned."""
+        """Undo one :meth:`pin` of the same ids. Mutates; raises ``ValueError`` if they are not pinned."""
         tokens = _as_token_list(ids)
         with self._lock:
             nodes = self._pins.get(tuple(tokens))
             if not nodes:
-                raise KeyError("these ids are not pinned; pass the same ids that were given to pin()")
+                raise ValueError(
+                    f"these {len(tokens)} ids are not pinned ({len(self._pins)} prefixes are); "
+                    "pass the same ids that were given to pin()"
+                )
             self._trie.unlock(nodes.pop())
             if not nodes:
                 del self._pins[tuple(tokens)]
@@ -254,6 +295,81 @@ class PrefixStore:
         """
         with self._lock:
             return self._allocator.decref(self._trie.clear())
+
+    def warm(self, prompts: Iterable[Sequence[int] | torch.Tensor], *, progress: bool = True) -> CacheStats:
+        """Compute the KV of each prompt now and cache it, so that later calls starting with one of
+        them skip its prefill. Mutates (fills and may evict blocks).
+
+        ``prompts`` holds token id sequences (lists, 1-D tensors, or the rows of a 2-D tensor). Each
+        costs one forward pass over its part not cached yet, with a ``tqdm.auto`` progress bar unless
+        ``progress=False``. Only whole blocks are cached: the last ``len(prompt) % block_size`` tokens
+        of a prompt are not. Warm-up lookups count in :attr:`stats` like any other. Returns the
+        prompt tokens reused and computed, per prompt (``per_row``) and in total.
+
+        >>> import prefixkv, torch
+        >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
+        >>> store.warm([torch.arange(1, 20)], progress=False).computed_tokens
+        19
+        >>> prefixkv.PagedPrefixCache(store, torch.arange(1, 30)[None]).stats.cached_tokens
+        16
+        """
+        from .cache import CacheStats, PagedPrefixCache
+
+        items = list(prompts)
+        device = getattr(self.model, "device", torch.device("cpu"))
+        last_logit_only = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        rows = []
+        with tqdm(items, desc="prefixkv warm", unit="prompt", disable=not progress) as bar, torch.no_grad():
+            for prompt in bar:
+                ids = torch.tensor([_as_token_list(prompt)], dtype=torch.long, device=device)
+                with PagedPrefixCache(self, ids) as cache:
+                    rest = ids[:, cache.get_seq_length() :]
+                    kwargs: dict[str, Any] = {"logits_to_keep": 1} if last_logit_only else {}
+                    self.model(input_ids=rest, cache=cache, use_cache=True, **kwargs)
+                rows.append(cache.stats.per_row[0])
+                reused = sum(r.cached_tokens for r in rows)
+                bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
+        return CacheStats(
+            sum(r.prompt_tokens for r in rows),
+            sum(r.cached_tokens for r in rows),
+            sum(r.computed_tokens for r in rows),
+            tuple(rows),
+        )
+
+    def save(
+        self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None
+    ) -> persist.PersistStats:
+        """Write the cached prefixes (all, or the cached part of each of ``prefixes``) to a safetensors
+        file at ``path``, with the model's fingerprint so it loads only for this model. Does not mutate.
+        See ``docs/persistence.md``.
+
+        >>> import prefixkv, torch, tempfile, os
+        >>> model = prefixkv.models.tiny_model("llama")
+        >>> store = prefixkv.PrefixStore(model, block_size=4)
+        >>> ids = torch.arange(3, 20)[None]
+        >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
+        ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        >>> path = os.path.join(tempfile.mkdtemp(), "prefixes.safetensors")
+        >>> store.save(path).tokens
+        16
+        >>> prefixkv.PrefixStore.load(path, model).stats.cached_tokens
+        16
+        """
+        wanted = None if prefixes is None else [_as_token_list(p) for p in prefixes]
+        return persist.save(self, path, wanted)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
+        """A new store for ``model`` holding the prefixes saved at ``path`` (``kwargs`` as for
+        ``PrefixStore``; block size and dtype default to the file's). Raises :class:`PersistError` for a
+        truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
+        return persist.load(cls, path, model, **kwargs)
+
+    def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
+        """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
+        used prefixes for room). Mutates only after the file is verified and known to fit; raises
+        :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
+        return persist.merge(self, path)
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""
@@ -277,6 +393,10 @@ class PrefixStore:
             f"PrefixStore(block_size={self.block_size}, {budget}, used={s.blocks_used}, "
             f"cached_tokens={s.cached_tokens}, hit_rate={s.hit_rate:.2f}, {format_bytes(s.bytes_used)})"
         )
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: block usage as a bar, hit rate, memory, the most shared prefixes."""
+        return display.store_html(self)
 
     # -- for PagedPrefixCache (all under the store lock) -----------------------------------------
 
@@ -321,9 +441,9 @@ class PrefixStore:
         _, pinned = self._unlocked_and_pinned_blocks(occurrences)
         budget = self.max_blocks if self.max_blocks is not None else self._allocator.capacity - 1
         return CapacityError(
-            f"prefixkv: {n} more KV blocks are needed but none can be freed: budget {budget} blocks "
-            f"({format_bytes(budget * self.bytes_per_block)}, {self.block_size} tokens each), "
-            f"{live} held by live caches, {pinned} pinned, {self._allocator.num_free} free. "
+            f"prefixkv: {n} more KV blocks are needed, {self._allocator.num_free} are free and no cached prefix "
+            f"can be evicted: budget {budget} blocks ({format_bytes(budget * self.bytes_per_block)}, "
+            f"{self.block_size} tokens each), {live} held by live caches, {pinned} pinned. "
             "Raise max_memory/num_blocks, close() caches you no longer need, unpin prefixes, "
             "or generate with fewer rows or new tokens."
         )
