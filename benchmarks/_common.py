@@ -66,8 +66,10 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"transformers {transformers.__version__}, Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, Python {platform.python_version()}"
+    )
 
 
 def save(name: str, payload: dict[str, Any]) -> None:

@@ -42,8 +42,9 @@ def decode_ms(model: Any, ids: torch.Tensor, new: int, variant: str, store: pref
         kwargs["cache_implementation"] = "static"
     else:
         cache = kwargs["cache"] = prefixkv.PagedPrefixCache(store, ids)
-    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0,
-                   **kwargs)
+    model.generate(
+        ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0, **kwargs
+    )
     if cache is not None:
         cache.close()
     return clock.ms_per_token()
@@ -71,10 +72,27 @@ def report(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         ratio = r["prefixkv"] / r["dynamic"]
         goal = 1.05 if r["prompt"] <= 512 else 1.0
-        out.append([r["prompt"], r["batch"], f"{r['dynamic']:.2f}", f"{r['static']:.2f}", f"{r['prefixkv']:.2f}",
-                    f"{ratio:.3f} ({target(ratio <= goal)}, <= {goal:.2f})"])
-    return table(["prompt", "batch", "DynamicCache ms/token", "StaticCache ms/token", "prefixkv ms/token",
-                  "prefixkv / Dynamic (target)"], out)
+        out.append(
+            [
+                r["prompt"],
+                r["batch"],
+                f"{r['dynamic']:.2f}",
+                f"{r['static']:.2f}",
+                f"{r['prefixkv']:.2f}",
+                f"{ratio:.3f} ({target(ratio <= goal)}, <= {goal:.2f})",
+            ]
+        )
+    return table(
+        [
+            "prompt",
+            "batch",
+            "DynamicCache ms/token",
+            "StaticCache ms/token",
+            "prefixkv ms/token",
+            "prefixkv / Dynamic (target)",
+        ],
+        out,
+    )
 
 
 def main() -> None:

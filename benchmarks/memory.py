@@ -51,8 +51,15 @@ def run(size: str, prefix_len: int, requests: int, query: int, new: int) -> dict
 
     per_token = kv_bytes_per_token(model.config, model.dtype)
     ideal = (prefix_len + requests * (query + new - 1)) * per_token  # the last new token is never fed
-    return {"size": size, "prefix": prefix_len, "requests": requests, "ideal": ideal, "deepcopy": deepcopy_bytes,
-            "prefixkv_blocks": stats.bytes_used, "prefixkv_pool": pool_bytes}
+    return {
+        "size": size,
+        "prefix": prefix_len,
+        "requests": requests,
+        "ideal": ideal,
+        "deepcopy": deepcopy_bytes,
+        "prefixkv_blocks": stats.bytes_used,
+        "prefixkv_pool": pool_bytes,
+    }
 
 
 def report(r: dict[str, Any]) -> str:
@@ -60,8 +67,11 @@ def report(r: dict[str, Any]) -> str:
     rows = [
         ["ideal shared layout", format_bytes(ideal), "1.00x"],
         ["deepcopy recipe", format_bytes(r["deepcopy"]), f"{r['deepcopy'] / ideal:.2f}x"],
-        ["prefixkv, blocks in use", format_bytes(r["prefixkv_blocks"]),
-         f"{r['prefixkv_blocks'] / ideal:.2f}x ({target(r['prefixkv_blocks'] <= 1.1 * ideal)}, <= 1.10x)"],
+        [
+            "prefixkv, blocks in use",
+            format_bytes(r["prefixkv_blocks"]),
+            f"{r['prefixkv_blocks'] / ideal:.2f}x ({target(r['prefixkv_blocks'] <= 1.1 * ideal)}, <= 1.10x)",
+        ],
         ["prefixkv, pool allocated", format_bytes(r["prefixkv_pool"]), f"{r['prefixkv_pool'] / ideal:.2f}x"],
     ]
     return table([f"{r['requests']} live requests, {r['prefix']}-token shared prefix", "KV bytes", "vs ideal"], rows)

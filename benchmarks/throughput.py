@@ -25,8 +25,8 @@ def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
     return ids, mask
 
 
@@ -35,14 +35,19 @@ def run(size: str, systems: int, questions: int, system_len: int, new: int, vari
     vocab = model.config.vocab_size
     prompts = [tokens(system_len, vocab, seed=s) for s in range(systems)]
     lengths = tokens(systems * questions, 48, seed=99).clamp(min=16)
-    work = [(s, torch.cat([prompts[s], tokens(int(lengths[s * questions + q]), vocab, seed=1000 + s * questions + q)]))
-            for s in range(systems) for q in range(questions)]
+    work = [
+        (s, torch.cat([prompts[s], tokens(int(lengths[s * questions + q]), vocab, seed=1000 + s * questions + q)]))
+        for s in range(systems)
+        for q in range(questions)
+    ]
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     outputs: dict[str, list[list[int]]] = {}
 
     def plain() -> None:
-        outputs["plain"] = [model.generate(ids[None], cache=DynamicCache(config=model.config), **gen)[0, -new:].tolist()
-                            for _, ids in work]
+        outputs["plain"] = [
+            model.generate(ids[None], cache=DynamicCache(config=model.config), **gen)[0, -new:].tolist()
+            for _, ids in work
+        ]
 
     def deepcopy_recipe() -> None:
         filled = []
@@ -51,8 +56,9 @@ def run(size: str, systems: int, questions: int, system_len: int, new: int, vari
                 c = DynamicCache(config=model.config)
                 model(p[None], cache=c)
                 filled.append(c)
-        outputs["deepcopy"] = [model.generate(ids[None], cache=copy.deepcopy(filled[s]), **gen)[0, -new:].tolist()
-                               for s, ids in work]
+        outputs["deepcopy"] = [
+            model.generate(ids[None], cache=copy.deepcopy(filled[s]), **gen)[0, -new:].tolist() for s, ids in work
+        ]
 
     def prefixkv_loop() -> None:
         store = prefixkv.PrefixStore(model, block_size=16)
@@ -80,22 +86,36 @@ def run(size: str, systems: int, questions: int, system_len: int, new: int, vari
         config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
         # a cache sized for the workload (the default sizes itself from free accelerator memory)
         tokens_needed = sum(len(ids) + new for _, ids in work)
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=tokens_needed // 16 + len(work),
-                                      max_batch_tokens=2048)
-        result = model.generate_batch([ids.tolist() for _, ids in work], generation_config=config,
-                                      continuous_batching_config=cb, progress_bar=False)
+        cb = ContinuousBatchingConfig(page_size=16, num_blocks=tokens_needed // 16 + len(work), max_batch_tokens=2048)
+        result = model.generate_batch(
+            [ids.tolist() for _, ids in work],
+            generation_config=config,
+            continuous_batching_config=cb,
+            progress_bar=False,
+        )
         outputs["generate_batch"] = [r.generated_tokens[:new] for r in result.values()]
 
-    table_ = {"plain": plain, "deepcopy": deepcopy_recipe, "prefixkv": prefixkv_loop,
-              "prefixkv_batched": prefixkv_batched, "generate_batch": continuous_batching}
+    table_ = {
+        "plain": plain,
+        "deepcopy": deepcopy_recipe,
+        "prefixkv": prefixkv_loop,
+        "prefixkv_batched": prefixkv_batched,
+        "generate_batch": continuous_batching,
+    }
     seconds = {}
     for name in variants:
         start = time.perf_counter()
         table_[name]()
         seconds[name] = time.perf_counter() - start
     same = {name: outputs[name] == outputs.get("plain", outputs[name]) for name in outputs}
-    return {"size": size, "requests": len(work), "system_len": system_len, "new_tokens": new,
-            "seconds": seconds, "same_as_plain": same}
+    return {
+        "size": size,
+        "requests": len(work),
+        "system_len": system_len,
+        "new_tokens": new,
+        "seconds": seconds,
+        "same_as_plain": same,
+    }
 
 
 def report(r: dict[str, Any]) -> str:
@@ -107,10 +127,20 @@ def report(r: dict[str, Any]) -> str:
         goal = ""
         if name.startswith("prefixkv") and base:
             goal = f"{target(base / s >= 3 and (cb is None or s < cb))} (>= 3x plain, ahead of generate_batch)"
-        rows.append([name, f"{s:.1f}", f"{r['requests'] / s:.2f}", speedup, "yes" if r["same_as_plain"][name] else "no",
-                     goal])
-    return table([f"{r['requests']} requests, {r['system_len']}-token system prompts", "seconds", "requests/s",
-                  "vs plain loop", "same tokens as plain", "target"], rows)
+        rows.append(
+            [name, f"{s:.1f}", f"{r['requests'] / s:.2f}", speedup, "yes" if r["same_as_plain"][name] else "no", goal]
+        )
+    return table(
+        [
+            f"{r['requests']} requests, {r['system_len']}-token system prompts",
+            "seconds",
+            "requests/s",
+            "vs plain loop",
+            "same tokens as plain",
+            "target",
+        ],
+        rows,
+    )
 
 
 def main() -> None:
@@ -120,8 +150,9 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--variants", nargs="+",
-                    default=["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
+    ap.add_argument(
+        "--variants", nargs="+", default=["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"]
+    )
     args = ap.parse_args()
     result = run(args.size, args.systems, args.questions, args.system_len, args.new_tokens, args.variants)
     save("throughput", result)

@@ -16,8 +16,9 @@ from prefixkv.allocator import BlockAllocator
 from prefixkv.trie import RadixTrie
 
 
-def run(sequences: int, systems: int, system_len: int, tail: int, request_len: int, requests: int,
-        block_size: int) -> dict[str, Any]:
+def run(
+    sequences: int, systems: int, system_len: int, tail: int, request_len: int, requests: int, block_size: int
+) -> dict[str, Any]:
     rng = random.Random(0)
     trie = RadixTrie(block_size)
     alloc = BlockAllocator(1)
@@ -45,14 +46,29 @@ def run(sequences: int, systems: int, system_len: int, tail: int, request_len: i
         t0 = time.perf_counter()
         publish(seq)  # match, attach, allocate the rest, publish, release
         samples.append(1000 * (time.perf_counter() - t0))
-    return {"sequences": sequences, "nodes": len(trie.nodes()), "fill_s": fill_s, "request_len": request_len,
-            "median_ms": statistics.median(samples), "p95_ms": sorted(samples)[int(0.95 * len(samples))]}
+    return {
+        "sequences": sequences,
+        "nodes": len(trie.nodes()),
+        "fill_s": fill_s,
+        "request_len": request_len,
+        "median_ms": statistics.median(samples),
+        "p95_ms": sorted(samples)[int(0.95 * len(samples))],
+    }
 
 
 def report(r: dict[str, Any]) -> str:
-    return table(["trie", "request", "median ms", "p95 ms", "target < 1 ms"],
-                 [[f"{r['sequences']:,} sequences, {r['nodes']:,} nodes", f"{r['request_len']} tokens",
-                   f"{r['median_ms']:.3f}", f"{r['p95_ms']:.3f}", target(r["median_ms"] < 1.0)]])
+    return table(
+        ["trie", "request", "median ms", "p95 ms", "target < 1 ms"],
+        [
+            [
+                f"{r['sequences']:,} sequences, {r['nodes']:,} nodes",
+                f"{r['request_len']} tokens",
+                f"{r['median_ms']:.3f}",
+                f"{r['p95_ms']:.3f}",
+                target(r["median_ms"] < 1.0),
+            ]
+        ],
+    )
 
 
 def main() -> None:
@@ -60,8 +76,9 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=100_000)
     ap.add_argument("--requests", type=int, default=500)
     args = ap.parse_args()
-    result = run(args.sequences, systems=100, system_len=1536, tail=64, request_len=2000, requests=args.requests,
-                 block_size=16)
+    result = run(
+        args.sequences, systems=100, system_len=1536, tail=64, request_len=2000, requests=args.requests, block_size=16
+    )
     save("trie_ops", result)
     print(report(result))
 

@@ -35,9 +35,17 @@ def run(size: str, prompt: int, new: int, repeat: int) -> dict[str, Any]:
 
 def report(r: dict[str, Any]) -> str:
     overhead = r["prefixkv"] / r["dynamic"] - 1
-    return table(["distinct prompts", "DynamicCache ms/request", "prefixkv ms/request", "overhead (target <=3%)"],
-                 [[f"{r['prompt']} + {r['new_tokens']} new tokens", f"{r['dynamic']:.1f}", f"{r['prefixkv']:.1f}",
-                   f"{100 * overhead:+.1f}% ({target(overhead <= 0.03)})"]])
+    return table(
+        ["distinct prompts", "DynamicCache ms/request", "prefixkv ms/request", "overhead (target <=3%)"],
+        [
+            [
+                f"{r['prompt']} + {r['new_tokens']} new tokens",
+                f"{r['dynamic']:.1f}",
+                f"{r['prefixkv']:.1f}",
+                f"{100 * overhead:+.1f}% ({target(overhead <= 0.03)})",
+            ]
+        ],
+    )
 
 
 def main() -> None:
