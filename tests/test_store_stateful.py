@@ -1,0 +1,322 @@
+"""PrefixStore and PagedPrefixCache under random sequences of requests, forks, decode steps, releases,
+pins, unpins, evictions and clears, against a reference that only remembers which token sequences were
+computed and which must still be cached. ``check_invariants()`` runs after every step.
+
+The model's forward is simulated: each step calls the cache's forward protocol (``_begin_forward``,
+``update`` per layer, ``_end_forward``) with K set to a hash of the row's tokens up to that position
+and V to the position, so every block read back can be checked against the tokens it claims to hold:
+a block shared wrongly, freed while read, or overwritten without copy-on-write shows up as a wrong hash.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import weakref
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import prefixkv
+from prefixkv import CapacityError
+
+BLOCK = 2
+BUDGET = 8
+MAX_LIVE = 3
+MAX_ROWS = 4
+MAX_LEN = 18
+PRIME = 2**31 - 1
+
+MODEL = prefixkv.models.tiny_model(
+    "llama", dtype=torch.float64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32
+)
+
+
+pytestmark = pytest.mark.usefixtures("fast_gc")  # drop() collects garbage often
+
+
+tokens = st.lists(st.integers(3, 6), min_size=1, max_size=8)  # a small alphabet: shared prefixes are common
+
+
+def prefix_hashes(seq: list[int]) -> list[int]:
+    """K written for position p of a row: a hash of the row's tokens ``[0, p]``."""
+    out, h = [], 0
+    for t in seq:
+        h = (h * 1000003 + t + 1) % PRIME
+        out.append(h)
+    return out
+
+
+def lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def assert_blocks_hold(store: prefixkv.PrefixStore, seq: list[int], blocks: list[int], n: int) -> None:
+    """The first ``n`` positions of ``seq``, read from ``blocks``, hold its hashes (K) and positions (V)."""
+    if n == 0:
+        return
+    slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+    want_k = torch.tensor(prefix_hashes(seq[:n]), dtype=torch.float64)
+    for layer, (k, v) in enumerate(zip(store.pool.keys, store.pool.values)):
+        got_k = k.view(-1, *k.shape[2:]).index_select(0, slots)  # [n, kv_heads, head_dim]
+        got_v = v.view(-1, *v.shape[2:]).index_select(0, slots)
+        assert (got_k == want_k[:, None, None]).all(), f"layer {layer}: blocks {blocks} do not hold {seq[:n]}"
+        want_v = torch.arange(n, dtype=torch.float64) + 1000 * layer
+        assert (got_v == want_v[:, None, None]).all(), f"layer {layer}: positions of {seq[:n]} are wrong"
+
+
+def feed(cache: prefixkv.PagedPrefixCache, rows: list[list[int]], new: list[list[int]]) -> None:
+    """One simulated forward of ``new[i]`` after ``rows[i]`` (which already holds them at the end)."""
+    start = cache.get_seq_length()
+    q = len(new[0])
+    cache._begin_forward(torch.tensor(new), None, None)
+    spec = cache.store.pool.specs[0]
+    k = torch.tensor([prefix_hashes(r)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
+    k = k[:, None, :, None].expand(-1, spec.kv_heads, -1, spec.head_dim)  # [B, H, q, D]
+    pos = torch.arange(start, start + q, dtype=torch.float64)[None, None, :, None].expand_as(k)
+    for layer in range(len(cache.store.pool.specs)):
+        cache.update(k.contiguous(), (pos + 1000 * layer).contiguous(), layer)
+    cache._end_forward()
+
+
+class Live:
+    """A live cache and the reference's view of its rows."""
+
+    def __init__(self, cache: prefixkv.PagedPrefixCache, rows: list[list[int]]) -> None:
+        self.cache = cache
+        self.rows = rows
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = prefixkv.PrefixStore(MODEL, block_size=BLOCK, num_blocks=BUDGET)
+        self.live: list[Live] = []
+        self.ever: set[tuple[int, ...]] = set()  # every sequence whose KV was ever published
+        self.recent: set[tuple[int, ...]] = set()  # published since the last eviction or clear
+        self.pins: list[tuple[int, ...]] = []
+        self.evictions = 0
+
+    @initialize()
+    def start(self) -> None:
+        self.store.check_invariants()
+
+    # -- reference bookkeeping -------------------------------------------------------------------
+
+    def published(self, row: list[int]) -> tuple[int, ...]:
+        return tuple(row[: len(row) // BLOCK * BLOCK])
+
+    def record(self, live: Live) -> None:
+        for row in live.rows:
+            seq = self.published(row)
+            if seq:
+                self.ever.add(seq)
+                self.recent.add(seq)
+
+    def must_hold(self) -> set[tuple[int, ...]]:
+        """Sequences the store cannot have dropped: pinned, read by a live cache, or published since
+        the last eviction."""
+        held = {self.published(r) for live in self.live for r in live.rows}
+        return {s for s in held | set(self.pins) | self.recent if s}
+
+    def after_capacity_error(self, err: CapacityError, rolled_back: bool = False) -> None:
+        found = re.search(r"(\d+) more KV blocks are needed, (\d+) are free", str(err))
+        assert found is not None, str(err)
+        needed, free = (int(x) for x in found.groups())
+        event("capacity error")
+        assert needed > free
+        if not rolled_back:  # a cache that failed to build gave back what it had locked meanwhile
+            assert self.store.stats.blocks_evictable == 0, "the store gave up while it could still evict"
+
+    def drop(self, live: Live, collect: bool) -> None:
+        self.live.remove(live)
+        if collect:
+            ref = weakref.ref(live.cache)
+            live.cache = None  # type: ignore[assignment]
+            gc.collect()
+            assert ref() is None, "the test still holds the cache it means to drop"
+        else:
+            live.cache.close()
+
+    def run(self, live: Live, rows: list[list[int]], new: list[list[int]]) -> bool:
+        """Feed ``live``; on a CapacityError check it and say so (outside the ``except``, whose
+        traceback would keep the cache alive)."""
+        try:
+            feed(live.cache, rows, new)
+        except CapacityError as err:
+            self.after_capacity_error(err)
+            return False
+        return True
+
+    # -- rules -----------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(data=st.data(), tail=tokens)
+    def request(self, data: st.DataObject, tail: list[int]) -> None:
+        """A new one-row cache: match and attach its prompt, then compute the rest."""
+        bases = sorted(self.ever)
+        base = list(data.draw(st.sampled_from(bases))) if bases and data.draw(st.booleans()) else []
+        prompt = (base + tail)[:MAX_LEN]
+        queries = self.store.stats.queries
+        try:
+            cache = prefixkv.PagedPrefixCache(self.store, torch.tensor([prompt]))
+        except CapacityError as err:  # the copy of a part-matched block found no room
+            self.after_capacity_error(err, rolled_back=True)
+            return
+        assert self.store.stats.queries == queries + 1
+        reused = cache.stats.cached_tokens
+        best = max((lcp(tuple(prompt), s) for s in self.ever), default=0)
+        surely = max((lcp(tuple(prompt), s) for s in self.must_hold()), default=0)
+        assert min(surely, len(prompt) - 1) <= reused <= min(best, len(prompt) - 1)
+        assert_blocks_hold(self.store, prompt, cache._rows[0].table, reused)
+        live = Live(cache, [prompt])
+        del cache
+        self.live.append(live)
+        if self.run(live, [prompt], [prompt[reused:]]):
+            self.record(live)
+        else:
+            self.drop(live, collect=data.draw(st.booleans()))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), q=st.integers(1, 3))
+    def decode(self, data: st.DataObject, q: int) -> None:
+        """Feed ``q`` more tokens to every row of a live cache (its rows may share part-filled blocks)."""
+        live = data.draw(st.sampled_from(self.live))
+        if len(live.rows[0]) + q > MAX_LEN:
+            return
+        new = [data.draw(st.lists(st.integers(3, 6), min_size=q, max_size=q)) for _ in live.rows]
+        rows = [r + n for r, n in zip(live.rows, new)]
+        if self.run(live, rows, new):
+            live.rows = rows
+            self.record(live)
+        else:
+            self.drop(live, collect=data.draw(st.booleans()))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        """Beam-style reorder or expansion: rows share blocks by refcount."""
+        live = data.draw(st.sampled_from(self.live))
+        n = data.draw(st.integers(1, MAX_ROWS))
+        picks = data.draw(st.lists(st.integers(0, len(live.rows) - 1), min_size=n, max_size=n))
+        live.cache.reorder_cache(torch.tensor(picks))
+        live.rows = [list(live.rows[i]) for i in picks]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), collect=st.booleans())
+    def release(self, data: st.DataObject, collect: bool) -> None:
+        """Close a cache, or drop it and let the garbage collector give its blocks back."""
+        self.drop(data.draw(st.sampled_from(self.live)), collect)
+
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        query = data.draw(tokens)
+        if self.ever and data.draw(st.booleans()):
+            query = list(data.draw(st.sampled_from(sorted(self.ever)))) + query
+        (m,) = self.store._lookup([query])
+        best = max((lcp(tuple(query), s) for s in self.ever), default=0)
+        surely = max((lcp(tuple(query), s) for s in self.must_hold()), default=0)
+        assert surely <= m.length <= best
+        assert_blocks_hold(self.store, query, m.blocks, m.length)
+
+    @precondition(lambda self: self.must_hold())
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        """Pin a prefix the store must hold (so no forward is needed)."""
+        seq = data.draw(st.sampled_from(sorted(self.must_hold())))
+        seq = seq[: data.draw(st.integers(1, len(seq)))]
+        queries, pinned = self.store.stats.queries, self.store.stats.blocks_pinned
+        try:
+            assert self.store.pin(list(seq)) == len(seq)
+        except CapacityError as err:
+            assert f"over the budget of {BUDGET} blocks" in str(err)
+            assert self.store.stats.blocks_pinned == pinned
+            return
+        assert self.store.stats.queries == queries, "pinning a cached prefix ran a forward"
+        self.pins.append(seq)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.pins))
+        self.store.unpin(list(seq))
+        self.pins.remove(seq)
+
+    @rule(n=st.integers(1, BUDGET))
+    def evict(self, n: int) -> None:
+        """Make room for ``n`` blocks, as an allocation would."""
+        try:
+            with self.store._lock:
+                self.store._ensure_free(n)
+        except CapacityError as err:
+            self.after_capacity_error(err)
+            return
+        assert self.store._allocator.num_free >= n
+
+    @rule()
+    def clear(self) -> None:
+        before = self.store.stats
+        freed = self.store.clear()
+        after = self.store.stats
+        assert freed == before.blocks_evictable == before.blocks_used - after.blocks_used
+        assert after.blocks_evictable == 0
+        self.recent.clear()
+
+    # -- checks after every step -----------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        store = self.store
+        store.check_invariants()
+        s = store.stats
+        if s.evictions != self.evictions:
+            event("eviction")
+            self.evictions = s.evictions
+            self.recent.clear()
+        assert store.pool.capacity <= BUDGET + 1
+        assert s.blocks_used + s.blocks_free == BUDGET
+        assert s.blocks_pinned <= BUDGET
+        assert len(store._trie._heap) <= 2 * s.nodes + 65
+        for seq in self.must_hold():
+            m = store._trie.match(seq)
+            assert m.length == len(seq), f"{seq} was dropped while it had to stay"
+            assert_blocks_hold(store, list(seq), m.blocks, m.length)
+        for live in self.live:
+            for seq, row in zip(live.rows, live.cache._rows):
+                assert row.tokens == seq
+                assert_blocks_hold(store, seq, row.table, len(seq))
+
+    def teardown(self) -> None:
+        gc.collect()  # caches that failed to build
+        for live in list(self.live):
+            self.drop(live, collect=False)
+        for seq in self.pins:
+            self.store.unpin(list(seq))
+        self.store.check_invariants()
+        self.store.clear()
+        s = self.store.stats
+        assert s.blocks_used == 0 and s.nodes == 0, "blocks leaked"
+        self.store.close()
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_store_machine = StoreMachine.TestCase
+
+
+def test_unpin_of_unpinned_ids_is_a_clear_error() -> None:
+    store = prefixkv.PrefixStore(MODEL, block_size=BLOCK, num_blocks=BUDGET)
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin([3, 4, 5])
+    with pytest.raises(ValueError, match="at least one token"):
+        store.pin([])
+    store.close()
