@@ -274,9 +274,10 @@ class PagedPrefixCache(Cache):
         """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
         return self._stats
 
-    def _prefill(self) -> None:
-        """Compute the uncached rest of this one-row prompt with the store's model and publish all of
-        it, the last part-filled block included (what ``PrefixStore.pin`` keeps). Mutates."""
+    def _prefill(self, *, keep_partial: bool) -> None:
+        """Compute the uncached rest of this one-row prompt with the store's model (one forward, whose whole
+        blocks the forward hook publishes) and, with ``keep_partial``, publish the last part-filled block
+        too (what ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). Mutates."""
         (row,) = self._rows
         assert row.tokens is not None and row.pad == 0
         model = self.store.model
@@ -284,9 +285,12 @@ class PagedPrefixCache(Cache):
         kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": self, "use_cache": True}
         if "logits_to_keep" in params:
             kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+        # the first layer's device: model.device is `meta` when accelerate offloads the weights
+        ids = torch.tensor([row.tokens[self._length :]], device=self.store.pool.specs[0].device)
         with torch.no_grad():
-            model(input_ids=torch.tensor([row.tokens[self._length :]], device=model.device), **kwargs)
-        row.handle = self.store._publish(row.tokens, row.table, row.handle)
+            model(input_ids=ids, **kwargs)
+        if keep_partial:
+            row.handle = self.store._publish(row.tokens, row.table, row.handle)
 
     # -- the generate-call protocol (called by the prepare_inputs_for_generation wrapper in patch.py)
 

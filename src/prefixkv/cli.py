@@ -116,9 +116,7 @@ def _run(model: Any, prompts: list[torch.Tensor], new_tokens: int, store: Prefix
     }
 
 
-def demo(
-    model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: int = 16, tokenizer: Any = None
-) -> str:
+def demo(model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: int = 16, tokenizer: Any = None) -> str:
     """Run the shared-system-prompt workload with stock generate and with prefixkv; return the table
     (and, given the tokenizer, each question with prefixkv's answer)."""
     # untimed: the first forward of a process pays for one-off set-up that neither side should be charged

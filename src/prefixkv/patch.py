@@ -20,14 +20,10 @@ if TYPE_CHECKING:
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
-def _paged_cache(store: PrefixStore, kwargs: dict[str, Any]) -> Any:
-    from .cache import PagedPrefixCache
-
-    for name in _CACHE_KWARGS:
-        cache = kwargs.get(name)
-        if isinstance(cache, PagedPrefixCache) and cache.store is store:
-            return cache
-    return None
+def _paged_cache(store: PrefixStore, kwargs: dict[str, Any]) -> PagedPrefixCache | None:
+    """The ``PagedPrefixCache`` of ``store`` that a forward carries, if any."""
+    cache = _any_paged_cache(kwargs)
+    return cache if cache is not None and cache.store is store else None
 
 
 class Handle(Protocol):

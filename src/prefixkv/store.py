@@ -3,7 +3,6 @@ budget, eviction, pins, statistics and the lock that lets several threads share 
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
 import weakref
@@ -238,7 +237,7 @@ class PrefixStore:
         from .cache import PagedPrefixCache  # cache.py imports this module
 
         with PagedPrefixCache(self, torch.tensor([tokens])) as cache:
-            cache._prefill()  # the cache keeps the published tokens locked until the pin holds them
+            cache._prefill(keep_partial=True)  # the cache keeps the published tokens locked until the pin holds them
             with self._lock:
                 end = self._trie.end_node(tokens)
                 assert end is not None, "the prefill published every token"
@@ -315,17 +314,11 @@ class PrefixStore:
         """
         from .cache import CacheStats, PagedPrefixCache
 
-        items = list(prompts)
-        device = getattr(self.model, "device", torch.device("cpu"))
-        last_logit_only = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         rows = []
-        with tqdm(items, desc="prefixkv warm", unit="prompt", disable=not progress) as bar, torch.no_grad():
+        with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
             for prompt in bar:
-                ids = torch.tensor([_as_token_list(prompt)], dtype=torch.long, device=device)
-                with PagedPrefixCache(self, ids) as cache:
-                    rest = ids[:, cache.get_seq_length() :]
-                    kwargs: dict[str, Any] = {"logits_to_keep": 1} if last_logit_only else {}
-                    self.model(input_ids=rest, cache=cache, use_cache=True, **kwargs)
+                with PagedPrefixCache(self, torch.tensor([_as_token_list(prompt)], dtype=torch.long)) as cache:
+                    cache._prefill(keep_partial=False)
                 rows.append(cache.stats.per_row[0])
                 reused = sum(r.cached_tokens for r in rows)
                 bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
