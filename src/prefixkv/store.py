@@ -58,11 +58,21 @@ def _execution_device(module: torch.nn.Module) -> torch.device | None:
         for h in getattr(hook, "hooks", None) or [hook]:
             device = getattr(h, "execution_device", None)
             if device is not None:
-                return torch.device(device)
+                return _with_index(torch.device(device))
     for param in module.parameters():
         if param.device.type != "meta":
             return param.device
     return None
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` as the tensors computed there report it (``cuda:0``), so device checks compare equal."""
+    if device.type != "cpu" and device.index is None and device.type != "meta":
+        module = getattr(torch, device.type, None)
+        current = getattr(module, "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
 
 
 def _layer_devices(model: Any, num_layers: int) -> list[torch.device]:
