@@ -140,3 +140,20 @@ def test_pipeline_reuses_prefixes_across_calls(model: Any) -> None:
     # the second call shares 43 tokens with the first: the system turn (role, 40 words, EOS) and "<|user|>"
     assert store.stats.queries == 2 and store.stats.hit_tokens == 43
     prefixkv.disable(model)
+
+
+def test_a_soft_prompt_call_neither_reuses_nor_publishes_the_ids_prefix(model: Any) -> None:
+    ids = _prompt(seed=7)
+    gen = torch.Generator().manual_seed(8)
+    soft = torch.randn(1, ids.shape[1], model.config.hidden_size, dtype=torch.float64, generator=gen)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref_soft = model.generate(input_ids=ids, inputs_embeds=soft, cache=DynamicCache(config=model.config), **kw)
+    ref_ids = model.generate(input_ids=ids, cache=DynamicCache(config=model.config), **kw)
+    store = prefixkv.enable(model, block_size=4)
+    for _ in range(2):  # plain after soft and soft after plain: neither may read the other's K/V
+        assert max_logit_diff(model.generate(input_ids=ids, **kw).logits, ref_ids.logits) <= TOL
+        soft_out = model.generate(input_ids=ids, inputs_embeds=soft, **kw)
+        assert max_logit_diff(soft_out.logits, ref_soft.logits) <= TOL
+    assert store.stats.hit_tokens > 0  # the plain calls still reuse each other's prefix
+    store.check_invariants()
+    prefixkv.disable(model)

@@ -331,6 +331,20 @@ def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: Prefix
     assert PagedPrefixCache(store, torch.cat([ids, out.sequences], dim=1)).stats.cached_tokens == 32
 
 
+def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any, store: PrefixStore) -> None:
+    # generate(input_ids=..., inputs_embeds=...) computes the prompt from the embeddings, which need not be
+    # those of the ids: their K/V must not be reused by a later call with the ids alone
+    ids = _prompt(seed=33)
+    gen = torch.Generator().manual_seed(34)
+    soft = torch.randn(1, ids.shape[1], llama64.config.hidden_size, dtype=torch.float64, generator=gen)
+    cached_before = store.stats.cached_tokens
+    with PagedPrefixCache(store, ids) as cache:
+        llama64.generate(input_ids=ids, inputs_embeds=soft, cache=cache, max_new_tokens=3, do_sample=False)
+    assert store.stats.cached_tokens == cached_before
+    result = compare(llama64, store, ids, do_sample=False)
+    assert result.same_tokens and result.max_diff <= TOL
+
+
 # -- one cache, several calls --------------------------------------------------------------------------
 
 

@@ -460,8 +460,9 @@ class PagedPrefixCache(Cache):
             if row.tokens is None or count == 0:
                 continue
             if ids is None:
-                if first + count > len(row.tokens):
-                    row.tokens = None  # embeddings with no ids: store, but never publish (rule 1)
+                # embeddings with no ids: store, but never publish (rule 1), even over known prompt columns:
+                # they need not be the embeddings of those ids (a soft prompt), so their K/V is not theirs
+                row.tokens = None
                 continue
             fed = ids[i][skip:]
             known = row.tokens[first : first + count]

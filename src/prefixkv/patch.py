@@ -159,7 +159,8 @@ def _cache_for_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kwarg
     if getattr(config, "is_assistant", False):
         return None
     ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if ids is None:
+    if ids is None or kwargs.get("inputs_embeds") is not None:
+        # the prompt's K/V comes from the embeddings, which need not be those of the ids (a soft prompt)
         return PagedPrefixCache(store)  # inputs_embeds only, or generation from BOS: stores, cannot match
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         return None
