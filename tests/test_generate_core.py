@@ -152,3 +152,20 @@ def test_both_gather_paths_match_stock_and_padding_is_never_stored(model: object
     for keys, values in zip(store.pool.keys, store.pool.values):
         assert not keys[0].any() and not values[0].any(), "padding K/V leaked into the null block"
     store.close()
+
+
+def test_the_last_sharer_of_a_part_block_writes_in_place(model: object) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    first = random_tokens(12, seed=18)
+    compare(model, store, first[None], max_new_tokens=1)
+    prompt = torch.cat([first[:10], random_tokens(2, seed=19)])[None]
+    copies: list[int] = []
+    original = store._copy_prefix
+    store._copy_prefix = lambda src, n: copies.append(src) or original(src, n)  # type: ignore[method-assign]
+    result = compare(model, store, prompt, max_new_tokens=2, do_sample=True, num_return_sequences=3)
+    assert result.same_tokens and result.max_diff <= TOL
+    # 10 tokens reused: the 2 of the third block are copied at construction (1 copy); the 3 sequences then
+    # write into that block: two copy it, and the third owns it by then and writes in place
+    assert result.cache.stats.cached_tokens == 10
+    assert len(copies) == 3
+    store.close()

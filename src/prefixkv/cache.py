@@ -488,11 +488,13 @@ class PagedPrefixCache(Cache):
             grow.append(max(0, -(-last // bs) - len(row.table)))
         if cow or any(grow):
             with store._lock:
-                store._ensure_free(len(cow) + sum(grow))
+                store._ensure_free(self._copies_needed(cow, start) + sum(grow))
                 for i in cow:
                     row = self._rows[i]
                     c = max(0, start - row.pad) // bs
                     old = row.table[c]
+                    if store._refcount(old) == 1:  # the other sharers copied it already: it is this row's now
+                        continue
                     row.table[c] = store._copy_prefix(old, (start - row.pad) % bs)
                     store._decref([old])
                     # the columns already in that chunk must now read the copy: the old block may be
@@ -508,6 +510,13 @@ class PagedPrefixCache(Cache):
         self._slots = torch.cat([self._slots, new], dim=1)
         self._slots_by_device.clear()
         self._length = start + q
+
+    def _copies_needed(self, cow: list[int], start: int) -> int:
+        """How many copies the rows in ``cow`` make of the shared part-blocks they write into: one per row,
+        except that the last row holding a block takes it over when nothing else holds it. Does not mutate."""
+        bs = self.block_size
+        writers = Counter(self._rows[i].table[(start - self._rows[i].pad) // bs] for i in cow)
+        return sum(k if self.store._refcount(b) > k else k - 1 for b, k in writers.items())
 
     def _end_forward(self) -> None:
         """Publish the blocks this forward filled, so later calls can reuse them. Mutates."""
