@@ -44,12 +44,16 @@ def test_attention_mask_shape_and_padding_side(store: prefixkv.PrefixStore) -> N
     ids = random_tokens(6, seed=1).view(2, 3)
     with pytest.raises(ValueError, match="shape of input_ids"):
         prefixkv.PagedPrefixCache(store, ids, torch.ones(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="left padding"):
-        prefixkv.PagedPrefixCache(store, ids, torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    # right padding is accepted: the hidden token is keyed apart (tests/test_never_wrong.py checks the logits)
+    right = prefixkv.PagedPrefixCache(store, ids, torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert right._rows[0].tokens == [ids[0, 0].item(), ids[0, 1].item(), -1 - ids[0, 2].item()]
+    right.close()
     with pytest.raises(ValueError, match="all padding"):
         prefixkv.PagedPrefixCache(store, ids, torch.tensor([[0, 0, 0], [1, 1, 1]]))
     with pytest.raises(ValueError, match="only 0"):
         prefixkv.PagedPrefixCache(store, ids, torch.tensor([[2, 1, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="only 0"):  # a float mask is not read as padding where it is 0.5
+        prefixkv.PagedPrefixCache(store, ids, torch.tensor([[0.5, 1.0, 1.0], [1.0, 1.0, 1.0]]))
 
 
 def test_cache_from_a_store_of_another_model(store: prefixkv.PrefixStore) -> None:

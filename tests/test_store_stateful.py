@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import re
+import threading
 import weakref
 
 import pytest
@@ -73,18 +74,51 @@ def assert_blocks_hold(store: prefixkv.PrefixStore, seq: list[int], blocks: list
         assert (got_v == want_v[:, None, None]).all(), f"layer {layer}: positions of {seq[:n]} are wrong"
 
 
+def layer_inputs(
+    cache: prefixkv.PagedPrefixCache, rows: list[list[int]], start: int, q: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K and V each layer's ``update`` gets for ``q`` new columns after ``start``."""
+    spec = cache.store.pool.specs[0]
+    k = torch.tensor([prefix_hashes(r)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
+    k = k[:, None, :, None].expand(-1, spec.kv_heads, -1, spec.head_dim)  # [B, H, q, D]
+    pos = torch.arange(start, start + q, dtype=torch.float64)[None, None, :, None].expand_as(k)
+    return [(k.contiguous(), (pos + 1000 * layer).contiguous()) for layer in range(len(cache.store.pool.specs))]
+
+
 def feed(cache: prefixkv.PagedPrefixCache, rows: list[list[int]], new: list[list[int]]) -> None:
     """One simulated forward of ``new[i]`` after ``rows[i]`` (which already holds them at the end)."""
     start = cache.get_seq_length()
     q = len(new[0])
     cache._begin_forward(torch.tensor(new), None, None)
-    spec = cache.store.pool.specs[0]
-    k = torch.tensor([prefix_hashes(r)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
-    k = k[:, None, :, None].expand(-1, spec.kv_heads, -1, spec.head_dim)  # [B, H, q, D]
-    pos = torch.arange(start, start + q, dtype=torch.float64)[None, None, :, None].expand_as(k)
-    for layer in range(len(cache.store.pool.specs)):
-        cache.update(k.contiguous(), (pos + 1000 * layer).contiguous(), layer)
-    cache._end_forward()
+    for layer, (k, v) in enumerate(layer_inputs(cache, rows, start, q)):
+        cache.update(k, v, layer)
+    cache._end_forward(True)
+
+
+class Fault(Exception):
+    """The failure the machine injects."""
+
+
+class inject:
+    """Make ``obj.name`` raise :class:`Fault` on its ``nth`` call (0: the first) while the block runs."""
+
+    def __init__(self, obj: object, name: str, nth: int) -> None:
+        self.obj, self.name, self.nth, self.calls = obj, name, nth, 0
+
+    def __enter__(self) -> inject:
+        original = getattr(self.obj, self.name)
+
+        def faulty(*args: object, **kwargs: object) -> object:
+            self.calls += 1
+            if self.calls - 1 == self.nth:
+                raise Fault(self.name)
+            return original(*args, **kwargs)
+
+        setattr(self.obj, self.name, faulty)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        delattr(self.obj, self.name)
 
 
 class Live:
@@ -210,6 +244,83 @@ class StoreMachine(RuleBasedStateMachine):
         live.cache.reorder_cache(torch.tensor(picks))
         live.rows = [list(live.rows[i]) for i in picks]
 
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(
+        data=st.data(),
+        tail=tokens,
+        where=st.sampled_from(["copy_block", "allocate", "match", "insert"]),
+        nth=st.integers(0, 2),
+    )
+    def faulty_request(self, data: st.DataObject, tail: list[int], where: str, nth: int) -> None:
+        """A request whose construction, allocation, copy-on-write or publish raises midway: refcounts stay
+        exact (the invariants after this step) and the cache is either usable or gone."""
+        bases = sorted(self.ever)
+        base = list(data.draw(st.sampled_from(bases))) if bases and data.draw(st.booleans()) else []
+        prompt = (base + tail)[:MAX_LEN]
+        target = {"copy_block": self.store.pool, "allocate": self.store._allocator}.get(where, self.store._trie)
+        cache = None
+        with inject(target, where, nth) as fault:
+            try:
+                cache = prefixkv.PagedPrefixCache(self.store, torch.tensor([prompt]))
+                reused = cache.stats.cached_tokens
+                feed(cache, [prompt], [prompt[reused:]])
+            except (Fault, CapacityError):
+                event(f"fault in {where}" if fault.calls > nth else "capacity error")
+                if cache is not None:
+                    cache.close()
+                return
+        live = Live(cache, [prompt])
+        del cache
+        self.live.append(live)
+        self.record(live)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), q=st.integers(1, 2))
+    def cancel(self, data: st.DataObject, q: int) -> None:
+        """close() from another thread while a forward of that cache runs: nothing is freed until the forward
+        ends, and the forward writes nothing after the close."""
+        live = data.draw(st.sampled_from(self.live))
+        if len(live.rows[0]) + q > MAX_LEN:
+            return
+        cache = live.cache
+        new = [data.draw(st.lists(st.integers(3, 6), min_size=q, max_size=q)) for _ in live.rows]
+        rows = [r + n for r, n in zip(live.rows, new)]
+        inside, resume = threading.Event(), threading.Event()
+        outcome: list[BaseException] = []
+        paused: list[bool] = []
+
+        def forward() -> None:
+            start = cache.get_seq_length()
+            try:
+                cache._begin_forward(torch.tensor(new), None, None)
+                inputs = layer_inputs(cache, rows, start, q)
+                cache.update(*inputs[0], 0)
+                paused.append(True)
+                inside.set()
+                resume.wait(10)
+                for layer, (k, v) in enumerate(inputs[1:], start=1):
+                    cache.update(k, v, layer)
+            except BaseException as e:
+                outcome.append(e)
+            finally:
+                inside.set()
+                cache._end_forward(False)  # what the always-called forward hook does after a raise
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        inside.wait(10)
+        held = list(cache._held_blocks())
+        cache.close()
+        if paused:  # else the forward had already failed (no room) and ended
+            event("cancelled mid-forward")
+            assert all(self.store._refcount(b) > 0 for b in held), "close() freed blocks a running forward holds"
+            self.store.check_invariants()
+        resume.set()
+        thread.join(10)
+        assert len(outcome) == 1 and isinstance(outcome[0], prefixkv.CacheMisuseError if paused else CapacityError)
+        assert cache._rows == [], "the forward's end did not give the blocks back"
+        self.live.remove(live)
+
     @precondition(lambda self: self.live)
     @rule(data=st.data(), collect=st.booleans())
     def release(self, data: st.DataObject, collect: bool) -> None:
@@ -221,7 +332,7 @@ class StoreMachine(RuleBasedStateMachine):
         query = data.draw(tokens)
         if self.ever and data.draw(st.booleans()):
             query = list(data.draw(st.sampled_from(sorted(self.ever)))) + query
-        (m,) = self.store._lookup([query])
+        (m,) = self.store._lookup([query], None)
         best = max((lcp(tuple(query), s) for s in self.ever), default=0)
         surely = max((lcp(tuple(query), s) for s in self.must_hold()), default=0)
         assert surely <= m.length <= best

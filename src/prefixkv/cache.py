@@ -10,7 +10,19 @@ shared (refcount), a matched part-block is copied (copy-on-write), and ``get_seq
 reused columns so ``generate`` only prefills the rest. Before each forward the model hook hands over the
 ids being fed (DESIGN.md rule 1), and the cache allocates their slots; ``update`` writes K/V there and
 returns K/V read back from the blocks; after the forward, blocks that became full are published to the
-trie. ``close()`` (or garbage collection) gives every block back.
+trie. ``close()`` (or dropping the last reference: no reference cycle keeps a cache alive) gives every
+block back.
+
+Keys. A row's ``tokens`` are the keys its K/V are cached under: the token id where the attention mask is 1,
+and ``-1 - id`` where a mask with holes hides a token (a hole shifts the positions after it, so the K/V
+that follow are not those of the unmasked ids). Leading padding is not part of a row.
+
+The one rule (DESIGN.md rule 11). A row publishes its blocks only while every forward is proven to have
+computed the K/V of its keys: ids fed in order, the mask and positions those of the keys, ``use_cache`` on,
+no embeddings, the store's namespace (active adapters) unchanged. :meth:`PagedPrefixCache._prove` decides
+it for every forward, and a row that fails it forgets its keys (never publishes again). Reuse at
+construction is checked against the same facts at the first forward of each ``generate`` call
+(:meth:`PagedPrefixCache._plan_call`), which recomputes rather than serve K/V the call does not match.
 """
 
 from __future__ import annotations
@@ -19,9 +31,11 @@ import contextlib
 import inspect
 import threading
 import warnings
+import weakref
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -52,10 +66,10 @@ class CacheStats:
 
 
 class _Row:
-    """One batch row: leading pad columns, known token ids (``None`` once unknown), block table,
-    number of its chunks already in the trie, and the trie node it keeps locked."""
+    """One batch row: leading pad columns, its keys (``None`` once unproven: it never publishes again),
+    block table, number of its chunks already in the trie, and the trie node it keeps locked."""
 
-    __slots__ = ("handle", "pad", "prompt_len", "published", "table", "tokens")
+    __slots__ = ("handle", "pad", "prompt_len", "published", "real", "table", "tokens")
 
     def __init__(self, pad: int, tokens: list[int] | None, table: list[int], published: int, handle: Node | None):
         self.pad = pad
@@ -64,6 +78,7 @@ class _Row:
         self.table = table
         self.published = published
         self.handle = handle
+        self.real = 0  # shown tokens among the row's stored columns: the position of the next shown token
 
     def clone(self) -> _Row:
         row = _Row(
@@ -74,7 +89,18 @@ class _Row:
             self.handle,
         )
         row.prompt_len = self.prompt_len
+        row.real = self.real
         return row
+
+
+def _key(token: int, visible: bool) -> int:
+    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it."""
+    return token if visible else -1 - token
+
+
+def _real_count(keys: list[int]) -> int:
+    """How many of ``keys`` the mask shows (the position of the next shown token)."""
+    return sum(1 for k in keys if k >= 0)
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -86,9 +112,18 @@ class _PagedLayer(CacheLayerMixin):
 
     def __init__(self, cache: PagedPrefixCache, layer_idx: int) -> None:
         super().__init__()
-        self._cache = cache
+        # a weak reference: a strong one would make every cache a cycle that only the cyclic garbage collector
+        # frees, so `del cache` would not give the blocks back (DESIGN.md rule 12)
+        self._cache_ref = weakref.ref(cache)
         self._layer_idx = layer_idx
         self.is_initialized = True
+
+    @property
+    def _cache(self) -> PagedPrefixCache:
+        cache = self._cache_ref()
+        if cache is None:
+            raise CacheMisuseError("the PagedPrefixCache of this layer was garbage-collected")
+        return cache
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -132,8 +167,86 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Te
     return slots.masked_fill_(t < 0, 0)
 
 
+def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """``attention_mask`` as a CPU bool tensor, after checking its shape and that it holds only 0 and 1 (of
+    any dtype: a float 0.5 is an error, not padding). Does not mutate."""
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(shape):
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(shape)}, got {got}")
+    mask = attention_mask.detach().cpu()
+    if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+        bad = mask[(mask != 0) & (mask != 1)][0].item()
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got {bad}")
+    return mask.to(torch.bool)
+
+
+def layout(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int], list[list[int]]]:
+    """Each row's leading padding and its keys (:func:`_key`) under ``mask`` (a bool tensor, ``None``: all
+    ones). Does not mutate."""
+    ids = input_ids.detach().cpu().tolist()
+    if mask is None:
+        return [0] * len(ids), ids
+    pads = (mask.to(torch.long).cumsum(dim=1) == 0).sum(dim=1).tolist()
+    visible = mask.tolist()
+    return pads, [[_key(t, v) for t, v in zip(row[p:], vis[p:])] for row, vis, p in zip(ids, visible, pads)]
+
+
+def _token(key: int) -> int:
+    """The token id of a key."""
+    return key if key >= 0 else -1 - key
+
+
+def _shown(row: _Row, columns: int) -> list[bool]:
+    """The attention mask that the first ``columns`` columns of ``row`` were computed under."""
+    pad = min(row.pad, columns)
+    assert row.tokens is not None
+    return [False] * pad + [k >= 0 for k in row.tokens[: columns - pad]]
+
+
+def _mask_rows(mask: Any, rows: int, width: int, since: int) -> list[list[bool]] | Literal[False] | None:
+    """Columns ``since`` to ``width`` of a forward's 2-D attention mask as lists of bools (``None`` without a
+    mask, ``False`` for one this cache cannot read: 4-D, or not ``[rows, width]``). Only the columns asked for
+    are read: a decode step reads its new ones, not the whole context."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (rows, width):
+        return False
+    values = mask[:, since:].detach().cpu()
+    if values.dtype != torch.bool and ((values != 0) & (values != 1)).any():
+        return False
+    rows_list: list[list[bool]] = values.to(torch.bool).tolist()
+    return rows_list
+
+
+def _position_rows(position_ids: Any, rows: int, q: int) -> list[list[int]] | Literal[False] | None:
+    """The positions of a forward's ``q`` columns per row (``None`` when the model derives them, ``False`` for
+    positions this cache cannot read, such as 3-D rotary sections)."""
+    if position_ids is None:
+        return None
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] not in (1, rows):
+        return False
+    values: list[list[int]] = position_ids[:, -q:].cpu().tolist()
+    return values * rows if len(values) == 1 and rows > 1 else values
+
+
+def _positions_ok(row: _Row, first: int, shown: list[bool], positions: list[list[int]] | None, i: int) -> bool:
+    """Whether the shown tokens fed to ``row`` sit at the positions their keys imply: the count of shown tokens
+    before each. Without ``position_ids`` the model counts columns, which agrees only without padding or holes."""
+    if positions is None:
+        return row.pad == 0 and row.real == first and all(shown)
+    fed = positions[i][len(positions[i]) - len(shown) :]
+    expected = row.real
+    for position, visible in zip(fed, shown):
+        if visible:
+            if position != expected:
+                return False
+            expected += 1
+    return True
+
+
 def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[list[int]]]:
-    """Validate a prompt batch; return each row's pad count and real token ids."""
+    """Validate a prompt batch; return each row's pad count and keys (a mask with holes or right padding
+    keys the hidden tokens apart, so their rows reuse and publish only what was computed under that mask)."""
     if (
         not isinstance(input_ids, torch.Tensor)
         or input_ids.dim() != 2
@@ -148,25 +261,11 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[
         )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)})")
-    if attention_mask is None:
-        pads = [0] * input_ids.shape[0]
-    else:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {got}")
-        mask = attention_mask.to(torch.long).cpu()
-        if ((mask != 0) & (mask != 1)).any():
-            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-        if (mask[:, 1:] < mask[:, :-1]).any():
-            raise ValueError(
-                "attention_mask has padding after a token: prefixkv needs left padding "
-                "(tokenizer.padding_side = 'left'), as generate does for decoder-only models"
-            )
-        pads = (mask == 0).sum(dim=1).tolist()
-        if max(pads) == input_ids.shape[1]:
-            raise ValueError(f"row {pads.index(input_ids.shape[1])} of attention_mask is all padding")
-    ids = input_ids.cpu().tolist()
-    return pads, [row[p:] for row, p in zip(ids, pads)]
+    mask = None if attention_mask is None else check_mask(attention_mask, tuple(input_ids.shape))
+    if mask is not None and not mask.any(dim=1).all():
+        row = int((~mask.any(dim=1)).nonzero()[0])
+        raise ValueError(f"row {row} of attention_mask is all padding")
+    return layout(input_ids, mask)
 
 
 class PagedPrefixCache(Cache):
@@ -212,11 +311,23 @@ class PagedPrefixCache(Cache):
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._closed = False
+        self._release_pending = False  # closed from another thread mid-forward: that forward releases at its end
         self._stats = CacheStats(0, 0, 0, ())
         self._refeed_pending = False
+        # the store's namespace (active adapters) that the reused and published K/V belong to
+        self._space: Hashable = store.space()
+        # False while the held columns are only what construction reused (a generate call may still redo them)
+        self._computed = False
+        # set by the prepare_inputs_for_generation wrapper for a decode step of generate, whose mask only
+        # appends ones to the one checked in full at the call's first step
+        self._decode_step = False
         store._register(self)
+        # the prompt rows as given (pads included), to recognise them in the generate call
+        self._prompt_ids: list[list[int]] | None = None
         if input_ids is not None:
-            self._attach_prompt(*_check_prompt(input_ids, attention_mask))
+            pads, keys = _check_prompt(input_ids, attention_mask)
+            self._prompt_ids = input_ids.cpu().tolist()
+            self._attach_prompt(pads, keys)
         elif attention_mask is not None:
             raise ValueError("attention_mask was given without input_ids")
 
@@ -229,7 +340,7 @@ class PagedPrefixCache(Cache):
         tables: list[list[int]] = []
         # one critical section: another thread must not evict a match before its blocks are taken
         with store._lock:
-            matches = store._lookup(rows)
+            matches = store._lookup(rows, self._space)
             # at least one prompt token stays uncached (rule 2)
             matched = [min(m.length, len(r) - 1) for m, r in zip(matches, rows)]
             offset = min(p + m for p, m in zip(pads, matched))
@@ -255,6 +366,8 @@ class PagedPrefixCache(Cache):
             self._rows = [
                 _Row(p, toks, table, r // bs, h) for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)
             ]
+            for row, r in zip(self._rows, reused):
+                row.real = _real_count(row.tokens[:r] if row.tokens is not None else [])
         self._length = offset
         self._seen = [offset] * len(self._seen)
         self._slots = torch.stack([_column_slots(row, 0, offset, bs) for row in self._rows])
@@ -280,7 +393,7 @@ class PagedPrefixCache(Cache):
         too (what ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). Mutates."""
         (row,) = self._rows
         assert row.tokens is not None and row.pad == 0
-        model = self.store.model
+        model = self.store._hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
         params = inspect.signature(model.forward).parameters
         kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": self, "use_cache": True}
         if "logits_to_keep" in params:
@@ -290,7 +403,9 @@ class PagedPrefixCache(Cache):
         with torch.no_grad():
             model(input_ids=ids, **kwargs)
         if keep_partial:
-            row.handle = self.store._publish(row.tokens, row.table, row.handle)
+            if row.tokens is None:
+                raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
+            row.handle = self.store._publish(row.tokens, row.table, row.handle, self._space)
 
     # -- the generate-call protocol (called by the prepare_inputs_for_generation wrapper in patch.py)
 
@@ -300,32 +415,38 @@ class PagedPrefixCache(Cache):
         self._refeed_pending = True
 
     def _plan_call(
-        self,
-        input_ids: torch.Tensor,
-        next_sequence_length: int | None,
-        attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
-        per_token_outputs: bool,
+        self, input_ids: torch.Tensor, next_sequence_length: int | None, kwargs: dict[str, Any]
     ) -> int | None:
-        """At the first forward of a ``generate`` call: check that the call's ``input_ids`` continue what this
-        cache holds (or raise :class:`CacheMisuseError`), and return the ``next_sequence_length`` to feed.
+        """At the first forward of a ``generate`` call: make what this cache holds fit the call, and return the
+        ``next_sequence_length`` to feed.
 
-        A second call on the same cache must pass the first call's output plus new tokens (transformers'
-        "continue generation" pattern); any other sequence would be silently attended to the wrong K/V.
-        Mutates only to give up reuse for an assisted call that asks for per-token attentions or hidden
-        states, which need the whole sequence recomputed."""
-        held, refeed = self._length, self._refeed_pending
+        A cache that has computed nothing yet holds only what construction reused; if the call's mask, namespace
+        or inputs differ from what that reuse assumed (``generate`` inferred a mask with holes from the pad
+        token, an adapter was switched, ``inputs_embeds`` or ``use_cache=False`` were passed), the reuse is
+        redone for the call as it is, or dropped. A second call on the same cache must pass the first call's
+        output plus new tokens (transformers' "continue generation" pattern); any other sequence would be
+        silently attended to the wrong K/V, so it raises :class:`CacheMisuseError`. Mutates."""
+        refeed = self._refeed_pending
         self._refeed_pending = False
-        if held == 0 or input_ids.dim() != 2:
+        if input_ids.dim() != 2:
+            return next_sequence_length
+        embeds = kwargs.get("inputs_embeds")
+        if not self._computed:
+            planned = self._replan(input_ids, kwargs.get("attention_mask"), embeds, kwargs.get("use_cache"))
+            if planned:
+                width = embeds.shape[1] if isinstance(embeds, torch.Tensor) else input_ids.shape[1]
+                return None if next_sequence_length is None and self._length == 0 else width - self._length
+        held = self._length
+        if held == 0:
             return next_sequence_length
         width = input_ids.shape[1]
         if next_sequence_length is None and not refeed:
-            self._check_new_tokens(width, attention_mask, position_ids)
+            self._check_new_tokens(width, kwargs.get("attention_mask"), kwargs.get("position_ids"))
             return None
         self._check_continues(input_ids, held)
         if next_sequence_length is not None:
             return next_sequence_length
-        if per_token_outputs:
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             warnings.warn(
                 "prefixkv: assisted or prompt-lookup decoding with output_attentions/output_hidden_states "
                 "recomputes the whole prompt, so prefix reuse is off for this generate call",
@@ -334,6 +455,50 @@ class PagedPrefixCache(Cache):
             self._drop_reuse()
             return None
         return width - held
+
+    def _replan(self, input_ids: torch.Tensor, attention_mask: Any, embeds: Any, use_cache: Any) -> bool:
+        """Before this cache computes anything: redo construction's reuse for the call as it really is. Returns
+        whether it changed what the cache holds. Mutates."""
+        if not self._rows or all(row.tokens is None for row in self._rows):
+            return False
+        why = None
+        if use_cache is False:
+            why = "use_cache=False"
+        elif isinstance(embeds, torch.Tensor):
+            why = "inputs_embeds (their K/V need not be those of the ids)"
+        if why is not None:
+            had = self._length
+            self._drop_reuse()
+            for row in self._rows:
+                row.tokens = None
+            warnings.warn(
+                f"prefixkv: this generate call passes {why}, so this PagedPrefixCache neither reuses nor publishes "
+                "cached K/V in it",
+                stacklevel=4,
+            )
+            return had > 0
+        rows = len(self._rows)
+        if self._prompt_ids is None or input_ids.shape[0] % rows:
+            return False
+        per = input_ids.shape[0] // rows
+        if input_ids[::per].cpu().tolist() != self._prompt_ids:
+            return False  # not the prompt this cache was built from: _check_continues says so
+        mask = None if attention_mask is None else check_mask(attention_mask, tuple(input_ids.shape))[::per]
+        pads, keys = layout(input_ids[::per], mask)
+        space = self.store.space()
+        if any(not k for k in keys) or (
+            space == self._space and all(p == r.pad and k == r.tokens for p, k, r in zip(pads, keys, self._rows))
+        ):
+            return False
+        before = self._stats.per_row
+        with self.store._lock:
+            self._release_rows(self._rows)
+            self._rows = []
+            self._length = 0
+            self._space = space
+            self.store._count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
+            self._attach_prompt(pads, keys)
+        return True
 
     def _check_new_tokens(
         self, width: int, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
@@ -384,7 +549,7 @@ class PagedPrefixCache(Cache):
             row = self._rows[j // (batch // rows)]
             if row.tokens is None:
                 continue
-            stored = row.tokens[: max(0, held - row.pad)]
+            stored = [_token(k) for k in row.tokens[: max(0, held - row.pad)]]
             given = seq[min(row.pad, held) :]
             if given[: len(stored)] != stored:
                 t = next(t for t, (a, b) in enumerate(zip(given, stored)) if a != b)
@@ -407,8 +572,10 @@ class PagedPrefixCache(Cache):
         input_ids: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool | None = None,
     ) -> None:
-        """Take the ids about to be fed and allocate their slots. Mutates."""
+        """Take the ids about to be fed, prove what their K/V will be, and allocate their slots. Mutates."""
         me = threading.get_ident()
         with self._guard:
             if self._closed:
@@ -419,6 +586,7 @@ class PagedPrefixCache(Cache):
                     "give each concurrent call its own cache"
                 )
             self._owner = me
+        decode_step, self._decode_step = self._decode_step, False
         if self._length != min(self._seen):
             self._truncate(min(self._seen))  # an earlier forward raised half-way: drop its columns
         x = input_ids if input_ids is not None else inputs_embeds
@@ -434,8 +602,12 @@ class PagedPrefixCache(Cache):
                     "build the cache from the same batch you pass to generate"
                 )
             self._select([i for i in range(len(self._rows)) for _ in range(batch // len(self._rows))])
-        self._take_ids(input_ids.tolist() if input_ids is not None else None, q)
+        start = self._length
+        # allocation first: it may raise CapacityError, and the keys _prove records must then not be there yet;
+        # if _prove raises, the next forward drops the allocated columns (the `_seen` check above)
         self._allocate(q)
+        self._prove(input_ids, start, q, attention_mask, position_ids, use_cache, whole_mask=not decode_step)
+        self._computed = True
 
     def _start_rows(
         self, batch: int, q: int, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -450,28 +622,83 @@ class PagedPrefixCache(Cache):
         self._slots_by_device.clear()
         self._tables_version += 1
 
-    def _take_ids(self, ids: list[list[int]] | None, q: int) -> None:
-        """Check fed ids against the known ones (a cache is tied to its prompt) and record new ones."""
-        start = self._length
-        for i, row in enumerate(self._rows):
+    def _prove(
+        self,
+        input_ids: torch.Tensor | None,
+        start: int,
+        q: int,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        use_cache: bool | None,
+        *,
+        whole_mask: bool,
+    ) -> None:
+        """The one rule (DESIGN.md rule 11), for the ``q`` columns this forward feeds. A row keeps its keys and
+        records the new ones only if the forward provably computes the K/V of those keys: ``use_cache`` on,
+        ids fed (not embeddings), the store's namespace unchanged, an attention mask that hides exactly the
+        row's padding and the keys' hidden tokens (over every column, or, on a ``generate`` decode step whose
+        mask only grows by ones, over the new ones), and positions that count the shown tokens. A row that
+        fails forgets its keys and never publishes again. Raises :class:`CacheMisuseError` where the forward
+        contradicts the row's prompt ids, or the mask contradicts K/V that construction reused. Mutates."""
+        rows = self._rows
+        if all(row.tokens is None for row in rows):
+            return
+        if use_cache is False or input_ids is None or self.store.space() != self._space:
+            # embeddings need not be those of the ids (a soft prompt); use_cache=False re-feeds the sequence;
+            # another adapter computes other K/V: store them for this call, publish nothing
+            self._forget(range(len(rows)))
+            return
+        since = 0 if whole_mask else start  # the mask's columns to read; `new` is where this forward's begin
+        new = start - since
+        mask = _mask_rows(attention_mask, len(rows), start + q, since)
+        positions = _position_rows(position_ids, len(rows), q)
+        if mask is False or positions is False:
+            self._forget(range(len(rows)))  # a 4-D mask or 3-D positions: nothing this cache can check
+            return
+        ids = input_ids.cpu().tolist()
+        reused = not self._computed and start > 0
+        for i, row in enumerate(rows):
+            if row.tokens is None:
+                continue
             skip = min(q, max(0, row.pad - start))  # new columns that are padding
             first = max(0, start - row.pad)  # token index of the first new real column
-            count = q - skip
-            if row.tokens is None or count == 0:
+            shown = [True] * (q - skip) if mask is None else mask[i][new + skip : new + q]
+            keys = [_key(t, v) for t, v in zip(ids[i][skip:], shown)]
+            known = row.tokens[first : first + len(keys)]
+            if keys[: len(known)] != known:
+                if [_token(k) for k in keys[: len(known)]] != [_token(k) for k in known]:
+                    raise CacheMisuseError(
+                        f"row {i}: the tokens fed at positions {first}..{first + len(keys) - 1} differ from the "
+                        "prompt this PagedPrefixCache was built with; build a new cache for a new prompt"
+                    )
+                self._contradicts_reuse(i, reused)
+                self._forget([i])
                 continue
-            if ids is None:
-                # embeddings with no ids: store, but never publish (rule 1), even over known prompt columns:
-                # they need not be the embeddings of those ids (a soft prompt), so their K/V is not theirs
-                row.tokens = None
+            if mask is None:  # the model attends every column: right only with no padding and no holes
+                old_ok, pads_hidden = row.pad == 0 and row.real == first, True
+            else:
+                old = mask[i][:new]  # every held column when whole_mask, else none
+                old_ok, pads_hidden = old == _shown(row, len(old)), not any(mask[i][new : new + skip])
+            if not old_ok:
+                self._contradicts_reuse(i, reused)
+            if not (old_ok and pads_hidden and _positions_ok(row, first, shown, positions, i)):
+                self._forget([i])
                 continue
-            fed = ids[i][skip:]
-            known = row.tokens[first : first + count]
-            if fed[: len(known)] != known:
-                raise CacheMisuseError(
-                    f"row {i}: the tokens fed at positions {first}..{first + count - 1} differ from the prompt "
-                    "this PagedPrefixCache was built with; build a new cache for a new prompt"
-                )
-            row.tokens.extend(fed[len(known) :])
+            row.tokens.extend(keys[len(known) :])
+            row.real += sum(shown)
+
+    def _contradicts_reuse(self, i: int, reused: bool) -> None:
+        if reused:
+            raise CacheMisuseError(
+                f"row {i}: this forward's attention mask differs from the one this PagedPrefixCache was built with, "
+                "so the K/V it reused are not those this forward needs; build the cache with the same "
+                "attention_mask you pass to the model"
+            )
+
+    def _forget(self, indices: Any) -> None:
+        """The rows ``indices`` stop publishing: their K/V from now on are not provably those of their ids."""
+        for i in indices:
+            self._rows[i].tokens = None
 
     def _allocate(self, q: int) -> None:
         """Blocks (and copies of shared part-blocks about to be written) for ``q`` new columns."""
@@ -518,19 +745,29 @@ class PagedPrefixCache(Cache):
         writers = Counter(self._rows[i].table[(start - self._rows[i].pad) // bs] for i in cow)
         return sum(k if self.store._refcount(b) > k else k - 1 for b, k in writers.items())
 
-    def _end_forward(self) -> None:
-        """Publish the blocks this forward filled, so later calls can reuse them. Mutates."""
+    def _end_forward(self, ok: bool) -> None:
+        """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
+        filled, so later calls can reuse them, and carry out a ``close()`` that another thread asked for
+        meanwhile. Mutates."""
+        if self._owner != threading.get_ident():
+            return  # _begin_forward refused this forward (the cache is another thread's): nothing of ours ran
         bs = self.block_size
         try:
+            if not ok or self._closed:
+                return
             for row in self._rows:
                 if row.tokens is None:
                     continue
                 full = max(0, self._length - row.pad) // bs
                 if full > row.published:
-                    row.handle = self.store._publish(row.tokens[: full * bs], row.table[:full], row.handle)
+                    row.handle = self.store._publish(row.tokens[: full * bs], row.table[:full], row.handle, self._space)
                     row.published = full
         finally:
-            self._owner = None
+            with self._guard:
+                self._owner = None
+                release, self._release_pending = self._release_pending, False
+            if release:
+                self._release()
 
     # -- transformers Cache interface ------------------------------------------------------------
 
@@ -543,6 +780,11 @@ class PagedPrefixCache(Cache):
             raise CacheMisuseError(
                 "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
                 "for (or after the store was closed); pass the cache to that model"
+            )
+        if self._closed:
+            raise CacheMisuseError(
+                "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
+                "generate call using it); its blocks are given back when the forward ends"
             )
         specs = self.store.pool.specs
         if layer_idx >= len(specs):
@@ -670,6 +912,7 @@ class PagedPrefixCache(Cache):
                 row.published = min(row.published, keep // bs)
                 if row.tokens is not None:
                     del row.tokens[max(keep, row.prompt_len) :]
+                    row.real = _real_count(row.tokens[:keep])
             self.store._decref(dropped)
         self._length = length
         self._seen = [length] * len(self._seen)
@@ -691,11 +934,20 @@ class PagedPrefixCache(Cache):
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Give the blocks back to the store (what was published stays cached). Idempotent."""
+        """Give the blocks back to the store (what was published stays cached). Idempotent.
+
+        Called from another thread while a forward uses this cache (a cancel), it stops that forward at its
+        next layer and the blocks are given back when the forward ends, never while it may still write."""
         with self._guard:
             if self._closed:
                 return
             self._closed = True
+            if self._owner is not None and self._owner != threading.get_ident():
+                self._release_pending = True
+                return
+        self._release()
+
+    def _release(self) -> None:
         with self.store._lock:
             self._release_rows(self._rows)
             self._rows = []
@@ -708,9 +960,35 @@ class PagedPrefixCache(Cache):
         self.close()
 
     def __del__(self) -> None:
-        # at interpreter shutdown, or for a half-built cache, there may be nothing left to give back to
+        # at interpreter shutdown, or for a half-built cache, there may be nothing left to give back to; a cache
+        # nobody references has no forward running, so a release still pending happens here
         with contextlib.suppress(Exception):
-            self.close()
+            if self._release_pending:
+                self._release_pending = False
+                self._release()
+            else:
+                self.close()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedPrefixCache:
+        """A second cache holding the same columns, sharing their blocks (copy-on-write), on the same store:
+        transformers' recipe of copying a prompt's cache for each continuation, without copying K/V."""
+        if self._closed:
+            raise CacheMisuseError("this PagedPrefixCache is closed; there is nothing to copy")
+        if self._owner is not None:
+            raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
+        other = PagedPrefixCache(self.store)
+        with self.store._lock:
+            rows = [row.clone() for row in self._rows]
+            for row in rows:
+                self.store._incref(row.table)
+                if row.handle is not None:
+                    self.store._lock_node(row.handle)
+            other._rows = rows
+        other._length, other._seen = self._length, list(self._seen)
+        other._slots = self._slots.clone()
+        other._stats, other._space, other._computed = self._stats, self._space, self._computed
+        other._prompt_ids = self._prompt_ids
+        return other
 
     def __repr__(self) -> str:
         s = self._stats

@@ -7,11 +7,15 @@ zero-code-change mode, :func:`enable` and :func:`disable`."""
 from __future__ import annotations
 
 import functools
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from .errors import CacheMisuseError
 
 if TYPE_CHECKING:
     from .cache import PagedPrefixCache
@@ -41,16 +45,23 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
         if cache is None:
             return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache._begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("attention_mask"))
+        cache._begin_forward(
+            input_ids,
+            kwargs.get("inputs_embeds"),
+            kwargs.get("attention_mask", args[1] if len(args) > 1 else None),
+            kwargs.get("position_ids"),
+            kwargs.get("use_cache"),
+        )
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         cache = _paged_cache(store, kwargs)
         if cache is not None:
-            cache._end_forward()
+            cache._end_forward(output is not None)  # torch passes None when the forward raised
 
     return [
         model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True),
+        # always_call: a forward that raises (or is cancelled by close() from another thread) still ends
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
         _PrepareUser(model),
     ]
 
@@ -93,15 +104,19 @@ def _checking_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def prepare_inputs_for_generation(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         cache = _any_paged_cache(kwargs)
-        if cache is not None and not args and kwargs.get("is_first_iteration") and isinstance(input_ids, torch.Tensor):
-            kwargs["next_sequence_length"] = cache._plan_call(
-                input_ids,
-                kwargs.get("next_sequence_length"),
-                kwargs.get("attention_mask"),
-                kwargs.get("position_ids"),
-                bool(kwargs.get("output_attentions") or kwargs.get("output_hidden_states")),
+        if cache is None or args or not isinstance(input_ids, torch.Tensor):
+            return original(input_ids, *args, **kwargs)
+        if kwargs.get("is_first_iteration"):
+            kwargs["next_sequence_length"] = cache._plan_call(input_ids, kwargs.get("next_sequence_length"), kwargs)
+        inputs = original(input_ids, *args, **kwargs)
+        if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in _CACHE_KWARGS):
+            raise CacheMisuseError(
+                "this model's prepare_inputs_for_generation replaced the PagedPrefixCache (Phi-3 does so with "
+                "rope scaling on long inputs), so prefixkv cannot serve this model: generate without it"
             )
-        return original(input_ids, *args, **kwargs)
+        # a decode step of generate: its mask is the one checked at the first step, grown by ones
+        cache._decode_step = not kwargs.get("is_first_iteration")
+        return inputs
 
     return prepare_inputs_for_generation
 
@@ -143,36 +158,100 @@ class _Enabled:
     patch: _MethodPatch
 
 
-def _cache_for_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The ``PagedPrefixCache`` an enabled model's ``generate`` call gets, or ``None`` to leave the call alone:
-    it brings its own cache, turns caching off, asks for another cache implementation, or is an assistant
-    model's draft call (which threads its own cache from call to call)."""
+@dataclass(frozen=True)
+class _CallPlan:
+    """How an enabled model runs one ``generate`` call: with ``cache`` (``None``: stock, untouched), the
+    keyword arguments to add, and whether the caller gets the cache back (then the caller's references,
+    not the call's end, release it)."""
+
+    cache: PagedPrefixCache | None
+    extra: dict[str, Any]
+    returned: bool
+
+
+_STOCK = _CallPlan(None, {}, False)
+
+
+def _call_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Every argument of a ``generate`` call by name, as transformers' ``generate`` reads them (``inputs`` and
+    ``generation_config`` may come positionally); ``None`` if they do not bind."""
+    from .store import transformers_model
+
+    signature = inspect.signature(type(transformers_model(model)).generate)
+    try:
+        bound = signature.bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return None
+    named = dict(bound.arguments)
+    named.pop(next(iter(signature.parameters)), None)  # self
+    extra = named.pop("kwargs", None) or {}
+    return {**named, **extra}
+
+
+def _inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Tensor | None:
+    """The attention mask ``generate`` infers when none is passed: the pad token's places, if the pad token
+    occurs and is not an end-of-sequence token (SmolLM2's chat prompts hold it), else none."""
+    pad = setting("pad_token_id")
+    if pad is None or not bool((ids == pad).any()):
+        return None
+    eos = setting("eos_token_id")
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return None if int(pad) in eos_ids else ids != pad
+
+
+def _plan_enabled_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _CallPlan:
+    """How an enabled model's ``generate`` call runs. Stock when the call brings its own cache, turns caching
+    off, asks for a cache implementation itself, is an assistant model's draft call (which threads its own
+    cache from call to call), or has inputs the cache cannot take (a warning says why). A cache implementation
+    that only the checkpoint's ``generation_config`` names (Gemma 2's "hybrid") gives way to prefixkv's."""
     from .cache import PagedPrefixCache
 
-    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-        return None
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    if kwargs.get("use_cache", getattr(config, "use_cache", True)) is False:
-        return None
-    if kwargs.get("cache_implementation", getattr(config, "cache_implementation", None)) is not None:
-        return None
-    if getattr(config, "is_assistant", False):
-        return None
-    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    if ids is None or kwargs.get("inputs_embeds") is not None:
+    named = _call_arguments(model, args, kwargs)
+    if named is None or any(named.get(name) is not None for name in _CACHE_KWARGS):
+        return _STOCK
+    passed = named.get("generation_config")
+    default = getattr(model, "generation_config", None)
+
+    diff = passed.to_diff_dict() if passed is not None else {}
+
+    def given(name: str) -> Any:
+        """What the call itself sets (a keyword, or a field of the generation_config it passes), or None."""
+        return named[name] if name in named else diff.get(name)
+
+    def setting(name: str) -> Any:
+        """The value generate uses: what the call sets, else the model's generation_config."""
+        value = given(name)
+        return value if value is not None or name in named or name in diff else getattr(default, name, None)
+
+    if setting("use_cache") is False or given("cache_implementation") is not None or setting("is_assistant"):
+        return _STOCK
+    extra = {"cache_implementation": None} if setting("cache_implementation") is not None else {}
+    returned = bool(setting("return_dict_in_generate"))
+    ids = named.get("inputs", named.get("input_ids"))
+    if ids is None or named.get("inputs_embeds") is not None:
         # the prompt's K/V comes from the embeddings, which need not be those of the ids (a soft prompt)
-        return PagedPrefixCache(store)  # inputs_embeds only, or generation from BOS: stores, cannot match
+        return _CallPlan(PagedPrefixCache(store), extra, returned)  # stores, never publishes or matches
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-        return None
-    return PagedPrefixCache(store, ids, kwargs.get("attention_mask"))
+        return _STOCK
+    mask = named.get("attention_mask")
+    try:
+        cache = PagedPrefixCache(store, ids, mask if mask is not None else _inferred_mask(ids, setting))
+    except ValueError as e:
+        warnings.warn(f"prefixkv: this generate call runs without prefix reuse: {e}", stacklevel=3)
+        return _STOCK
+    return _CallPlan(cache, extra, returned)
 
 
 def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) -> PrefixStore:
     """Zero-code-change mode: every ``model.generate`` call that passes no cache gets a ``PagedPrefixCache``
-    of ``store`` (built from the call's ``input_ids`` and ``attention_mask``, closed when the call returns),
-    so code that never mentions a cache, such as ``pipeline("text-generation")``, reuses cached prefixes.
-    Calls that pass ``cache=``/``past_key_values=``, ``use_cache=False`` or a ``cache_implementation`` are left
-    alone. Without ``store`` one is built with ``store_kwargs`` (see :class:`PrefixStore`). Returns the store.
+    of ``store`` (built from the call's ``input_ids`` and ``attention_mask``, or the mask ``generate`` infers
+    from the pad token; closed when the call returns, or, with ``return_dict_in_generate=True``, when the
+    caller drops the output that hands it back), so code that never mentions a cache, such as
+    ``pipeline("text-generation")``, reuses cached prefixes. Arguments are read as ``generate`` reads them
+    (positional ``inputs`` and ``generation_config`` too). Calls that pass ``cache=``/``past_key_values=``,
+    ``use_cache=False`` or a ``cache_implementation`` of their own are left alone; one that only the
+    checkpoint's ``generation_config`` names gives way to prefixkv's cache. Without ``store`` one is built
+    with ``store_kwargs`` (see :class:`PrefixStore`). Returns the store.
     Mutates the model (an instance attribute ``generate``); :func:`disable` undoes it.
 
     >>> import prefixkv, torch
@@ -204,12 +283,20 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
 
     @functools.wraps(original)
     def generate(*args: Any, **kwargs: Any) -> Any:
-        cache = _cache_for_call(model, target, args, kwargs)
-        if cache is None:
+        plan = _plan_enabled_call(model, target, args, kwargs)
+        if plan.cache is None:
             return original(*args, **kwargs)
         rest = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}  # drop an explicit `cache=None`
-        with cache:
-            return original(*args, cache=cache, **rest)
+        rest.update(plan.extra)
+        if plan.returned:
+            # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
+            try:
+                return original(*args, cache=plan.cache, **rest)
+            except BaseException:
+                plan.cache.close()
+                raise
+        with plan.cache:
+            return original(*args, cache=plan.cache, **rest)
 
     setattr(model, _ENABLED, _Enabled(target, owns, _MethodPatch(model, "generate", generate)))
     return target

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -152,8 +153,9 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
             f"{store.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
         )
     model_print = fingerprint(store.model)
+    space = store.space()
     with store._lock:
-        nodes = _select_nodes(store._trie, prefixes)
+        nodes = _select_nodes(store._trie, prefixes, space)
         tensors, blocks = _trie_tensors(nodes, store.block_size)
         keys, values = store.pool.read_blocks(blocks)
     for layer, (k, v) in enumerate(zip(keys, values)):
@@ -191,17 +193,17 @@ class _Saved(NamedTuple):
     children: list[int]
 
 
-def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None) -> list[_Saved]:
-    """The saved part of the trie, parents first: every node, or the paths of the cached part of each
-    wanted prefix (a path may end inside an edge). Does not mutate."""
+def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashable) -> list[_Saved]:
+    """The saved part of namespace ``space`` of the trie, parents first: every node, or the paths of the cached
+    part of each wanted prefix (a path may end inside an edge). Does not mutate."""
     keep: dict[int, int] = {}  # id(node) -> tokens of its edge kept
     order: list[Node] = []
     if wanted is None:
-        order = trie.nodes()
+        order = trie.nodes(space)
         keep = {id(n): len(n.tokens) for n in order}
     else:
         for i, tokens in enumerate(wanted):
-            m = trie.match(tokens)
+            m = trie.match(tokens, space)
             if m.length == 0:
                 raise ValueError(
                     f"prefix {i} ({len(tokens)} tokens) is not cached in this store, so there is nothing to save "
@@ -209,7 +211,7 @@ def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None) -> list[_Save
                 )
             path: list[Node] = []
             n: Node | None = m.node
-            while n is not None and n is not trie.root:
+            while n is not None and n.parent is not None:
                 path.append(n)
                 n = n.parent
             for n in reversed(path):
@@ -225,7 +227,7 @@ def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None) -> list[_Save
     for n in order:
         k = keep[id(n)]
         chunks = (n.start + k - 1) // bs - n.start // bs + 1
-        parent = -1 if n.parent is trie.root or n.parent is None else index[id(n.parent)]
+        parent = -1 if n.parent is None or n.parent.parent is None else index[id(n.parent)]
         saved.append(_Saved(n.tokens[:k], n.blocks[:chunks], parent, []))
     for i, s in enumerate(saved):
         if s.parent >= 0:
@@ -320,8 +322,16 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
         raise bad("the trie tensors disagree in length")
-    if any(not 0 <= b < count for b in blocks) or any(t < 0 for t in tokens):
-        raise bad("a block index or token id is out of range")
+    if any(not 0 <= b < count for b in blocks):
+        raise bad("a block index is out of range")  # token keys may be negative: tokens a mask hid
+    for name, per_layer in zip(("K", "V"), (keys, values)):
+        for layer, block in enumerate(per_layer):
+            if not torch.isfinite(block).all():
+                raise PersistError(
+                    f"{path} holds non-finite {name} values (NaN or inf) in layer {layer}: every later request "
+                    "reusing them would compute NaN logits. The file was not written from a sane store; save the "
+                    "prefixes again"
+                )
     starts: list[int] = []  # position of each node's first token
     token_at: list[int] = []  # where each node's edge starts in ``tokens``, its blocks in ``blocks``
     block_at: list[int] = []
@@ -442,9 +452,10 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
     """Insert the file's paths; copy in only the blocks of positions the store lacks. Mutates, or raises
     :class:`CapacityError` before any change when the budget cannot make room."""
     bs = store.block_size
+    space = store.space()
     with store._lock:
         trie, alloc = store._trie, store._allocator
-        plans, anchors = _plan(trie, file.paths)
+        plans, anchors = _plan(trie, file.paths, space)
         needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
         for node in anchors:
             trie.lock(node)  # what the plan counts on must survive the evictions that make room
@@ -462,10 +473,10 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
             store.pool.write_blocks(fresh, *_blocks_of(file, needed))
             slot = dict(zip(needed, fresh))
             for plan in plans:
-                live = trie.match(plan.tokens)
+                live = trie.match(plan.tokens, space)
                 assert live.length == plan.present, "the merge plan went stale under the store lock"
                 cut = live.length // bs
-                ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]])
+                ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
                 alloc.incref(ins.added)
             alloc.decref(fresh)  # the merge's own hold; the trie now holds every copied block
         finally:
@@ -478,14 +489,14 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
     )
 
 
-def _plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]]) -> tuple[list[_Plan], list[Node]]:
-    """For each path, in order, how much of it the trie (with the paths before it) will hold; and the
-    nodes it already matches in the trie. Does not mutate ``trie``."""
+def _plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hashable) -> tuple[list[_Plan], list[Node]]:
+    """For each path, in order, how much of it namespace ``space`` of the trie (with the paths before it) will
+    hold; and the nodes it already matches in the trie. Does not mutate ``trie``."""
     earlier = RadixTrie(trie.block_size)
     plans: list[_Plan] = []
     anchors: list[Node] = []
     for tokens, table in paths:
-        live = trie.match(tokens)
+        live = trie.match(tokens, space)
         if live.length:
             anchors.append(live.node)
         present = max(live.length, earlier.match(tokens).length)

@@ -3,13 +3,26 @@
 No trie and no transformers here: the pool writes and reads *slots* (``block * block_size + offset``)
 that the cache computes. Each layer's tensors live on that layer's device, in the pool's dtype. The pool
 starts small and grows (a copy, amortised by doubling) up to whatever capacity the store allows.
+
+Users call ``generate`` under ``torch.inference_mode()`` and ``torch.no_grad()`` alike (DESIGN.md rule 12). A
+tensor made inside ``inference_mode`` is an inference tensor, which refuses in-place writes outside it; so
+the pool's tensors are always made as normal tensors (:func:`_normal_tensors`), which accept writes in both.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+
+
+@contextlib.contextmanager
+def _normal_tensors() -> Iterator[None]:
+    """Make normal (not inference) tensors without autograd history, whatever mode the caller is in."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 class LayerSpec(NamedTuple):
@@ -35,6 +48,10 @@ class BlockPool:
         self.block_size = block_size
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        with _normal_tensors():
+            self._allocate(layers, block_size, capacity)
+
+    def _allocate(self, layers: list[LayerSpec], block_size: int, capacity: int) -> None:
         for s in layers:
             shape = (capacity, block_size, s.kv_heads, s.head_dim)
             # zeros, not empty: the null block stands in for padding and must hold finite values
@@ -58,11 +75,15 @@ class BlockPool:
         extra = capacity - self.capacity
         if extra <= 0:
             return
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            pad = torch.zeros((extra, *k.shape[1:]), device=k.device, dtype=k.dtype)
-            self.keys[i] = torch.cat([k, pad])
-            self.values[i] = torch.cat([v, pad])
+        with _normal_tensors():
+            keys, values = [], []
+            for k, v in zip(self.keys, self.values):
+                pad = torch.zeros((extra, *k.shape[1:]), device=k.device, dtype=k.dtype)
+                keys.append(torch.cat([k, pad]))
+                values.append(torch.cat([v, pad]))
+        self.keys, self.values = keys, values  # all layers at once: a failure half-way leaves the old pool
 
+    @torch.no_grad()
     def write(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None
     ) -> None:
@@ -98,6 +119,7 @@ class BlockPool:
         values = v.index_select(0, flat).view(b, c * self.block_size, *v.shape[2:])[:, :length].transpose(1, 2)
         return keys, values
 
+    @torch.no_grad()
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer. Mutates."""
         for k, v in zip(self.keys, self.values):
@@ -113,6 +135,7 @@ class BlockPool:
             values.append(v.index_select(0, index).cpu())
         return keys, values
 
+    @torch.no_grad()
     def write_blocks(self, blocks: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Fill whole blocks of every layer from ``[len(blocks), block_size, kv_heads, head_dim]`` tensors,
         moved to each layer's device and dtype. Mutates."""

@@ -3,11 +3,14 @@ budget, eviction, pins, statistics and the lock that lets several threads share 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import operator
 import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,12 @@ if TYPE_CHECKING:
     from .cache import CacheStats, PagedPrefixCache
 
 _INITIAL_BLOCKS = 16
+_DTYPE_NAMES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,62 @@ def _with_index(device: torch.device) -> torch.device:
     return device
 
 
+def transformers_model(model: Any) -> Any:
+    """The transformers model that computes: ``model`` itself, or the one inside a PEFT wrapper (whose
+    ``generate`` calls that model's ``generate``, so hooks on the wrapper would never run)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def _tuner_layers(model: Any) -> list[Any]:
+    """The PEFT adapter layers inside ``model`` (LoRA and the other tuners; ``[]`` without peft)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def adapter_space(tuners: Sequence[Any]) -> Hashable:
+    """The namespace of the K/V a model computes now (DESIGN.md rule 9): ``None`` without adapters, else
+    which adapters are active, whether they are disabled, and which are merged into the weights."""
+    if not tuners:
+        return None
+    layer = tuners[0]
+    return (
+        tuple(layer.active_adapters),
+        bool(layer.disable_adapters),
+        tuple(getattr(layer, "merged_adapters", ())),
+    )
+
+
+def _weights_version(params: Sequence[torch.Tensor]) -> int:
+    """A number that changes when any of ``params`` is written in place (an optimizer step, ``load_state_dict``):
+    the sum of their version counters. Inference tensors have none and count as 0."""
+    total = 0
+    for p in params:
+        with contextlib.suppress(RuntimeError):
+            total += p._version
+    return total
+
+
+def _check_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` as a floating torch dtype (names such as ``"bfloat16"`` too), or ``None``."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        named = _DTYPE_NAMES.get(dtype.removeprefix("torch."))
+        if named is None:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
+        return named
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating torch dtype (torch.float16, torch.bfloat16, torch.float32, torch.float64) "
+            f"or its name, got {dtype!r}; quantized blocks are not supported yet"
+        )
+    return dtype
+
+
 def _layer_devices(model: Any, num_layers: int) -> list[torch.device]:
     """The device each decoder layer computes on (accelerate's execution device when dispatched)."""
     fallback = _execution_device(model) or torch.device("cpu")
@@ -108,18 +173,19 @@ class PrefixStore:
         block_size: int = 16,
         max_memory: int | str | None = None,
         num_blocks: int | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if max_memory is not None and num_blocks is not None:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
+        store_dtype = _check_dtype(dtype)
         check_supported(model)
         self.model = model
         self.block_size = block_size
         shape = attention_shape(model.config)
         self.model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
-        self.dtype = dtype or self.model_dtype
+        self.dtype = store_dtype or self.model_dtype
         devices = _layer_devices(model, shape.num_layers)
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
         self.bytes_per_block = block_size * kv_bytes_per_token(model.config, self.dtype)
@@ -130,15 +196,19 @@ class PrefixStore:
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
         self._caches: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
-        self._pins: dict[tuple[int, ...], list[Node]] = {}
+        self._pins: dict[tuple[Hashable, tuple[int, ...]], list[Node]] = {}
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = self._evictions = 0
         self._closed = False
-        attention.install(model)
-        self._hooks = patch.attach_hooks(model, self)
+        self._tuners = _tuner_layers(model)
+        self._params = list(model.parameters())
+        self._weights_at_start = _weights_version(self._params)
+        self._hf_model = transformers_model(model)
+        attention.install(self._hf_model)
+        self._hooks = patch.attach_hooks(self._hf_model, self)
 
     def _budget(self, max_memory: int | str | None, num_blocks: int | None) -> int | None:
         if num_blocks is not None:
-            if not isinstance(num_blocks, int) or num_blocks < 1:
+            if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
                 raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
             return num_blocks
         if max_memory is None:
@@ -154,6 +224,19 @@ class PrefixStore:
         return blocks
 
     # -- public API ------------------------------------------------------------------------------
+
+    def space(self) -> Hashable:
+        """The namespace that K/V computed now are cached under: ``None``, or for a PEFT model the active,
+        disabled and merged adapters, so that a prefix cached with one adapter is never reused with another
+        (or with the adapter disabled); and, once the weights were written in place since the store was built
+        (a training step, ``load_state_dict``), their version, so that K/V of the old weights are never reused
+        (they wait for eviction or :meth:`clear`). Does not mutate."""
+        if not self._tuners and hasattr(self.model, "peft_config"):
+            self._tuners = _tuner_layers(self.model)  # adapters added after the store was built
+            self._params = list(self.model.parameters())
+        adapters = adapter_space(self._tuners)
+        version = _weights_version(self._params)
+        return adapters if version == self._weights_at_start else (adapters, version)
 
     @property
     def stats(self) -> StoreStats:
@@ -238,35 +321,37 @@ class PrefixStore:
         tokens = _as_token_list(ids)
         if not tokens:
             raise ValueError("pin() needs at least one token id")
+        space = self.space()
         with self._lock:
-            self._check_pin_budget(tokens)
-            end = self._trie.end_node(tokens)
+            self._check_pin_budget(tokens, space)
+            end = self._trie.end_node(tokens, space)
             if end is not None:
-                self._add_pin(tokens, end)
+                self._add_pin(tokens, end, space)
                 return len(tokens)
         from .cache import PagedPrefixCache  # cache.py imports this module
 
         with PagedPrefixCache(self, torch.tensor([tokens])) as cache:
             cache._prefill(keep_partial=True)  # the cache keeps the published tokens locked until the pin holds them
             with self._lock:
-                end = self._trie.end_node(tokens)
-                assert end is not None, "the prefill published every token"
-                self._add_pin(tokens, end)
+                end = self._trie.end_node(tokens, space)
+                if end is None:
+                    raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
+                self._add_pin(tokens, end, space)
         return len(tokens)
 
-    def _check_pin_budget(self, tokens: list[int]) -> None:
+    def _check_pin_budget(self, tokens: list[int], space: Hashable) -> None:
         """Raise :class:`CapacityError` if pinning ``tokens`` surely exceeds the budget. Does not mutate."""
         if self.max_blocks is None:
             return
         bs = self.block_size
-        m = self._trie.match(tokens)
+        m = self._trie.match(tokens, space)
         full = m.length // bs  # chunks cached whole; the rest needs blocks of its own
         pinned = self._pinned_blocks()
         total = len(pinned | set(m.blocks[:full])) + -(-len(tokens) // bs) - full
         if total > self.max_blocks:
             raise self._pin_error(len(tokens), total - len(pinned), len(pinned))
 
-    def _add_pin(self, tokens: list[int], end: Insert) -> None:
+    def _add_pin(self, tokens: list[int], end: Insert, space: Hashable) -> None:
         """Lock ``end.node`` for a pin of ``tokens``, within the budget. Mutates."""
         self._allocator.incref(end.added)  # a split made the straddled block occur twice
         pinned = self._pinned_blocks()
@@ -274,7 +359,7 @@ class PrefixStore:
         if self.max_blocks is not None and total > self.max_blocks:
             raise self._pin_error(len(tokens), total - len(pinned), len(pinned))
         self._trie.lock(end.node)
-        self._pins.setdefault(tuple(tokens), []).append(end.node)
+        self._pins.setdefault((space, tuple(tokens)), []).append(end.node)
 
     def _pin_error(self, n: int, blocks: int, pinned: int) -> CapacityError:
         return CapacityError(
@@ -286,8 +371,9 @@ class PrefixStore:
     def unpin(self, ids: Sequence[int] | torch.Tensor) -> None:
         """Undo one :meth:`pin` of the same ids. Mutates; raises ``ValueError`` if they are not pinned."""
         tokens = _as_token_list(ids)
+        key = (self.space(), tuple(tokens))
         with self._lock:
-            nodes = self._pins.get(tuple(tokens))
+            nodes = self._pins.get(key)
             if not nodes:
                 raise ValueError(
                     f"these {len(tokens)} ids are not pinned ({len(self._pins)} prefixes are); "
@@ -295,7 +381,7 @@ class PrefixStore:
                 )
             self._trie.unlock(nodes.pop())
             if not nodes:
-                del self._pins[tuple(tokens)]
+                del self._pins[key]
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache. Mutates.
@@ -381,7 +467,7 @@ class PrefixStore:
         self._closed = True
         for handle in self._hooks:
             handle.remove()
-        attention.uninstall(self.model)
+        attention.uninstall(self._hf_model)
 
     def __enter__(self) -> PrefixStore:
         return self
@@ -403,21 +489,23 @@ class PrefixStore:
 
     # -- for PagedPrefixCache (all under the store lock) -----------------------------------------
 
-    def _lookup(self, rows: list[list[int]]) -> list[Match]:
-        """Longest cached prefix of each row. Mutates only LRU times."""
+    def _lookup(self, rows: list[list[int]], space: Hashable = None) -> list[Match]:
+        """Longest cached prefix of each row in namespace ``space``. Mutates only LRU times."""
         with self._lock:
-            matches = [self._trie.match(r) for r in rows]
+            matches = [self._trie.match(r, space) for r in rows]
             for m in matches:
                 if m.length:
                     self._trie.touch(m.node)
             return matches
 
-    def _count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int]) -> None:
+    def _count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int], *, undo: bool = False) -> None:
+        """Count a lookup (``undo``: take back one counted before, as a cache that redoes its reuse does)."""
+        sign = -1 if undo else 1
         with self._lock:
-            self._queries += len(prompt_tokens)
-            self._misses += sum(1 for r in reused if r == 0)
-            self._prompt_tokens += sum(prompt_tokens)
-            self._hit_tokens += sum(reused)
+            self._queries += sign * len(prompt_tokens)
+            self._misses += sign * sum(1 for r in reused if r == 0)
+            self._prompt_tokens += sign * sum(prompt_tokens)
+            self._hit_tokens += sign * sum(reused)
 
     def _ensure_free(self, n: int) -> None:
         """Make ``n`` blocks free: grow the pool within the budget, then evict LRU unlocked leaves.
@@ -431,10 +519,17 @@ class PrefixStore:
             target = want if limit is None else min(want, limit)
             self.pool.grow(target)
             alloc.grow(target)
+        collected = False
         while not alloc.can_allocate(n):
             released = self._trie.evict_one()
             if released is None:
-                raise self._capacity_error(n)
+                if collected:
+                    raise self._capacity_error(n)
+                # caches nobody closed may be waiting for the cyclic collector (a cache kept alive by a
+                # traceback, a user's own cycle): let them give their blocks back once before giving up
+                gc.collect()
+                collected = True
+                continue
             self._evictions += 1
             alloc.decref(released)
 
@@ -461,7 +556,11 @@ class PrefixStore:
         with self._lock:
             self._ensure_free(1)
             (dst,) = self._allocator.allocate(1)
-            self.pool.copy_block(src, dst, n)
+            try:
+                self.pool.copy_block(src, dst, n)
+            except BaseException:
+                self._allocator.decref([dst])
+                raise
             return dst
 
     def _refcount(self, block: int) -> int:
@@ -475,11 +574,12 @@ class PrefixStore:
         with self._lock:
             self._allocator.decref(blocks)
 
-    def _publish(self, tokens: list[int], table: list[int], old: Node | None) -> Node:
-        """Insert ``tokens`` (whole blocks of computed KV) and move the caller's lock to the new end
-        node. Mutates."""
+    def _publish(self, tokens: list[int], table: list[int], old: Node | None, space: Hashable) -> Node:
+        """Insert ``tokens`` (whole blocks of computed KV) into namespace ``space`` and move the caller's lock
+        to the new end node. Mutates. Callers publish only K/V proven to be those of ``tokens``
+        (``PagedPrefixCache._prove``)."""
         with self._lock:
-            ins = self._trie.insert(tokens, table)
+            ins = self._trie.insert(tokens, table, space)
             self._allocator.incref(ins.added)
             self._trie.lock(ins.node)
             if old is not None:
@@ -504,15 +604,24 @@ class PrefixStore:
         with self._lock:
             self._caches.discard(cache)
 
-    def _cached_prefixes(self) -> Iterator[Node]:
-        return iter(self._trie.nodes())
-
 
 def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """One sequence of token ids as ints; ``ValueError`` for anything else (floats are not truncated)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2 and ids.shape[0] == 1:
             ids = ids[0]
-        if ids.dim() != 1 or ids.is_floating_point():
-            raise ValueError(f"expected one sequence of integer token ids, got a tensor of shape {tuple(ids.shape)}")
-        return [int(t) for t in ids.tolist()]
-    return [int(t) for t in ids]
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(
+                f"expected one sequence of integer token ids, got a {ids.dtype} tensor of shape {tuple(ids.shape)}"
+            )
+        ids = ids.tolist()
+    tokens = []
+    for t in ids:
+        try:
+            value = operator.index(t)  # ints of any kind (numpy's too); never a float truncated
+        except TypeError:
+            value = -1
+        if isinstance(t, bool) or value < 0:
+            raise ValueError(f"token ids must be non-negative integers, got {t!r} ({type(t).__name__})")
+        tokens.append(value)
+    return tokens

@@ -24,6 +24,9 @@ _STATE_LAYER_TYPES = frozenset(
 # layer kinds with no attention of their own (they would never call ``update``)
 _NO_KV_LAYER_TYPES = frozenset({"moe", "mlp", "dummy"})
 _STATE_FIELDS = ("ssm_state_size", "state_size", "mamba_d_state")
+# rotary embeddings whose frequencies depend on the length of the whole call (transformers'
+# ``dynamic_rope_update``): the same prefix gets other K/V in a longer call
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 def family(model: Any) -> str:
@@ -42,6 +45,18 @@ def check_supported(model: Any) -> None:
     reason = _refusal(model, config)
     if reason is not None:
         raise UnsupportedModelError(f"{name} {reason}; generate without prefixkv (with a DynamicCache) for this model")
+
+
+def _length_dependent_rope(config: Any) -> str | None:
+    """The config's length-dependent rope type, if any (``rope_parameters`` may hold one dict per layer kind)."""
+    found: list[Any] = []
+    for field in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, field, None)
+        if isinstance(params, dict):
+            nested = [v for v in params.values() if isinstance(v, dict)]
+            for p in [params, *nested]:
+                found += [p.get("rope_type"), p.get("type")]
+    return next((t for t in found if t in _LENGTH_DEPENDENT_ROPE), None)
 
 
 def _refusal(model: Any, config: Any) -> str | None:
@@ -78,6 +93,12 @@ def _refusal(model: Any, config: Any) -> str | None:
         )
     if getattr(text, "is_heterogeneous", False):
         return "has layers of different shapes (a per-layer config); prefixkv needs one KV shape for all layers"
+    rope = _length_dependent_rope(text)
+    if rope is not None:
+        return (
+            f"uses rope_type={rope!r}, whose rotary frequencies change with the length of each call, so a prefix "
+            "gets other K/V in a call of another length and cannot be reused exactly"
+        )
     head_dim = attention_shape(text).head_dim
     for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
         other = getattr(text, field, None)

@@ -6,6 +6,10 @@ the KV of that chunk *along this node's path* (valid at least up to the end of t
 a split is touched by both halves, so its block occurs twice; the trie reports every occurrence it adds
 or drops so that the owner of the refcounts (the store) keeps them true.
 
+Namespaces keep apart K/V that the same tokens get under different model states (an active adapter, DESIGN.md
+rule 9): each namespace has its own root, and every query or insert names its namespace (``None`` by
+default). Eviction is one LRU over all of them.
+
 Eviction follows SGLang: unlocked leaves wait in a heap by last access; evicting one may turn its parent
 into an unlocked leaf, which then joins the heap. Locks count per path: locking a node locks every
 ancestor too, so a locked node is never a leaf candidate and nor is any node above it.
@@ -16,8 +20,10 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
+
+ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every namespace
 
 
 class Node:
@@ -90,20 +96,31 @@ class RadixTrie:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.root = Node([], 0, [], None)
-        self.root.lock = 1  # the root is never evicted
+        self._roots: dict[Hashable, Node] = {}
+        self.root = self.root_of(None)
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
         self._heap: list[tuple[int, int, Node]] = []
         self._size = 0  # nodes below the root: bounds the heap's stale entries (see _offer)
 
+    def root_of(self, space: Hashable) -> Node:
+        """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
+        root = self._roots.get(space)
+        if root is None:
+            root = self._roots[space] = Node([], 0, [], None)
+            root.lock = 1
+        return root
+
     # -- queries ---------------------------------------------------------------------------------
 
-    def match(self, seq: Sequence[int]) -> Match:
-        """Longest cached prefix of ``seq``. Does not mutate (see :meth:`touch`)."""
+    def match(self, seq: Sequence[int], space: Hashable = None) -> Match:
+        """Longest cached prefix of ``seq`` in namespace ``space``. Does not mutate (see :meth:`touch`)."""
         seq = seq if isinstance(seq, list) else list(seq)
         bs = self.block_size
-        node, pos, last = self.root, 0, self.root
+        root = self._roots.get(space)
+        if root is None:
+            return Match(0, [], self.root)
+        node, pos, last = root, 0, root
         blocks: list[int] = []
         while pos < len(seq):
             child = node.children.get(seq[pos])
@@ -122,12 +139,14 @@ class RadixTrie:
         return Match(pos, blocks, last)
 
     def is_leaf(self, node: Node) -> bool:
-        return not node.children and node is not self.root
+        return not node.children and node.parent is not None
 
-    def nodes(self) -> list[Node]:
-        """Every node but the root, parents before children. Does not mutate."""
+    def nodes(self, space: Hashable = ALL_SPACES) -> list[Node]:
+        """Every node but the roots (of namespace ``space``; all namespaces by default), parents before
+        children. Does not mutate."""
         out: list[Node] = []
-        stack = list(self.root.children.values())
+        roots = self._roots.values() if space is ALL_SPACES else [self._roots[space]] if space in self._roots else []
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             n = stack.pop()
             out.append(n)
@@ -136,8 +155,8 @@ class RadixTrie:
 
     # -- mutations -------------------------------------------------------------------------------
 
-    def insert(self, seq: Sequence[int], table: Sequence[int]) -> Insert:
-        """Add ``seq`` whose chunk ``c`` is held by ``table[c]``. Mutates.
+    def insert(self, seq: Sequence[int], table: Sequence[int], space: Hashable = None) -> Insert:
+        """Add ``seq`` whose chunk ``c`` is held by ``table[c]`` to namespace ``space``. Mutates.
 
         Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
         ``table``. Returns the node holding the last token and the block occurrences added.
@@ -147,7 +166,7 @@ class RadixTrie:
         if len(table) * bs < len(seq):
             raise ValueError(f"{len(seq)} tokens need {-(-len(seq) // bs)} blocks, got {len(table)}")
         added: list[int] = []
-        node, pos = self.root, 0
+        node, pos = self.root_of(space), 0
         if not seq:
             return Insert(node, added)
         while True:
@@ -191,11 +210,11 @@ class RadixTrie:
         self._size += 1
         return upper, straddle
 
-    def end_node(self, seq: Sequence[int]) -> Insert | None:
+    def end_node(self, seq: Sequence[int], space: Hashable = None) -> Insert | None:
         """The node whose edge ends exactly after ``seq``, splitting an edge there if needed, or ``None``
         if ``seq`` is empty or not wholly in the trie. Mutates (the split); ``added`` is the block
         occurrence a split adds (the caller increments it)."""
-        m = self.match(seq)
+        m = self.match(seq, space)
         if m.length == 0 or m.length < len(seq):
             return None
         if m.node.end == m.length:
@@ -207,7 +226,7 @@ class RadixTrie:
         """Mark ``node`` and its ancestors as used now (LRU). Mutates."""
         now = next(self._clock)
         n: Node | None = node
-        while n is not None and n is not self.root:
+        while n is not None and n.parent is not None:
             n.last_access = now
             n = n.parent
         self._offer(node)
@@ -269,7 +288,7 @@ class RadixTrie:
         """Raise ``AssertionError`` on a malformed trie; return the block occurrences. Does not mutate."""
         bs = self.block_size
         occurrences: Counter[int] = Counter()
-        stack = [self.root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             child_locks = 0
