@@ -114,6 +114,39 @@ def test_store_html_escapes_text_and_says_when_nothing_is_cached(llama64: Any) -
     store.close()
 
 
+def test_show_renders_cached_prefixes_as_text_with_token_ids_on_hover(llama64: Any) -> None:
+    tok = prefixkv.models.tiny_tokenizer()
+    short = tok("ba bebo, be <s> da mu.").input_ids  # <s>: a special token, to be escaped
+    long = tok(" ".join(["ba bebo, be da mu."] * 30) + " zo").input_ids
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    store.warm([short, long], progress=False)
+    view = store.show(tok)
+    html = view._repr_html_()
+
+    def spans(cell: str) -> list[tuple[int, str]]:  # (id on hover, text) of each token
+        return [(int(i), text) for i, text in re.findall(r"<span title='id (\d+)'>(.*?)</span>", cell)]
+
+    cells = {len(spans(c)): c for c in re.findall(r"<tr><td>\d+</td>.*?</tr>", html)}
+    # the shared start (4 tokens, continued by both), and each prompt's cached blocks
+    assert len(cells) == 3 and [i for i, _ in spans(cells[4])] == short[:4]
+    # the short prefix whole (its 8 tokens fill two blocks), as text
+    whole = spans(cells[8])
+    assert [i for i, _ in whole] == short and "".join(t for _, t in whole) == "ba bebo, be &lt;s&gt; da mu."
+    # the long one: its start and its end, each token's text with its id
+    cached = len(long) // 4 * 4
+    (cell,) = (c for n, c in cells.items() if n not in (4, 8))
+    head_html, tail_html = cell.split("tokens not shown'>")
+    head, tail = spans(head_html), spans(tail_html)
+    assert [i for i, _ in head] == long[: len(head)] and [i for i, _ in tail] == long[cached - len(tail) : cached]
+    assert "".join(t for _, t in head).startswith("ba bebo, be da mu.")
+    assert f"title='{cached - len(head) - len(tail)} tokens not shown'" in html
+    assert "<script" not in html and html.isascii()
+    # without a tokenizer, ids; printed, the trie with text
+    assert " ".join(map(str, short[:4])) in store._repr_html_()
+    assert '"ba bebo, be"' in str(view) and '"<s> da mu."' in str(view)
+    store.close()
+
+
 def test_cache_views_show_each_row_its_padding_and_its_shared_blocks(llama64: Any) -> None:
     store = prefixkv.PrefixStore(llama64, block_size=4)
     system = random_tokens(10, seed=16)

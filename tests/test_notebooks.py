@@ -1,8 +1,11 @@
 """The notebooks run top to bottom on the embedded model (each checks its own results with asserts),
-and git keeps them without outputs."""
+show the cached prefixes as text, and git keeps them without outputs."""
 
 from __future__ import annotations
 
+import html
+import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -31,7 +34,8 @@ def test_notebook_is_stored_without_outputs(path: Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PREFIXKV_MODEL", raising=False)  # the embedded model, as in CI
+    # the embedded model (CI), or SmolLM2 where the real-model tests are switched on
+    monkeypatch.setenv("PREFIXKV_MODEL", "smollm2" if os.environ.get("PREFIXKV_REAL_TESTS") == "1" else "embedded")
     nb = nbformat.read(path, as_version=4)
     # raises CellExecutionError, with the cell and its traceback, when a cell fails
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
@@ -39,3 +43,7 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, monkeypatch: py
     kinds = {kind for o in outputs for kind in o.get("data", {})}
     assert "image/png" in kinds, f"{path.name} drew no figure"
     assert "text/html" in kinds, f"{path.name} displayed no store or cache"
+    if path.name == "quickstart.ipynb":  # store.show(tok): the cached prefixes as text, with ids on hover
+        views = [o["data"]["text/html"] for o in outputs if "prefixes" in o.get("data", {}).get("text/html", "")]
+        text = html.unescape(re.sub(r"<[^>]+>", "", views[0])) if views else ""
+        assert "twice online." in text and "<span title='id " in views[0], "the store is not shown as text"

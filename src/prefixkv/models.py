@@ -162,17 +162,17 @@ _TINY_CHAT_TEMPLATE = (
 
 def tiny_tokenizer(vocab_size: int = 256) -> Any:
     """A WordPiece tokenizer built in memory for the tiny models (no download): ids 0-2 are the models'
-    pad, BOS and EOS; then chat roles, punctuation, letters (``a``, ``##b``: any lowercase word can be
-    spelled) and made-up two- and four-letter words ("ba", "bebo"). Left padding and a chat template, so
+    pad, BOS and EOS; then chat roles, punctuation, letters (``a``, ``##b``: any word can be spelled, in
+    lowercase) and made-up two- and four-letter words ("ba", "bebo"). Left padding and a chat template, so
     ``pipeline("text-generation")``, ``apply_chat_template`` and ``stop_strings`` work.
 
     >>> tok = tiny_tokenizer()
-    >>> tok.convert_ids_to_tokens(tok("ba bebo, abc").input_ids)
+    >>> tok.convert_ids_to_tokens(tok("ba bebo, Abc").input_ids)
     ['ba', 'bebo', ',', 'a', '##b', '##c']
-    >>> tok.decode(tok("ba bebo, abc").input_ids)
+    >>> tok.decode(tok("ba bebo, Abc").input_ids)
     'ba bebo, abc'
     """
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers import models as token_models
 
     syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
@@ -181,6 +181,7 @@ def tiny_tokenizer(vocab_size: int = 256) -> Any:
     vocab = [*TINY_SPECIAL_TOKENS, ".", ",", "?", "!", *letters, *("##" + c for c in letters)]
     vocab += words[: vocab_size - len(vocab)]
     tokenizer = Tokenizer(token_models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.decoder = decoders.WordPiece()  # joins words with spaces, no space before punctuation
     tokenizer.add_special_tokens(list(TINY_SPECIAL_TOKENS))

@@ -487,6 +487,20 @@ class PrefixStore:
         """Jupyter's view: block usage as a bar, hit rate, memory, the most shared prefixes."""
         return display.store_html(self)
 
+    def show(self, tokenizer: Any = None, *, top: int = 5) -> display.StoreView:
+        """The store as a notebook shows it, with the ``top`` most shared cached prefixes as text when a
+        tokenizer is given (each token's id on hover); printed, the trie as text. Does not mutate.
+
+        >>> import prefixkv
+        >>> tok = prefixkv.models.tiny_tokenizer()
+        >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
+        >>> _ = store.warm([tok("ba bebo, be kiko.").input_ids], progress=False)
+        >>> print(store.show(tok))
+        root
+        └── 8 tokens [0, 8)  blocks 1-2  evictable  "ba bebo, be kiko."
+        """
+        return display.StoreView(self, tokenizer, top)
+
     # -- for PagedPrefixCache (all under the store lock) -----------------------------------------
 
     def _lookup(self, rows: list[list[int]], space: Hashable = None) -> list[Match]:

@@ -1,0 +1,61 @@
+"""``python -m prefixkv demo``: the workload it runs (shared system prompt, follow-up turn), the reuse it
+reports against a reference computed from the token ids, outputs equal to stock generate, and the printed
+table of ``demo --small`` (what CI runs; the default, ~100M-parameter demo takes a minute)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from prefixkv import cli
+
+
+def _reusable(prompts: list[torch.Tensor], sequences: list[torch.Tensor]) -> list[int]:
+    """Tokens each call could reuse: its longest common prefix with an earlier call's prompt and answer,
+    less that call's last token (generated, never fed back), and at most all but its own last token."""
+    reused = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for seq in sequences[:i]:
+            known = seq[0, :-1]
+            n = min(len(known), p.shape[1])
+            differ = (known[:n] != p[0, :n]).nonzero()
+            best = max(best, int(differ[0]) if len(differ) else n)
+        reused.append(min(best, p.shape[1] - 1))
+    return reused
+
+
+def test_demo_reuses_the_system_prompt_and_the_earlier_turn_and_matches_stock(llama64: Any) -> None:
+    workload = cli.synthetic_workload(llama64.config.vocab_size, system_len=40, questions=3, new_tokens=5)
+    result = cli.run(llama64, workload, block_size=4)
+    prompts = [turn([c.output.sequences for c in result.ours[:i]]) for i, turn in enumerate(workload.turns)]
+    sequences = [c.output.sequences for c in result.ours]
+    assert [c.prompt_tokens for c in result.ours] == [p.shape[1] for p in prompts]
+    # the follow-up turn is the first call's prompt and answer, then the new question
+    assert torch.equal(prompts[-1][:, : sequences[0].shape[1]], sequences[0])
+    reused = [c.reused for c in result.ours]
+    # whatever the store's policy for a part-filled last block, it reuses all whole blocks it could
+    assert all(n - 4 < r <= n for r, n in zip(reused, _reusable(prompts, sequences))), (reused, prompts)
+    assert reused[0] == 0 and min(reused[1:-1]) >= 40 and reused[-1] > sequences[0].shape[1] - 1 - 4
+    assert all(c.reused == 0 for c in result.stock)
+    for a, b in zip(result.stock, result.ours):
+        assert torch.equal(a.output.sequences, b.output.sequences)
+        assert max((x - y).abs().max().item() for x, y in zip(a.output.logits, b.output.logits)) < 1e-4
+        assert a.output.sequences.shape[1] - a.prompt_tokens == 5
+
+    table = cli.report(llama64, workload, result)
+    assert f"{sum(reused)} of {sum(p.shape[1] for p in prompts)}" in table
+    assert "outputs match stock generate" in table and "yes (max logit diff" in table
+
+
+def test_demo_small_prints_the_table_and_where_the_time_went(capsys: Any) -> None:
+    assert cli.main(["demo", "--small", "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "8 questions after one 384-token system prompt, then a follow-up turn" in out
+    assert re.search(r"time to first token, warm calls \(median\) +[\d.]+ ms +[\d.]+ ms", out)
+    assert re.search(r"outputs match stock generate +- +yes \(max logit diff", out)
+    assert re.search(r"where the time went: prefill \(to the first token\) [\d.]+ s -> [\d.]+ s, \d+ prompt", out)
+    reused, total = map(int, re.search(r"prompt tokens reused .* (\d+) of (\d+)", out).groups())  # type: ignore[union-attr]
+    assert reused >= 8 * 384 and total > reused
