@@ -50,7 +50,9 @@ def test_score_matches_a_full_forward(
     try:
         if warm:
             store.warm([SYSTEM], progress=False)
-        contexts = [SYSTEM[:shared] + random_tokens(own, seed + 2 * i).tolist() for i, (shared, own, _) in enumerate(shape)]
+        contexts = [
+            SYSTEM[:shared] + random_tokens(own, seed + 2 * i).tolist() for i, (shared, own, _) in enumerate(shape)
+        ]
         continuations = [random_tokens(n, seed + 2 * i + 1).tolist() for i, (_, _, n) in enumerate(shape)]
         scores = prefixkv.score(llama64, store, contexts, continuations, batch_size=batch_size)
         for c, k, s in zip(contexts, continuations, scores):
@@ -118,10 +120,13 @@ def test_in_batch_sharing_computes_a_cold_prefix_once(llama64: Any) -> None:
         # over the 12 columns after the prefix, then 2 steps
         assert fed[3:5] == [40, 8 * 12], fed
         stats = result.cache.stats
-        assert stats.computed_tokens == 40 + sum(len(q) - 40 for q in questions) + sum(12 - (len(q) - 40) for q in questions)
+        # work ~= 1 prefix + 8 tails: each row computes the 12 columns after the prefix (a shorter row, padded
+        # on the left, takes the end of the prefix again: one offset per batch), and one row is charged the prefix
+        assert stats.computed_tokens == 40 + 8 * 12
+        assert sorted(r.computed_tokens for r in stats.per_row) == [12] * 7 + [52]
         assert stats.cached_tokens == stats.prompt_tokens - stats.computed_tokens
         assert store.stats.hit_tokens == stats.cached_tokens
-        check_reuse_is_exact(llama64, store, system.tolist() + [7, 8, 9])
+        check_reuse_is_exact(llama64, store, [*system.tolist(), 7, 8, 9])
         assert_no_leak(store)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import threading
 import warnings
 from collections import Counter
@@ -184,7 +185,7 @@ def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[
     out, as computing the longer one caches it too. Does not mutate."""
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     found: dict[tuple[int, ...], None] = {}
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
         if n:
             found[tuple(rows[a][:n])] = None

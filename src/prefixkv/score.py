@@ -170,8 +170,9 @@ def _token_rows(x: TokenRows, mask: torch.Tensor | None, name: str) -> list[list
     if mask is not None:
         raise ValueError(f"a mask applies to a 2-D tensor of {name}, not to a list of sequences")
     seq = list(x)
-    if seq and all(isinstance(t, int) for t in seq):
-        return [[int(t) for t in seq]]
+    flat = [t for t in seq if isinstance(t, int)]
+    if seq and len(flat) == len(seq):
+        return [flat]
     return [_ids(s, name) for s in seq]
 
 
