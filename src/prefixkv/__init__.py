@@ -8,6 +8,7 @@ from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError
 from .memory import estimate, kv_bytes_per_token
 from .patch import disable, enable
 from .persist import PersistStats
+from .score import Score, score
 from .store import PrefixStore, StoreStats
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "PrefixKVError",
     "PrefixStore",
     "RowStats",
+    "Score",
     "StoreStats",
     "UnsupportedModelError",
     "__version__",
@@ -31,4 +33,5 @@ __all__ = [
     "estimate",
     "kv_bytes_per_token",
     "models",
+    "score",
 ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import threading
 import warnings
 import weakref
@@ -268,6 +269,46 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[
     return layout(input_ids, mask)
 
 
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:
+    """The longest whole-block prefixes that two or more rows share (at most ``len - 1`` tokens of each, what a
+    row can reuse), each with the indices of the rows that start with it; a prefix of another one is left
+    out, as computing the longer one caches it too. Does not mutate."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    found: dict[tuple[int, ...], None] = {}
+    for a, b in itertools.pairwise(order):
+        n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
+        if n:
+            found[tuple(rows[a][:n])] = None
+    longest = [p for p in found if not any(len(q) > len(p) and q[: len(p)] == p for q in found)]
+    return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
+
+
+def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
+    beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
+    row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
+    computed = []
+    for prefix, members in _shared_prefixes(rows, store.block_size):
+        with store._lock:
+            held = store._trie.match(prefix).length
+        if held >= len(prefix):
+            continue
+        with PagedPrefixCache(store) as cache:
+            cache._attach_prompt([0], [prefix], count=False)
+            cache._prefill(keep_partial=False)
+        computed.append((cache.stats.computed_tokens, members))
+    return computed
+
+
 class PagedPrefixCache(Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
 
@@ -333,9 +374,12 @@ class PagedPrefixCache(Cache):
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _attach_prompt(self, pads: list[int], rows: list[list[int]]) -> None:
-        """Match each row, keep the batch to one offset (DESIGN.md rule 3), share or copy blocks."""
+    def _attach_prompt(self, pads: list[int], rows: list[list[int]], *, count: bool = True) -> None:
+        """Match each row, keep the batch to one offset (DESIGN.md rule 3), share or copy blocks. Rows that
+        share a prefix the store does not hold yet get it computed once, first (``_prefill_shared``). With
+        ``count=False`` the lookup stays out of the store's statistics (that inner prefill). Mutates."""
         store, bs = self.store, self.block_size
+        prefilled = _prefill_shared(store, rows) if len(rows) > 1 else []
         handles: list[Node | None] = []
         tables: list[list[int]] = []
         # one critical section: another thread must not evict a match before its blocks are taken
@@ -373,6 +417,10 @@ class PagedPrefixCache(Cache):
         self._slots = torch.stack([_column_slots(row, 0, offset, bs) for row in self._rows])
         self._slots_by_device.clear()
         self._tables_version += 1
+        # the shared prefill's tokens were computed by this call: charge them to a row that reused them
+        for cost, members in prefilled:
+            j = max(members, key=lambda i: reused[i])
+            reused[j] -= min(cost, reused[j])
         per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
         self._stats = CacheStats(
             sum(s.prompt_tokens for s in per_row),
@@ -380,7 +428,8 @@ class PagedPrefixCache(Cache):
             sum(s.computed_tokens for s in per_row),
             per_row,
         )
-        store._count_query([len(t) for t in rows], reused)
+        if count:
+            store._count_query([len(t) for t in rows], reused)
 
     @property
     def stats(self) -> CacheStats:

@@ -1,0 +1,1 @@
+"""Integrations with other tools; each module imports its tool, an optional dependency, only when imported."""
