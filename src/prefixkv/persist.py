@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from .errors import CapacityError, PersistError
 from .memory import attention_shape, format_bytes
+from .pool import KV_DTYPES, code_dtype
 from .trie import Node, RadixTrie
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class PrefixFile(NamedTuple):
     paths: list[tuple[list[int], list[int]]]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    kv_dtype: str | None = None
+    scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
 
 
 # -- model fingerprint -------------------------------------------------------------------------------
@@ -155,13 +158,23 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
     with store._lock:
         nodes = _select_nodes(store._trie, prefixes)
         tensors, blocks = _trie_tensors(nodes, store.block_size)
-        keys, values = store.pool.read_blocks(blocks)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        tensors[f"k.{layer}"] = k
-        tensors[f"v.{layer}"] = v
+        tensors.update(store.pool.read_blocks(blocks))
+    meta = store_meta(store, model_print)
+    meta["checksum"] = _checksum(tensors, meta)
+    _write_atomically(Path(path), tensors, meta)
+    return PersistStats(
+        prefixes=sum(1 for n in nodes if not n.children),
+        tokens=sum(len(n.tokens) for n in nodes),
+        blocks=len(blocks),
+    )
+
+
+def store_meta(store: PrefixStore, model_print: str, format: str = FORMAT) -> dict[str, str]:
+    """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
+    model fingerprint), without the checksum. Does not mutate."""
     spec = store.pool.specs[0]
     meta = {
-        "format": FORMAT,
+        "format": format,
         "format_version": str(FORMAT_VERSION),
         "block_size": str(store.block_size),
         "dtype": _dtype_name(store.dtype),
@@ -172,13 +185,9 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
         "model_type": str(getattr(store.model.config, "model_type", type(store.model).__name__)),
         "model_fingerprint": model_print,
     }
-    meta["checksum"] = _checksum(tensors, meta)
-    _write_atomically(Path(path), tensors, meta)
-    return PersistStats(
-        prefixes=sum(1 for n in nodes if not n.children),
-        tokens=sum(len(n.tokens) for n in nodes),
-        blocks=len(blocks),
-    )
+    if store.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization
+        meta["kv_dtype"] = store.kv_dtype
+    return meta
 
 
 class _Saved(NamedTuple):
@@ -310,13 +319,24 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
     values = [tensors[f"v.{i}"] for i in range(num_layers)]
     shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
     dtype = _dtype(meta, "dtype", path)
+    kv_dtype = meta.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
+    stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
     count = keys[0].shape[0] if keys[0].dim() == 4 else -1
     for t in (*keys, *values):
-        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != dtype:
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
             raise bad(
                 f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
-                f"expected {dtype} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
             )
+    scales = {}
+    if kv_dtype is not None:
+        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
+            t = tensors.get(name)
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != (count, shape[1]):
+                raise bad(f"scale tensor {name} is missing or not float32 of shape [{count}, {shape[1]}]")
+            scales[name] = t
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
         raise bad("the trie tensors disagree in length")
@@ -364,6 +384,8 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         paths,
         keys,
         values,
+        kv_dtype,
+        scales,
     )
 
 
@@ -371,10 +393,23 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
 
 
 def check_compatible(
-    file: PrefixFile, path: PathLike, model: Any, block_size: int, dtype: torch.dtype, model_dtype: torch.dtype
+    file: PrefixFile,
+    path: PathLike,
+    model: Any,
+    block_size: int,
+    dtype: torch.dtype,
+    model_dtype: torch.dtype,
+    kv_dtype: str | None = None,
 ) -> None:
-    """Refuse a file made for another block size, dtype, shape or model. Does not mutate."""
+    """Refuse a file made for another block size, dtype, quantization, shape or model. Does not mutate."""
     meta = file.meta
+    if file.kv_dtype != kv_dtype:
+        theirs, ours = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
+        raise PersistError(
+            f"{path} keeps K/V {theirs}, the store {ours}: quantized and unquantized prefixes are kept apart. "
+            f"Load it into a store with kv_dtype={file.kv_dtype!r}, or convert it explicitly with "
+            f"prefixkv.persist.convert(path, new_path, model, kv_dtype={kv_dtype!r})"
+        )
     if file.block_size != block_size:
         raise PersistError(
             f"{path} holds blocks of {file.block_size} tokens but the store uses block_size={block_size}; "
@@ -411,8 +446,9 @@ def load(cls: type[PrefixStore], path: PathLike, model: Any, **kwargs: Any) -> P
     file = read(path)
     kwargs.setdefault("block_size", file.block_size)
     kwargs["dtype"] = kwargs.get("dtype") or file.dtype
+    kwargs.setdefault("kv_dtype", file.kv_dtype)
     model_dtype = getattr(model, "dtype", torch.float32)
-    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype)
+    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"])
     store = cls(model, **kwargs)
     try:
         add(store, file)
@@ -426,7 +462,7 @@ def merge(store: PrefixStore, path: PathLike) -> PersistStats:
     """Add the file's prefixes to ``store``. Mutates the store (evicting LRU prefixes if its budget
     needs room) only once the file has been verified and is known to fit."""
     file = read(path)
-    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype)
+    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype, store.kv_dtype)
     return add(store, file)
 
 
@@ -459,7 +495,7 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
                 )
             store._ensure_free(len(needed))
             fresh = alloc.allocate(len(needed))
-            store.pool.write_blocks(fresh, *_blocks_of(file, needed))
+            store.pool.write_blocks(fresh, _blocks_of(file, needed))
             slot = dict(zip(needed, fresh))
             for plan in plans:
                 live = trie.match(plan.tokens)
@@ -505,9 +541,13 @@ def _room(store: PrefixStore) -> int | None:
     return alloc.num_free + (store.max_blocks + 1 - alloc.capacity) + evictable
 
 
-def _blocks_of(file: PrefixFile, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
     index = torch.tensor(blocks, dtype=torch.long)
-    return [k.index_select(0, index) for k in file.keys], [v.index_select(0, index) for v in file.values]
+    out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
+    out.update({f"v.{i}": v.index_select(0, index) for i, v in enumerate(file.values)})
+    out.update({name: t.index_select(0, index) for name, t in file.scales.items()})
+    return out
 
 
 # -- helpers ------------------------------------------------------------------------------------------------

@@ -121,6 +121,17 @@ class RadixTrie:
             node = child
         return Match(pos, blocks, last)
 
+    @staticmethod
+    def path_tokens(node: Node) -> list[int]:
+        """The tokens from position 0 to the end of ``node``'s edge (also for a node just evicted). Does not
+        mutate."""
+        parts: list[list[int]] = []
+        n: Node | None = node
+        while n is not None:
+            parts.append(n.tokens)
+            n = n.parent
+        return [t for part in reversed(parts) for t in part]
+
     def is_leaf(self, node: Node) -> bool:
         return not node.children and node is not self.root
 
@@ -243,6 +254,13 @@ class RadixTrie:
     def evict_one(self) -> list[int] | None:
         """Drop the least recently used unlocked leaf; return its block occurrences (the caller
         decrements them), or ``None`` if no leaf can go. Mutates."""
+        node = self.evict_lru()
+        return None if node is None else node.blocks
+
+    def evict_lru(self) -> Node | None:
+        """Drop the least recently used unlocked leaf and return it (its ``blocks`` are the occurrences
+        the caller decrements; its ``parent`` chain still spells its tokens), or ``None`` if no leaf can
+        go. Mutates."""
         while self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not node.alive or node.lock or node.children or stamp != node.last_access:
@@ -253,7 +271,7 @@ class RadixTrie:
             node.alive = False
             self._size -= 1
             self._offer(parent)
-            return node.blocks
+            return node
         return None
 
     def clear(self) -> list[int]:
