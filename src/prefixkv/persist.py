@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from .errors import CapacityError, PersistError
 from .memory import attention_shape, format_bytes
-from .pool import KV_DTYPES, code_dtype
+from .pool import KV_DTYPES, BlockPool, LayerSpec, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
 
 if TYPE_CHECKING:
@@ -464,6 +464,47 @@ def merge(store: PrefixStore, path: PathLike) -> PersistStats:
     file = read(path)
     check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype, store.kv_dtype)
     return add(store, file)
+
+
+def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> PersistStats:
+    """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
+    ``"fp8"``, or ``None`` for unquantized in the file's dtype): the explicit step that lets a quantized
+    store load a file saved from an unquantized one, and back. Quantizing costs what a quantized store costs
+    (``docs/memory.md``); dequantizing gives back the quantized values, not the originals. Raises
+    :class:`PersistError` for a file :func:`read` refuses; ``path`` is left as it is.
+
+    >>> import prefixkv, torch, tempfile, os
+    >>> model = prefixkv.models.tiny_model("llama")
+    >>> store = prefixkv.PrefixStore(model, block_size=4)
+    >>> _ = store.warm([torch.arange(3, 20)], progress=False)
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = store.save(os.path.join(folder, "full.safetensors"))
+    >>> convert(os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors"), "int8").blocks
+    4
+    >>> prefixkv.PrefixStore.load(os.path.join(folder, "int8.safetensors"), model).kv_dtype
+    'int8'
+    """
+    check_kv_dtype(kv_dtype)
+    file = read(path)
+    bs, count = file.block_size, file.keys[0].shape[0]
+    spec = LayerSpec(int(file.meta["kv_heads"]), int(file.meta["head_dim"]), torch.device("cpu"), file.dtype)
+    specs = [spec] * len(file.keys)
+    source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
+    everything = list(range(count))
+    if count:
+        source.write_blocks(everything, _blocks_of(file, everything))
+        table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
+        for layer in range(len(specs)):
+            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        tensors = {name: f.get_tensor(name) for name in _TRIE_KEYS}
+    tensors.update(target.read_blocks(everything))
+    meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
+    if kv_dtype is not None:
+        meta["kv_dtype"] = kv_dtype
+    meta["checksum"] = _checksum(tensors, meta)
+    _write_atomically(Path(new_path), tensors, meta)
+    return PersistStats(prefixes=len(file.paths), tokens=len(tensors["trie.tokens"]), blocks=count)
 
 
 class _Plan(NamedTuple):
