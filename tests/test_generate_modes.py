@@ -11,13 +11,13 @@ forward (every step of every ``generate``)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from conftest import FeedCounter, compare, left_pad, max_logit_diff, random_tokens
+from conftest import FeedCounter, compare, left_pad, random_tokens
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
 
 import prefixkv
@@ -86,7 +86,9 @@ def new_store(llama64: Any, kind: str, tmp_path: Any) -> Iterator[Any]:
     def build() -> PrefixStore:
         kw: dict[str, Any] = {"kv_dtype": "int8"} if kind == "int8" else {}
         if kind in TIERED:
-            kw.update(num_blocks=POOL, offload=kind, offload_dir=tmp_path / f"tier{len(made)}" if kind == "disk" else None)
+            kw.update(
+                num_blocks=POOL, offload=kind, offload_dir=tmp_path / f"tier{len(made)}" if kind == "disk" else None
+            )
         store = PrefixStore(llama64, block_size=BS, **kw)
         made.append(store)
         return store
@@ -257,7 +259,9 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
     [dict(num_beams=3), dict(num_beams=3, num_return_sequences=2), dict(num_beams=3, early_stopping=True)],
     ids=["beams", "beams+num_return_sequences", "beams+early_stopping"],
 )
-def test_beam_search_shares_blocks_through_reorder(llama64: Any, store: PrefixStore, beams: dict[str, Any], tol: Tol) -> None:
+def test_beam_search_shares_blocks_through_reorder(
+    llama64: Any, store: PrefixStore, beams: dict[str, Any], tol: Tol
+) -> None:
     ids = _prompt(seed=12)
     kw = dict(do_sample=False, max_new_tokens=8, output_scores=True, **beams)
     ref = _stock(llama64, ids, **kw)
@@ -315,7 +319,9 @@ def assistant() -> Any:
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
-def test_assisted_decoding_reuses_the_prefix(llama64: Any, store: PrefixStore, assistant: Any, mode: str, tol: Tol) -> None:
+def test_assisted_decoding_reuses_the_prefix(
+    llama64: Any, store: PrefixStore, assistant: Any, mode: str, tol: Tol
+) -> None:
     ids = _repetitive_prompt()
     extra = dict(prompt_lookup_num_tokens=3) if mode == "prompt_lookup" else dict(assistant_model=assistant)
     kw = dict(do_sample=False, max_new_tokens=10, output_scores=True, **extra)
@@ -333,7 +339,9 @@ def test_assisted_decoding_reuses_the_prefix(llama64: Any, store: PrefixStore, a
     assert any(n > 1 for n in counter.calls[1:])  # later steps verified candidates too (and cropped the rejected)
 
 
-def test_assisted_decoding_with_hidden_states_recomputes_with_a_warning(llama64: Any, store: PrefixStore, tol: Tol) -> None:
+def test_assisted_decoding_with_hidden_states_recomputes_with_a_warning(
+    llama64: Any, store: PrefixStore, tol: Tol
+) -> None:
     ids = _repetitive_prompt()
     kw = dict(do_sample=False, max_new_tokens=6, prompt_lookup_num_tokens=3, output_hidden_states=True)
     ref = _stock(llama64, ids, **kw)
@@ -344,7 +352,9 @@ def test_assisted_decoding_with_hidden_states_recomputes_with_a_warning(llama64:
     # hidden states: within 1e-6, or with 8-bit K/V within 1% of their scale (measured: 0.5%)
     rtol = TOL if tol.tokens else 1e-2
     for mine, theirs in zip(out.hidden_states, ref.hidden_states):
-        assert all(a.shape == b.shape and (a - b).abs().max() <= rtol * max(1.0, b.abs().max()) for a, b in zip(mine, theirs))
+        assert all(
+            a.shape == b.shape and (a - b).abs().max() <= rtol * max(1.0, b.abs().max()) for a, b in zip(mine, theirs)
+        )
 
 
 # -- multi-turn chat ----------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_a_quantized_file_loads_into_a_quantized_store_with_the_same_codes(llama
 def test_quantized_and_unquantized_files_are_refused_by_each_other(llama64: Any, tmp_path: Path) -> None:
     plain, _ = _saved(llama64, tmp_path / "plain.safetensors", None)
     quant, _ = _saved(llama64, tmp_path / "int8.safetensors", "int8")
-    with pytest.raises(PersistError, match="unquantized.*convert it explicitly"):
+    with pytest.raises(PersistError, match=r"unquantized.*convert it explicitly with PrefixStore.convert"):
         PrefixStore.load(tmp_path / "plain.safetensors", llama64, kv_dtype="int8")
     with pytest.raises(PersistError, match="int8, the store unquantized"):
         plain.merge(tmp_path / "int8.safetensors")

@@ -33,7 +33,9 @@ def _entry(value: float, size: int = 64) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_budget_and_lru(kind: str, tmp_path: Path) -> None:
-    tier = OffloadTier(kind, max_bytes=3 * 64 if kind == "cpu" else 3 * 300, directory=tmp_path if kind == "disk" else None)
+    tier = OffloadTier(
+        kind, max_bytes=3 * 64 if kind == "cpu" else 3 * 300, directory=tmp_path if kind == "disk" else None
+    )
     for i in range(3):
         assert tier.put(f"k{i}", _entry(i))
     assert tier.touch("k0")  # k1 is now the least recently used
@@ -125,7 +127,7 @@ def test_a_disk_tier_of_another_store_is_refused(llama64: Any, tmp_path: Path, o
         _fill(llama64, store, range(3))
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64, seed=other.pop("model_seed", 0))
     kw = {"block_size": BS, "num_blocks": 16, "offload": "disk", "offload_dir": tmp_path, **other}
-    with pytest.raises(PersistError, match="written for another store.*its own offload_dir"):
+    with pytest.raises(PersistError, match=r"written for another store.*its own offload_dir"):
         PrefixStore(model, **kw)
 
 

@@ -9,6 +9,7 @@ from .memory import estimate, kv_bytes_per_token
 from .patch import disable, enable
 from .persist import PersistStats
 from .store import PrefixStore, StoreStats
+from .tier import TierStats
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "PrefixStore",
     "RowStats",
     "StoreStats",
+    "TierStats",
     "UnsupportedModelError",
     "__version__",
     "disable",

@@ -135,7 +135,9 @@ def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
         ("evictions", str(s.evictions)),
     ]
     if store.kv_dtype is not None:
-        facts.insert(4, ("storage", f"{store.kv_dtype} with a float32 scale per block and KV head, read as {store.dtype}"))
+        facts.insert(
+            4, ("storage", f"{store.kv_dtype} with a float32 scale per block and KV head, read as {store.dtype}")
+        )
     if s.offload is not None:
         o = s.offload
         limit = "unbounded" if o.max_bytes is None else f"budget {format_bytes(o.max_bytes)}"

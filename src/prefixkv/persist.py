@@ -333,10 +333,10 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
     scales = {}
     if kv_dtype is not None:
         for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
-            t = tensors.get(name)
-            if t is None or t.dtype != torch.float32 or tuple(t.shape) != (count, shape[1]):
+            scale = tensors.get(name)
+            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (count, shape[1]):
                 raise bad(f"scale tensor {name} is missing or not float32 of shape [{count}, {shape[1]}]")
-            scales[name] = t
+            scales[name] = scale
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
         raise bad("the trie tensors disagree in length")
@@ -404,11 +404,11 @@ def check_compatible(
     """Refuse a file made for another block size, dtype, quantization, shape or model. Does not mutate."""
     meta = file.meta
     if file.kv_dtype != kv_dtype:
-        theirs, ours = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
+        kept, wanted = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
         raise PersistError(
-            f"{path} keeps K/V {theirs}, the store {ours}: quantized and unquantized prefixes are kept apart. "
+            f"{path} keeps K/V {kept}, the store {wanted}: quantized and unquantized prefixes are kept apart. "
             f"Load it into a store with kv_dtype={file.kv_dtype!r}, or convert it explicitly with "
-            f"prefixkv.persist.convert(path, new_path, model, kv_dtype={kv_dtype!r})"
+            f"PrefixStore.convert(path, new_path, kv_dtype={kv_dtype!r})"
         )
     if file.block_size != block_size:
         raise PersistError(
@@ -479,9 +479,10 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     >>> _ = store.warm([torch.arange(3, 20)], progress=False)
     >>> folder = tempfile.mkdtemp()
     >>> _ = store.save(os.path.join(folder, "full.safetensors"))
-    >>> convert(os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors"), "int8").blocks
+    >>> src, dst = os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors")
+    >>> prefixkv.PrefixStore.convert(src, dst, "int8").blocks
     4
-    >>> prefixkv.PrefixStore.load(os.path.join(folder, "int8.safetensors"), model).kv_dtype
+    >>> prefixkv.PrefixStore.load(dst, model).kv_dtype
     'int8'
     """
     check_kv_dtype(kv_dtype)

@@ -394,6 +394,15 @@ class PrefixStore:
         truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
         return persist.load(cls, path, model, **kwargs)
 
+    @staticmethod
+    def convert(
+        path: str | os.PathLike[str], new_path: str | os.PathLike[str], kv_dtype: str | None
+    ) -> persist.PersistStats:
+        """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
+        ``"fp8"`` or ``None``): the explicit step between quantized and unquantized stores, which refuse
+        each other's files. See :func:`prefixkv.persist.convert`."""
+        return persist.convert(path, new_path, kv_dtype)
+
     def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
@@ -508,12 +517,17 @@ class PrefixStore:
                     self._ensure_free(n)
                 except CapacityError:
                     continue  # no room: the row recomputes what the tier holds
-                blocks = [self.tier.get(k) for k in keys[c0 : c0 + n]]
-                n = next((i for i, b in enumerate(blocks) if b is None), n)  # a file that failed its checksum
+                blocks: list[dict[str, torch.Tensor]] = []
+                for key in keys[c0 : c0 + n]:
+                    block = self.tier.get(key)
+                    if block is None:  # a file that failed its checksum: the rest is recomputed
+                        break
+                    blocks.append(block)
+                n = len(blocks)
                 if (c0 + n) * bs <= m.length:
                     continue
                 fresh = alloc.allocate(n)
-                self.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks[:n]]) for name in blocks[0]})
+                self.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
                 ins = self._trie.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh)
                 alloc.incref(ins.added)
                 alloc.decref(fresh)  # the restore's own hold; the trie holds them now

@@ -198,9 +198,11 @@ class OffloadTier:
                 meta = dict(f.metadata() or {})
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
         except Exception as e:  # safetensors raises its own error type for every malformed file
-            return self._refuse(key, f"is unreadable ({e})")
+            self._refuse(key, f"is unreadable ({e})")
+            return None
         if meta.get("checksum") != persist._checksum(tensors, meta) or meta.get("key") != key:
-            return self._refuse(key, "fails its checksum")
+            self._refuse(key, "fails its checksum")
+            return None
         return tensors
 
     def count_restored(self, blocks: int, tokens: int) -> None:
@@ -230,7 +232,6 @@ class OffloadTier:
     def _refuse(self, key: str, why: str) -> None:
         warnings.warn(f"prefixkv: offloaded block {self._path(key)} {why}; it is dropped and recomputed", stacklevel=3)
         self._drop(key)
-        return None
 
     def _scan(self) -> None:
         """Index the block files already in the directory (a store's earlier life), oldest first, after
@@ -256,4 +257,3 @@ class OffloadTier:
             self._sizes[path.name[: -len(_SUFFIX)]] = size
             self._bytes += size
         self._fit()
-
