@@ -504,8 +504,10 @@ class PrefixStore:
                 if m.length:
                     self._trie.lock(m.node)
                     held.append(m.node)
-                keys = chunk_keys(row, bs, len(row) // bs)
                 c0 = m.length // bs
+                if c0 >= len(row) // bs:
+                    continue  # the pool holds every whole block of the row
+                keys = chunk_keys(row, bs, len(row) // bs)
                 n = 0
                 while c0 + n < len(keys) and keys[c0 + n] in self.tier:
                     n += 1
