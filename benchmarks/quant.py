@@ -70,12 +70,12 @@ def _generate(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, new: i
         )  # fmt: skip
 
 
-def _teacher_forced(model: Any, store: prefixkv.PrefixStore, sequence: torch.Tensor, new: int) -> torch.Tensor:
-    """Logits of the last ``new`` positions' predictions when the store reads ``sequence`` (one forward)."""
-    ids = sequence[:, :-1]
-    with prefixkv.PagedPrefixCache(store, ids) as cache, torch.no_grad():
-        held = cache.get_seq_length()
-        logits = model(ids[:, held:], cache=cache).logits
+def _teacher_forced(model: Any, store: prefixkv.PrefixStore, prompt: torch.Tensor, sequence: torch.Tensor) -> Any:
+    """Logits predicting each generated token of ``sequence`` when the store reads ``sequence`` itself (the
+    prompt's cached part from the store, the rest in one forward)."""
+    new = sequence.shape[1] - prompt.shape[1]
+    with prefixkv.PagedPrefixCache(store, prompt) as cache, torch.no_grad():
+        logits = model(sequence[:, cache.get_seq_length() : -1], cache=cache).logits
     return logits[0, -new:].double()
 
 
@@ -94,7 +94,7 @@ def fidelity(model: Any, prompts: list[torch.Tensor], new: int, kv_dtypes: list[
             c["same"] += int(same.sum())
             c["whole"] += int(bool(same.all()))
             c["tokens"] += len(ref_new)
-            forced = _teacher_forced(model, store, ref.sequences, new)
+            forced = _teacher_forced(model, store, ids, ref.sequences)
             c["forced_same"] += int((forced.argmax(-1) == ref_new).sum())
             c["max_diff"] = max(c["max_diff"], float((forced - ref_logits).abs().max()))
     for store in (reference, *stores.values()):
