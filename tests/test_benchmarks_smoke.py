@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import decode
 import memory
+import quant
 import throughput
+import tiers
 import trie_ops
 import ttft
 import zero_hit
@@ -55,3 +57,16 @@ def test_trie_ops_smoke(sequences: int) -> None:
     r = trie_ops.run(sequences, 10, 64, 16, 100, 20, 16)
     assert r["nodes"] >= 10 and r["median_ms"] > 0
     assert "sequences" in trie_ops.report(r)
+
+
+def test_quant_smoke_holds_the_memory_targets() -> None:
+    r = quant.run("tiny", 2, 3, ["int8"], real=False)
+    int8 = next(row for row in r["memory"] if row["kind"] == "int8")
+    assert int8["vs_fp32"] <= 0.27 and int8["vs_bf16"] <= 0.53
+    assert r["fidelity"][0]["max_diff"] > 0 and "identical greedy tokens" in quant.report(r)
+
+
+def test_tiers_smoke_brings_the_prefix_back() -> None:
+    r = tiers.run("tiny", [48], repeat=1)  # measure() asserts each timed call reused the whole prefix
+    assert set(r["rows"][0]) >= {"none", "pool", "cpu", "disk", "restore_disk"}
+    assert "disk tier hit" in tiers.report(r)

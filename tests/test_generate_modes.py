@@ -1,24 +1,117 @@
 """Every way of calling ``generate`` with a ``PagedPrefixCache``, cold and warm, on a tiny float64 Llama:
 the logits equal stock ``generate`` with ``DynamicCache`` (within 1e-6), the tokens are identical, and the
-cached prefix is reused (fewer columns fed, blocks shared, not copied)."""
+cached prefix is reused (fewer columns fed, blocks shared, not copied).
+
+Each test runs on four kinds of store (``kind``): the plain one; ``kv_dtype="int8"`` (logits within
+``INT8_TOL``, tokens identical on these prompts); and a small pool of ``POOL`` blocks with a second tier
+in host memory or on disk, into which the warm-up call's blocks are evicted before the test, so that every
+warm lookup brings its prefix back from the tier (exact). ``store.check_invariants()`` runs after every
+forward (every step of every ``generate``)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from conftest import FeedCounter, compare, left_pad, max_logit_diff, random_tokens
+from conftest import FeedCounter, compare, left_pad, random_tokens
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
 
 import prefixkv
 from prefixkv import CacheMisuseError, PagedPrefixCache, PrefixStore
 
 TOL = 1e-6
+INT8_TOL = 5e-3  # 8-bit K/V: the largest logit difference measured on these tests is below 1.5e-3
 BS = 4
+POOL = 40  # blocks of the primary pool when a second tier is under it (a padded batch of 3 needs 33)
 SYSTEM = random_tokens(32, seed=101)  # the shared prefix: 8 whole blocks of 4
+KINDS = ("plain", "int8", "cpu", "disk")
+TIERED = ("cpu", "disk")
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@dataclass(frozen=True)
+class Tol:
+    """What a kind of store must match stock ``generate`` to: logits within ``logits`` at every step and
+    identical tokens, or (``tokens=False``, 8-bit K/V under sampling or near-tied logits) logits within
+    ``logits`` at every step up to and including the first whose chosen tokens differ."""
+
+    logits: float
+    tokens: bool
+
+
+@pytest.fixture
+def tol(kind: str) -> Tol:
+    return Tol(INT8_TOL, tokens=False) if kind == "int8" else Tol(TOL, tokens=True)
+
+
+def _agree(out: Any, ref: Any, tol: Tol, scores: str = "logits") -> bool:
+    """``out`` matches ``ref`` within ``tol``: the sequences of two generate outputs, and their per-step
+    ``scores`` (``"logits"`` or ``"scores"``)."""
+    mine, theirs = getattr(out, scores), getattr(ref, scores)
+    return _agree_steps(out.sequences[:, -len(mine) :], ref.sequences[:, -len(theirs) :], mine, theirs, tol)
+
+
+def _agree_steps(new: torch.Tensor, ref_new: torch.Tensor, mine: Any, theirs: Any, tol: Tol) -> bool:
+    """Generated tokens ``[B, steps]`` and per-step scores agree within ``tol`` (``-inf`` where both are)."""
+
+    def close(steps: int) -> bool:
+        return all(
+            bool(torch.isclose(a.double(), b.double(), atol=tol.logits, rtol=0).all())
+            for a, b in zip(mine[:steps], theirs[:steps], strict=True)
+        )
+
+    if new.shape == ref_new.shape and torch.equal(new, ref_new):
+        return close(len(mine))
+    if tol.tokens:
+        return False
+    steps = min(new.shape[1], ref_new.shape[1])
+    differ = (new[:, :steps] != ref_new[:, :steps]).any(dim=0)
+    first = int(differ.nonzero()[0]) if differ.any() else steps - 1
+    return close(first + 1)
+
+
+@pytest.fixture
+def new_store(llama64: Any, kind: str, tmp_path: Any) -> Iterator[Any]:
+    """Builds stores of this test's ``kind`` whose invariants are checked after every forward."""
+    made: list[PrefixStore] = []
+
+    def build() -> PrefixStore:
+        kw: dict[str, Any] = {"kv_dtype": "int8"} if kind == "int8" else {}
+        if kind in TIERED:
+            kw.update(
+                num_blocks=POOL, offload=kind, offload_dir=tmp_path / f"tier{len(made)}" if kind == "disk" else None
+            )
+        store = PrefixStore(llama64, block_size=BS, **kw)
+        made.append(store)
+        return store
+
+    def check(*_: Any) -> None:
+        for s in made:
+            s.check_invariants()
+
+    handle = llama64.register_forward_hook(check)
+    try:
+        yield build
+    finally:
+        handle.remove()
+        for s in made:
+            s.close()
+
+
+def _offload_all(store: PrefixStore) -> None:
+    """Evict every cached prefix of a tiered store into its second tier (no-op for other kinds)."""
+    if store.tier is not None:
+        with store._lock:
+            store._ensure_free(POOL)
+        assert store.stats.blocks_used == 0 and store.stats.offload is not None and store.stats.offload.blocks
 
 
 def _prompt(seed: int, n: int = 5) -> torch.Tensor:
@@ -26,13 +119,17 @@ def _prompt(seed: int, n: int = 5) -> torch.Tensor:
 
 
 @pytest.fixture
-def store(llama64: Any) -> Iterator[PrefixStore]:
-    """A store whose trie already holds SYSTEM (and the reply of one earlier call)."""
-    s = PrefixStore(llama64, block_size=BS)
-    compare(llama64, s, _prompt(seed=100, n=4))  # 36 prompt + 7 fed generated tokens: 10 blocks cached
+def store(llama64: Any, new_store: Any) -> Iterator[PrefixStore]:
+    """A store whose trie already holds SYSTEM (and the reply of one earlier call); for the tiered kinds,
+    those blocks were evicted to the second tier and brought back from it."""
+    s = new_store()
+    first = compare(llama64, s, _prompt(seed=100, n=4))  # 36 prompt + 7 fed generated tokens: 10 blocks cached
+    if s.tier is not None:
+        _offload_all(s)
+        s._lookup([first.out.sequences[0].tolist()])  # brings the 10 blocks back from the tier
+        assert s.stats.blocks_used == 10 and s.stats.offload is not None and s.stats.offload.restored == 10
     yield s
     s.check_invariants()
-    s.close()
 
 
 def _stock(model: Any, ids: torch.Tensor, seed: int = 0, **kwargs: Any) -> Any:
@@ -49,9 +146,8 @@ def _paged(model: Any, cache: PagedPrefixCache, ids: torch.Tensor, seed: int = 0
     return model.generate(ids, cache=cache, output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
-def _assert_same(out: Any, ref: Any) -> None:
-    assert torch.equal(out.sequences, ref.sequences)
-    assert max_logit_diff(out.logits, ref.logits) <= TOL
+def _assert_same(out: Any, ref: Any, tol: Tol) -> None:
+    assert _agree(out, ref, tol)
 
 
 # -- decoding strategies, cold and warm --------------------------------------------------------------
@@ -65,32 +161,35 @@ STRATEGIES = {
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_decoding_strategies_cold_and_warm(llama64: Any, strategy: str) -> None:
+def test_decoding_strategies_cold_and_warm(llama64: Any, strategy: str, tol: Tol, new_store: Any) -> None:
     kwargs = STRATEGIES[strategy]
-    with PrefixStore(llama64, block_size=BS) as store:
-        cold = compare(llama64, store, _prompt(seed=1), seed=3, **kwargs)
-        warm = compare(llama64, store, _prompt(seed=2), seed=3, **kwargs)
+    store = new_store()
+    cold = compare(llama64, store, _prompt(seed=1), seed=3, **kwargs)
+    _offload_all(store)
+    warm = compare(llama64, store, _prompt(seed=2), seed=3, **kwargs)
     for result in (cold, warm):
-        assert result.same_tokens and result.max_diff <= TOL
+        assert _agree(result.out, result.ref, tol)
     assert cold.cache.stats.cached_tokens == 0 and cold.fed_tokens == 37
     assert warm.cache.stats.cached_tokens == 32 and warm.fed_tokens == 5
 
 
-def test_min_new_tokens_holds_back_eos(llama64: Any) -> None:
+def test_min_new_tokens_holds_back_eos(llama64: Any, tol: Tol, new_store: Any) -> None:
     ids = _prompt(seed=4)
     free = _stock(llama64, ids, do_sample=False, max_new_tokens=8)
     eos = int(free.sequences[0, ids.shape[1] + 1])  # the second generated token becomes EOS
-    with PrefixStore(llama64, block_size=BS) as store:
-        compare(llama64, store, _prompt(seed=5))
-        early = compare(llama64, store, ids, eos_token_id=eos, do_sample=False)
-        held = compare(llama64, store, ids, eos_token_id=eos, min_new_tokens=6, do_sample=False)
-    assert early.same_tokens and early.max_diff <= TOL and early.out.sequences.shape[1] == ids.shape[1] + 2
-    assert held.same_tokens and held.max_diff <= TOL and held.out.sequences.shape[1] > ids.shape[1] + 2
+    store = new_store()
+    compare(llama64, store, _prompt(seed=5))
+    _offload_all(store)
+    early = compare(llama64, store, ids, eos_token_id=eos, do_sample=False)
+    _offload_all(store)
+    held = compare(llama64, store, ids, eos_token_id=eos, min_new_tokens=6, do_sample=False)
+    assert _agree(early.out, early.ref, tol) and early.out.sequences.shape[1] == ids.shape[1] + 2
+    assert _agree(held.out, held.ref, tol) and held.out.sequences.shape[1] > ids.shape[1] + 2
     assert early.cache.stats.cached_tokens == 32
     assert held.cache.stats.cached_tokens == 36  # the early call cached this prompt's 9 whole blocks
 
 
-def test_eos_finishes_some_rows_of_a_padded_batch_early(llama64: Any, store: PrefixStore) -> None:
+def test_eos_finishes_some_rows_of_a_padded_batch_early(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     warm, cold = _prompt(seed=6)[0], random_tokens(29, seed=7)
     ids, mask = left_pad([warm, cold])
     free = _stock(llama64, ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
@@ -98,21 +197,21 @@ def test_eos_finishes_some_rows_of_a_padded_batch_early(llama64: Any, store: Pre
     # an EOS that row 0 generates at step 2 and row 1 never does
     eos = next(int(t) for t in new[0, 1:] if int(t) not in new[1].tolist())
     result = compare(llama64, store, ids, mask, eos_token_id=eos, do_sample=False)
-    assert result.same_tokens and result.max_diff <= TOL
+    assert _agree(result.out, result.ref, tol)
     rows = result.out.sequences[:, ids.shape[1] :]
     assert eos in rows[0].tolist() and eos not in rows[1].tolist()
     assert rows[0, -1] == 0  # padded after its EOS while row 1 went on
     assert [r.cached_tokens for r in result.cache.stats.per_row] == [8, 0]  # the cold row's 8 pads allow 8
 
 
-def test_stop_strings(llama64: Any, store: PrefixStore) -> None:
+def test_stop_strings(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     tok = prefixkv.models.tiny_tokenizer()
     ids = _prompt(seed=8)
     free = _stock(llama64, ids, do_sample=False, max_new_tokens=8)
     words = tok.convert_ids_to_tokens(free.sequences[0, ids.shape[1] + 2 : -1].tolist())
     word = next(w for w in words if w.isalpha())  # a whole word the model says before its last step
     result = compare(llama64, store, ids, stop_strings=[word], tokenizer=tok, do_sample=False)
-    assert result.same_tokens and result.max_diff <= TOL
+    assert _agree(result.out, result.ref, tol)
     assert result.out.sequences.shape[1] < free.sequences.shape[1]  # stopped before max_new_tokens
     assert tok.decode(result.out.sequences[0, ids.shape[1] :]).endswith(word)
     assert result.cache.stats.cached_tokens == 32
@@ -133,7 +232,7 @@ class _Probe(LogitsProcessor):
         return scores
 
 
-def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: PrefixStore) -> None:
+def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     # shares SYSTEM and 2 more tokens with the earlier call: 8 whole blocks and a copied part-block
     ids = torch.cat([_prompt(seed=100, n=4)[:, :34], random_tokens(3, seed=9)[None]], dim=1)
     kw = dict(do_sample=True, top_k=50, num_return_sequences=3, max_new_tokens=8)
@@ -142,7 +241,7 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
     probe = _Probe(store)
     with PagedPrefixCache(store, ids) as cache:
         out = _paged(llama64, cache, ids, seed=11, logits_processor=LogitsProcessorList([probe]), **kw)
-        _assert_same(out, ref)
+        _assert_same(out, ref, tol)
         assert cache.stats.cached_tokens == 34
         shared = cache._rows[0].table[:8]
         assert all(row.table[:8] == shared for row in cache._rows)
@@ -160,7 +259,9 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
     [dict(num_beams=3), dict(num_beams=3, num_return_sequences=2), dict(num_beams=3, early_stopping=True)],
     ids=["beams", "beams+num_return_sequences", "beams+early_stopping"],
 )
-def test_beam_search_shares_blocks_through_reorder(llama64: Any, store: PrefixStore, beams: dict[str, Any]) -> None:
+def test_beam_search_shares_blocks_through_reorder(
+    llama64: Any, store: PrefixStore, beams: dict[str, Any], tol: Tol
+) -> None:
     ids = _prompt(seed=12)
     kw = dict(do_sample=False, max_new_tokens=8, output_scores=True, **beams)
     ref = _stock(llama64, ids, **kw)
@@ -168,9 +269,9 @@ def test_beam_search_shares_blocks_through_reorder(llama64: Any, store: PrefixSt
     probe = _Probe(store)
     with PagedPrefixCache(store, ids) as cache:
         out = _paged(llama64, cache, ids, logits_processor=LogitsProcessorList([probe]), **kw)
-        assert torch.equal(out.sequences, ref.sequences)
-        assert max_logit_diff(out.logits, ref.logits) <= TOL
-        assert torch.allclose(out.sequences_scores, ref.sequences_scores, atol=TOL, rtol=0)
+        _assert_same(out, ref, tol)
+        if torch.equal(out.sequences, ref.sequences):
+            assert torch.allclose(out.sequences_scores, ref.sequences_scores, atol=tol.logits, rtol=0)
         assert cache.stats.cached_tokens == 32
         assert all(store._refcount(b) == 1 + 3 for b in cache._rows[0].table[:8])
     # each beam holds at most its 3 blocks past the shared prefix (37 + 7 tokens = 11 blocks);
@@ -182,13 +283,13 @@ def test_beam_search_shares_blocks_through_reorder(llama64: Any, store: PrefixSt
 # -- padded batches: one offset per batch (DESIGN.md rule 3) -------------------------------------------
 
 
-def test_padded_batch_reuses_what_the_one_offset_allows(llama64: Any, store: PrefixStore) -> None:
+def test_padded_batch_reuses_what_the_one_offset_allows(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     long_warm = _prompt(seed=13, n=8)[0]  # 40 tokens, 32 cached
     short_warm = _prompt(seed=14, n=4)[0]  # 36 tokens, 32 cached, 4 pads
     cold = random_tokens(30, seed=15)  # 30 tokens, nothing cached, 10 pads
     ids, mask = left_pad([long_warm, short_warm, cold])
     result = compare(llama64, store, ids, mask, do_sample=False)
-    assert result.same_tokens and result.max_diff <= TOL
+    assert _agree(result.out, result.ref, tol)
     # the offset is min(pad + cached) over rows = min(0 + 32, 4 + 32, 10 + 0) = 10 columns
     assert [r.cached_tokens for r in result.cache.stats.per_row] == [10, 6, 0]
     assert result.fed_tokens == ids.shape[1] - 10
@@ -197,7 +298,7 @@ def test_padded_batch_reuses_what_the_one_offset_allows(llama64: Any, store: Pre
     long_warm, short_warm = _prompt(seed=29, n=8)[0], _prompt(seed=30, n=4)[0]
     both_warm, both_mask = left_pad([long_warm, short_warm])
     result = compare(llama64, store, both_warm, both_mask, do_sample=False)
-    assert result.same_tokens and result.max_diff <= TOL
+    assert _agree(result.out, result.ref, tol)
     # without the cold row: min(0 + 32, 4 + 32) = 32 columns, 28 of them real tokens for the padded row
     assert [r.cached_tokens for r in result.cache.stats.per_row] == [32, 28]
     assert result.fed_tokens == both_warm.shape[1] - 32
@@ -218,7 +319,9 @@ def assistant() -> Any:
 
 
 @pytest.mark.parametrize("mode", ["prompt_lookup", "assistant"])
-def test_assisted_decoding_reuses_the_prefix(llama64: Any, store: PrefixStore, assistant: Any, mode: str) -> None:
+def test_assisted_decoding_reuses_the_prefix(
+    llama64: Any, store: PrefixStore, assistant: Any, mode: str, tol: Tol
+) -> None:
     ids = _repetitive_prompt()
     extra = dict(prompt_lookup_num_tokens=3) if mode == "prompt_lookup" else dict(assistant_model=assistant)
     kw = dict(do_sample=False, max_new_tokens=10, output_scores=True, **extra)
@@ -229,55 +332,62 @@ def test_assisted_decoding_reuses_the_prefix(llama64: Any, store: PrefixStore, a
             out = _paged(llama64, cache, ids, **kw)
     finally:
         counter.remove()
-    _assert_same(out, ref)
+    _assert_same(out, ref, tol)
     assert cache.stats.cached_tokens == 32
     # the first forward re-feeds the prompt plus candidates, minus the 32 cached columns
     assert ids.shape[1] - 32 < counter.calls[0] < ids.shape[1]
     assert any(n > 1 for n in counter.calls[1:])  # later steps verified candidates too (and cropped the rejected)
 
 
-def test_assisted_decoding_with_hidden_states_recomputes_with_a_warning(llama64: Any, store: PrefixStore) -> None:
+def test_assisted_decoding_with_hidden_states_recomputes_with_a_warning(
+    llama64: Any, store: PrefixStore, tol: Tol
+) -> None:
     ids = _repetitive_prompt()
     kw = dict(do_sample=False, max_new_tokens=6, prompt_lookup_num_tokens=3, output_hidden_states=True)
     ref = _stock(llama64, ids, **kw)
     with PagedPrefixCache(store, ids) as cache, pytest.warns(UserWarning, match="prefix reuse is off"):
         out = _paged(llama64, cache, ids, **kw)
-    _assert_same(out, ref)
+    _assert_same(out, ref, tol)
     assert cache.stats.cached_tokens == 0
+    # hidden states: within 1e-6, or with 8-bit K/V within 1% of their scale (measured: 0.5%)
+    rtol = TOL if tol.tokens else 1e-2
     for mine, theirs in zip(out.hidden_states, ref.hidden_states):
-        assert all(a.shape == b.shape and (a - b).abs().max() <= TOL for a, b in zip(mine, theirs))
+        assert all(
+            a.shape == b.shape and (a - b).abs().max() <= rtol * max(1.0, b.abs().max()) for a, b in zip(mine, theirs)
+        )
 
 
 # -- multi-turn chat ----------------------------------------------------------------------------------
 
 
-def test_second_chat_turn_reuses_the_first_turns_prompt_and_reply(llama64: Any) -> None:
+def test_second_chat_turn_reuses_the_first_turns_prompt_and_reply(llama64: Any, tol: Tol, new_store: Any) -> None:
     tok = prefixkv.models.tiny_tokenizer()
     words = torch.randint(63, 256, (30,), generator=torch.Generator().manual_seed(18))  # whole words only
     system = " ".join(tok.convert_ids_to_tokens(words.tolist()))
     chat = [{"role": "system", "content": system}, {"role": "user", "content": "ba be bi ?"}]
     # the reply must survive decoding and re-encoding: no specials (but EOS), punctuation or letter pieces
     kw = dict(do_sample=False, max_new_tokens=8, suppress_tokens=[t for t in range(63) if t != 2])
-    with PrefixStore(llama64, block_size=BS) as store:
-        turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-        first = compare(llama64, store, turn1, **kw)
-        reply = first.out.sequences[0, turn1.shape[1] :]
-        chat += [
-            {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)},
-            {"role": "user", "content": "ko ku ?"},
-        ]
-        turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-        known = turn1.shape[1] + len(reply) - 1  # the last generated token was never fed
-        assert torch.equal(turn2[0, :known], first.out.sequences[0, :known])
-        second = compare(llama64, store, turn2, **kw)
-    assert second.same_tokens and second.max_diff <= TOL
+    store = new_store()
+    turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    first = compare(llama64, store, turn1, **kw)
+    reply = first.out.sequences[0, turn1.shape[1] :]
+    chat += [
+        {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)},
+        {"role": "user", "content": "ko ku ?"},
+    ]
+    turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    known = turn1.shape[1] + len(reply) - 1  # the last generated token was never fed
+    assert torch.equal(turn2[0, :known], first.out.sequences[0, :known])
+    _offload_all(store)
+    second = compare(llama64, store, turn2, **kw)
+    assert _agree(second.out, second.ref, tol)
     assert second.cache.stats.cached_tokens == known // BS * BS > turn1.shape[1]
 
 
 # -- outputs: streaming, scores and logits, embeddings ----------------------------------------------
 
 
-def test_streaming_with_text_iterator_streamer(llama64: Any, store: PrefixStore) -> None:
+def test_streaming_with_text_iterator_streamer(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     tok = prefixkv.models.tiny_tokenizer()
     ids = _prompt(seed=19)
 
@@ -295,22 +405,22 @@ def test_streaming_with_text_iterator_streamer(llama64: Any, store: PrefixStore)
     ref_text, ref = stream(DynamicCache(config=llama64.config))
     with PagedPrefixCache(store, ids) as cache:
         text, out = stream(cache)
-    _assert_same(out, ref)
-    assert text == ref_text and text.strip()
+    _assert_same(out, ref, tol)
+    assert text == tok.decode(out.sequences[0, ids.shape[1] :]) and text.strip()
+    assert text == ref_text or not tol.tokens
     assert cache.stats.cached_tokens == 32
 
 
-def test_return_dict_with_scores_and_logits(llama64: Any, store: PrefixStore) -> None:
+def test_return_dict_with_scores_and_logits(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     kw = dict(do_sample=True, top_k=10, temperature=0.5, output_scores=True)
     result = compare(llama64, store, _prompt(seed=20), seed=21, **kw)
-    assert result.same_tokens and result.max_diff <= TOL
-    for mine, theirs in zip(result.out.scores, result.ref.scores, strict=True):
-        assert torch.isclose(mine, theirs, atol=TOL, rtol=0).all()  # -inf where top_k masked, in both
+    assert _agree(result.out, result.ref, tol)
+    assert _agree(result.out, result.ref, tol, "scores")  # -inf where top_k masked, in both
     assert any(torch.isinf(s).any() for s in result.out.scores)  # top_k masked some: the processed scores
     assert result.cache.stats.cached_tokens == 32
 
 
-def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: PrefixStore) -> None:
+def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     ids = _prompt(seed=22)
     embeds = llama64.get_input_embeddings()(ids).detach()
     torch.manual_seed(0)
@@ -326,12 +436,12 @@ def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: Prefix
             output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
         assert sum(cache._held_blocks().values()) == 11  # 37 + 7 columns stored
-    _assert_same(out, ref)
+    _assert_same(out, ref, tol)
     assert store.stats.cached_tokens == cached_before  # nothing published: the ids were never seen
     assert PagedPrefixCache(store, torch.cat([ids, out.sequences], dim=1)).stats.cached_tokens == 32
 
 
-def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any, store: PrefixStore) -> None:
+def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     # generate(input_ids=..., inputs_embeds=...) computes the prompt from the embeddings, which need not be
     # those of the ids: their K/V must not be reused by a later call with the ids alone
     ids = _prompt(seed=33)
@@ -342,14 +452,14 @@ def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any
         llama64.generate(input_ids=ids, inputs_embeds=soft, cache=cache, max_new_tokens=3, do_sample=False)
     assert store.stats.cached_tokens == cached_before
     result = compare(llama64, store, ids, do_sample=False)
-    assert result.same_tokens and result.max_diff <= TOL
+    assert _agree(result.out, result.ref, tol)
 
 
 # -- one cache, several calls --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("style", ["whole_sequence", "new_tokens_and_full_mask"])
-def test_cache_continues_a_second_call(llama64: Any, store: PrefixStore, style: str) -> None:
+def test_cache_continues_a_second_call(llama64: Any, store: PrefixStore, style: str, tol: Tol) -> None:
     ids = _prompt(seed=23)
     counter = FeedCounter(llama64)
     try:
@@ -366,8 +476,8 @@ def test_cache_continues_a_second_call(llama64: Any, store: PrefixStore, style: 
     finally:
         counter.remove()
     ref = _stock(llama64, follow_up, do_sample=False, max_new_tokens=6)
-    assert max_logit_diff(second.logits, ref.logits) <= TOL
-    assert torch.equal(second.sequences, ref.sequences[:, -second.sequences.shape[1] :])
+    steps = len(second.logits)
+    assert _agree_steps(second.sequences[:, -steps:], ref.sequences[:, -steps:], second.logits, ref.logits, tol)
     assert counter.calls[0] == 6  # the last token of the first call and the 5 new ones
 
 
@@ -389,7 +499,7 @@ def test_cache_refuses_new_tokens_placed_elsewhere(llama64: Any, store: PrefixSt
 
 
 @pytest.mark.parametrize("other", ["different", "same", "shorter"])
-def test_cache_refuses_a_call_that_does_not_continue_it(llama64: Any, store: PrefixStore, other: str) -> None:
+def test_cache_refuses_a_call_that_does_not_continue_it(llama64: Any, store: PrefixStore, other: str, tol: Tol) -> None:
     ids = _prompt(seed=25)
     with PagedPrefixCache(store, ids) as cache:
         first = _paged(llama64, cache, ids, do_sample=False, max_new_tokens=6)
@@ -403,7 +513,7 @@ def test_cache_refuses_a_call_that_does_not_continue_it(llama64: Any, store: Pre
         # the refused call changed nothing: the cache still continues its own sequence
         follow_up = torch.cat([first.sequences, random_tokens(3, seed=27)[None]], dim=1)
         second = _paged(llama64, cache, follow_up, do_sample=False, max_new_tokens=4)
-    _assert_same(second, _stock(llama64, follow_up, do_sample=False, max_new_tokens=4))
+    _assert_same(second, tol=tol, ref=_stock(llama64, follow_up, do_sample=False, max_new_tokens=4))
 
 
 class _Pause(LogitsProcessor):
@@ -421,7 +531,7 @@ class _Pause(LogitsProcessor):
         return scores
 
 
-def test_cache_refuses_a_call_while_another_thread_holds_it(llama64: Any, store: PrefixStore) -> None:
+def test_cache_refuses_a_call_while_another_thread_holds_it(llama64: Any, store: PrefixStore, tol: Tol) -> None:
     ids = _prompt(seed=28)
     kw = dict(do_sample=False, max_new_tokens=8)
     ref = _stock(llama64, ids, **kw)
@@ -440,4 +550,4 @@ def test_cache_refuses_a_call_while_another_thread_holds_it(llama64: Any, store:
         finally:
             pause.release.set()
             worker.join()
-    _assert_same(result["out"], ref)
+    _assert_same(result["out"], ref, tol)

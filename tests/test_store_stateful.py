@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import re
+import tempfile
 import threading
 import weakref
 
@@ -23,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import prefixkv
 from prefixkv import CapacityError
+from prefixkv.tier import chunk_keys
 
 BLOCK = 2
 BUDGET = 8
@@ -132,12 +134,15 @@ class Live:
 class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.store = prefixkv.PrefixStore(MODEL, block_size=BLOCK, num_blocks=BUDGET)
+        self.store = self.make_store()
         self.live: list[Live] = []
         self.ever: set[tuple[int, ...]] = set()  # every sequence whose KV was ever published
         self.recent: set[tuple[int, ...]] = set()  # published since the last eviction or clear
         self.pins: list[tuple[int, ...]] = []
         self.evictions = 0
+
+    def make_store(self) -> prefixkv.PrefixStore:
+        return prefixkv.PrefixStore(MODEL, block_size=BLOCK, num_blocks=BUDGET)
 
     @initialize()
     def start(self) -> None:
@@ -422,6 +427,91 @@ StoreMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_store_machine = StoreMachine.TestCase
+
+
+def whole(n: int) -> int:
+    return n // BLOCK * BLOCK
+
+
+class TieredStoreMachine(StoreMachine):
+    """The same moves over a pool with an unbounded second tier in host memory, plus the tier's own moves:
+    everything evicted at once into the tier, and lookups that must bring back every whole block ever
+    published since the last ``clear()`` (which drops the pool's prefixes without offloading them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: set[tuple[int, ...]] = set()  # published since the last clear: in the pool or the tier
+
+    def make_store(self) -> prefixkv.PrefixStore:
+        return prefixkv.PrefixStore(MODEL, block_size=BLOCK, num_blocks=BUDGET, offload="cpu")
+
+    def record(self, live: Live) -> None:
+        super().record(live)
+        self.kept.update(self.published(row) for row in live.rows if len(row) >= BLOCK)
+
+    @rule()
+    def clear(self) -> None:
+        super().clear()
+        self.kept.clear()
+
+    @precondition(lambda self: not self.live and not self.pins)
+    @rule()
+    def offload_everything(self) -> None:
+        """Evict every cached prefix: each one's whole blocks are then in the tier."""
+        with self.store._lock:
+            self.store._ensure_free(BUDGET)
+        assert self.store.stats.blocks_used == 0
+        tier = self.store.tier
+        assert tier is not None
+        for seq in self.kept:
+            assert all(k in tier for k in chunk_keys(list(seq), BLOCK, len(seq) // BLOCK)), f"{seq} left no blocks"
+        self.recent.clear()
+
+    @precondition(lambda self: self.kept and not self.live and not self.pins)
+    @rule(data=st.data(), tail=tokens)
+    def restore(self, data: st.DataObject, tail: list[int]) -> None:
+        """A lookup extends its match through the tier by every whole block published since the last clear
+        (as far as the pool holds them all)."""
+        base = list(data.draw(st.sampled_from(sorted(self.kept))))
+        query = base[: data.draw(st.integers(1, len(base)))] + tail
+        tier = self.store.tier
+        assert tier is not None
+        restored = tier.stats.restored
+        (m,) = self.store._lookup([query])
+        floor = max(whole(lcp(tuple(query), s)) for s in self.kept)
+        assert min(floor, BUDGET * BLOCK) <= m.length <= max(lcp(tuple(query), s) for s in self.ever)
+        assert_blocks_hold(self.store, query, m.blocks, m.length)
+        event("restored from the tier" if tier.stats.restored > restored else "nothing to restore")
+
+
+class DiskTierStoreMachine(StoreMachine):
+    """The same moves over a pool with a disk tier smaller than the pool (its own LRU drops blocks)."""
+
+    def make_store(self) -> prefixkv.PrefixStore:
+        self.directory = tempfile.TemporaryDirectory()
+        per_block = prefixkv.PrefixStore(MODEL, block_size=BLOCK).bytes_per_block
+        return prefixkv.PrefixStore(
+            MODEL,
+            block_size=BLOCK,
+            num_blocks=BUDGET,
+            offload="disk",
+            offload_dir=self.directory.name,
+            max_offload_memory=4 * (per_block + 1024),  # a few blocks, safetensors headers included
+        )
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.directory.cleanup()
+
+
+TieredStoreMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_tiered_store_machine = TieredStoreMachine.TestCase
+DiskTierStoreMachine.TestCase.settings = settings(
+    max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_disk_tier_store_machine = DiskTierStoreMachine.TestCase
 
 
 def test_unpin_of_unpinned_ids_is_a_clear_error() -> None:

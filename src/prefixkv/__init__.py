@@ -10,6 +10,7 @@ from .patch import disable, enable
 from .persist import PersistStats
 from .score import Score, score
 from .store import PrefixStore, StoreStats
+from .tier import TierStats
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "RowStats",
     "Score",
     "StoreStats",
+    "TierStats",
     "UnsupportedModelError",
     "__version__",
     "disable",

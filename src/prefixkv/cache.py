@@ -297,9 +297,12 @@ def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int
     beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
     row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
     computed = []
+    space = store.space()
     for prefix, members in _shared_prefixes(rows, store.block_size):
+        if any(k < 0 for k in prefix):
+            continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
         with store._lock:
-            held = store._trie.match(prefix).length
+            held = store._trie.match(prefix, space).length
         if held >= len(prefix):
             continue
         with PagedPrefixCache(store) as cache:

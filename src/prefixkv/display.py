@@ -134,6 +134,20 @@ def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
         ("cached", f"{s.cached_tokens} tokens in {s.nodes} trie nodes, {s.blocks_pinned} blocks pinned"),
         ("evictions", str(s.evictions)),
     ]
+    if store.kv_dtype is not None:
+        facts.insert(
+            4, ("storage", f"{store.kv_dtype} with a float32 scale per block and KV head, read as {store.dtype}")
+        )
+    if s.offload is not None:
+        o = s.offload
+        limit = "unbounded" if o.max_bytes is None else f"budget {format_bytes(o.max_bytes)}"
+        facts.append(
+            (
+                f"{o.kind} tier",
+                f"{o.blocks} blocks, {format_bytes(o.bytes)} ({limit}); {o.offloaded} moved in, {o.restored} brought "
+                f"back ({o.hit_tokens} prompt tokens), {o.evictions} dropped",
+            )
+        )
     prefixes = top_prefixes(store, top)
     rows = "".join(
         f"<tr><td>{i + 1}</td><td style='text-align:right'>{len(p.tokens)}</td>"

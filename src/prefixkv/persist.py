@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from .errors import CapacityError, PersistError
 from .memory import attention_shape, format_bytes
+from .pool import KV_DTYPES, BlockPool, LayerSpec, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class PrefixFile(NamedTuple):
     paths: list[tuple[list[int], list[int]]]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    kv_dtype: str | None = None
+    scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
 
 
 # -- model fingerprint -------------------------------------------------------------------------------
@@ -157,13 +160,23 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
     with store._lock:
         nodes = _select_nodes(store._trie, prefixes, space)
         tensors, blocks = _trie_tensors(nodes, store.block_size)
-        keys, values = store.pool.read_blocks(blocks)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        tensors[f"k.{layer}"] = k
-        tensors[f"v.{layer}"] = v
+        tensors.update(store.pool.read_blocks(blocks))
+    meta = store_meta(store, model_print)
+    meta["checksum"] = _checksum(tensors, meta)
+    _write_atomically(Path(path), tensors, meta)
+    return PersistStats(
+        prefixes=sum(1 for n in nodes if not n.children),
+        tokens=sum(len(n.tokens) for n in nodes),
+        blocks=len(blocks),
+    )
+
+
+def store_meta(store: PrefixStore, model_print: str, format: str = FORMAT) -> dict[str, str]:
+    """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
+    model fingerprint), without the checksum. Does not mutate."""
     spec = store.pool.specs[0]
     meta = {
-        "format": FORMAT,
+        "format": format,
         "format_version": str(FORMAT_VERSION),
         "block_size": str(store.block_size),
         "dtype": _dtype_name(store.dtype),
@@ -174,13 +187,9 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
         "model_type": str(getattr(store.model.config, "model_type", type(store.model).__name__)),
         "model_fingerprint": model_print,
     }
-    meta["checksum"] = _checksum(tensors, meta)
-    _write_atomically(Path(path), tensors, meta)
-    return PersistStats(
-        prefixes=sum(1 for n in nodes if not n.children),
-        tokens=sum(len(n.tokens) for n in nodes),
-        blocks=len(blocks),
-    )
+    if store.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization
+        meta["kv_dtype"] = store.kv_dtype
+    return meta
 
 
 class _Saved(NamedTuple):
@@ -312,13 +321,24 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
     values = [tensors[f"v.{i}"] for i in range(num_layers)]
     shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
     dtype = _dtype(meta, "dtype", path)
+    kv_dtype = meta.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
+    stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
     count = keys[0].shape[0] if keys[0].dim() == 4 else -1
     for t in (*keys, *values):
-        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != dtype:
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
             raise bad(
                 f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
-                f"expected {dtype} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
             )
+    scales = {}
+    if kv_dtype is not None:
+        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
+            scale = tensors.get(name)
+            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (count, shape[1]):
+                raise bad(f"scale tensor {name} is missing or not float32 of shape [{count}, {shape[1]}]")
+            scales[name] = scale
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
         raise bad("the trie tensors disagree in length")
@@ -374,6 +394,8 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         paths,
         keys,
         values,
+        kv_dtype,
+        scales,
     )
 
 
@@ -381,10 +403,23 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
 
 
 def check_compatible(
-    file: PrefixFile, path: PathLike, model: Any, block_size: int, dtype: torch.dtype, model_dtype: torch.dtype
+    file: PrefixFile,
+    path: PathLike,
+    model: Any,
+    block_size: int,
+    dtype: torch.dtype,
+    model_dtype: torch.dtype,
+    kv_dtype: str | None = None,
 ) -> None:
-    """Refuse a file made for another block size, dtype, shape or model. Does not mutate."""
+    """Refuse a file made for another block size, dtype, quantization, shape or model. Does not mutate."""
     meta = file.meta
+    if file.kv_dtype != kv_dtype:
+        kept, wanted = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
+        raise PersistError(
+            f"{path} keeps K/V {kept}, the store {wanted}: quantized and unquantized prefixes are kept apart. "
+            f"Load it into a store with kv_dtype={file.kv_dtype!r}, or convert it explicitly with "
+            f"PrefixStore.convert(path, new_path, kv_dtype={kv_dtype!r})"
+        )
     if file.block_size != block_size:
         raise PersistError(
             f"{path} holds blocks of {file.block_size} tokens but the store uses block_size={block_size}; "
@@ -421,8 +456,9 @@ def load(cls: type[PrefixStore], path: PathLike, model: Any, **kwargs: Any) -> P
     file = read(path)
     kwargs.setdefault("block_size", file.block_size)
     kwargs["dtype"] = kwargs.get("dtype") or file.dtype
+    kwargs.setdefault("kv_dtype", file.kv_dtype)
     model_dtype = getattr(model, "dtype", torch.float32)
-    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype)
+    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"])
     store = cls(model, **kwargs)
     try:
         add(store, file)
@@ -436,8 +472,50 @@ def merge(store: PrefixStore, path: PathLike) -> PersistStats:
     """Add the file's prefixes to ``store``. Mutates the store (evicting LRU prefixes if its budget
     needs room) only once the file has been verified and is known to fit."""
     file = read(path)
-    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype)
+    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype, store.kv_dtype)
     return add(store, file)
+
+
+def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> PersistStats:
+    """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
+    ``"fp8"``, or ``None`` for unquantized in the file's dtype): the explicit step that lets a quantized
+    store load a file saved from an unquantized one, and back. Quantizing costs what a quantized store costs
+    (``docs/memory.md``); dequantizing gives back the quantized values, not the originals. Raises
+    :class:`PersistError` for a file :func:`read` refuses; ``path`` is left as it is.
+
+    >>> import prefixkv, torch, tempfile, os
+    >>> model = prefixkv.models.tiny_model("llama")
+    >>> store = prefixkv.PrefixStore(model, block_size=4)
+    >>> _ = store.warm([torch.arange(3, 20)], progress=False)
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = store.save(os.path.join(folder, "full.safetensors"))
+    >>> src, dst = os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors")
+    >>> prefixkv.PrefixStore.convert(src, dst, "int8").blocks
+    4
+    >>> prefixkv.PrefixStore.load(dst, model).kv_dtype
+    'int8'
+    """
+    check_kv_dtype(kv_dtype)
+    file = read(path)
+    bs, count = file.block_size, file.keys[0].shape[0]
+    spec = LayerSpec(int(file.meta["kv_heads"]), int(file.meta["head_dim"]), torch.device("cpu"), file.dtype)
+    specs = [spec] * len(file.keys)
+    source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
+    everything = list(range(count))
+    if count:
+        source.write_blocks(everything, _blocks_of(file, everything))
+        table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
+        for layer in range(len(specs)):
+            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        tensors = {name: f.get_tensor(name) for name in _TRIE_KEYS}
+    tensors.update(target.read_blocks(everything))
+    meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
+    if kv_dtype is not None:
+        meta["kv_dtype"] = kv_dtype
+    meta["checksum"] = _checksum(tensors, meta)
+    _write_atomically(Path(new_path), tensors, meta)
+    return PersistStats(prefixes=len(file.paths), tokens=len(tensors["trie.tokens"]), blocks=count)
 
 
 class _Plan(NamedTuple):
@@ -470,7 +548,7 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
                 )
             store._ensure_free(len(needed))
             fresh = alloc.allocate(len(needed))
-            store.pool.write_blocks(fresh, *_blocks_of(file, needed))
+            store.pool.write_blocks(fresh, _blocks_of(file, needed))
             slot = dict(zip(needed, fresh))
             for plan in plans:
                 live = trie.match(plan.tokens, space)
@@ -516,9 +594,13 @@ def _room(store: PrefixStore) -> int | None:
     return alloc.num_free + (store.max_blocks + 1 - alloc.capacity) + evictable
 
 
-def _blocks_of(file: PrefixFile, blocks: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
     index = torch.tensor(blocks, dtype=torch.long)
-    return [k.index_select(0, index) for k in file.keys], [v.index_select(0, index) for v in file.values]
+    out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
+    out.update({f"v.{i}": v.index_select(0, index) for i, v in enumerate(file.values)})
+    out.update({name: t.index_select(0, index) for name, t in file.scales.items()})
+    return out
 
 
 # -- helpers ------------------------------------------------------------------------------------------------

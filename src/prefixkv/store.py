@@ -20,9 +20,10 @@ from tqdm.auto import tqdm
 from . import attention, display, patch, persist
 from .allocator import BlockAllocator
 from .errors import CapacityError
-from .memory import attention_shape, format_bytes, kv_bytes_per_token, parse_bytes
-from .pool import BlockPool, LayerSpec
+from .memory import attention_shape, format_bytes, parse_bytes
+from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
 from .support import check_supported
+from .tier import BLOCK_FORMAT, OffloadTier, TierStats, chunk_keys
 from .trie import Insert, Match, Node, RadixTrie
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ _DTYPE_NAMES = {
 class StoreStats:
     """A snapshot of a store. ``hit_rate`` is reused prompt tokens over all prompt tokens looked up;
     ``misses`` counts looked-up rows that reused nothing; ``evictions`` counts the cached prefixes (trie
-    nodes) dropped to make room, least recently used first (not those dropped by :meth:`PrefixStore.clear`)."""
+    nodes) dropped to make room, least recently used first (not those dropped by :meth:`PrefixStore.clear`).
+    With a second tier (``offload=``), ``offload`` holds its blocks, bytes and hits; the fields above
+    count the pool alone, except ``hit_tokens`` (every reused token, from either tier)."""
 
     queries: int
     misses: int
@@ -56,6 +59,7 @@ class StoreStats:
     evictions: int
     cached_tokens: int
     nodes: int
+    offload: TierStats | None = None
 
 
 def _execution_device(module: torch.nn.Module) -> torch.device | None:
@@ -156,6 +160,12 @@ class PrefixStore:
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
 
+    ``kv_dtype="int8"`` (or ``"fp8"``) stores K/V in 8 bits with a scale per block and KV head, read
+    back in ``dtype``: about half the memory of bf16 and a quarter of fp32 per token, at a small, measured
+    cost in fidelity (``docs/memory.md``). ``offload="cpu"`` or ``"disk"`` (with ``offload_dir``) moves
+    blocks evicted from the pool to host memory or files, within ``max_offload_memory``, and brings them
+    back when a later prompt starts with them.
+
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
     >>> store = prefixkv.PrefixStore(model, block_size=4)
@@ -174,12 +184,19 @@ class PrefixStore:
         max_memory: int | str | None = None,
         num_blocks: int | None = None,
         dtype: torch.dtype | str | None = None,
+        kv_dtype: str | None = None,
+        offload: str | None = None,
+        max_offload_memory: int | str | None = None,
+        offload_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if max_memory is not None and num_blocks is not None:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
         store_dtype = _check_dtype(dtype)
+        check_kv_dtype(kv_dtype)
+        if offload is None and (max_offload_memory is not None or offload_dir is not None):
+            raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
         self.model = model
         self.block_size = block_size
@@ -188,11 +205,17 @@ class PrefixStore:
         self.dtype = store_dtype or self.model_dtype
         devices = _layer_devices(model, shape.num_layers)
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
-        self.bytes_per_block = block_size * kv_bytes_per_token(model.config, self.dtype)
+        self.kv_dtype = kv_dtype
+        self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         self.max_blocks = self._budget(max_memory, num_blocks)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
         self._allocator = BlockAllocator(first + 1)
-        self.pool = BlockPool(specs, block_size, first + 1)
+        self.pool = BlockPool(specs, block_size, first + 1, kv_dtype)
+        self.tier: OffloadTier | None = None
+        if offload is not None:
+            limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
+            meta = persist.store_meta(self, persist.fingerprint(model), BLOCK_FORMAT) if offload == "disk" else {}
+            self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
         self._caches: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
@@ -261,6 +284,7 @@ class PrefixStore:
                 evictions=self._evictions,
                 cached_tokens=sum(len(n.tokens) for n in nodes),
                 nodes=len(nodes),
+                offload=None if self.tier is None else self.tier.stats,
             )
 
     def _unlocked_and_pinned_blocks(self, occurrences: Counter[int]) -> tuple[int, int]:
@@ -301,6 +325,8 @@ class PrefixStore:
                 raise AssertionError(f"holders name blocks outside the pool: {set(holders)}")
             if self.pool.capacity != self._allocator.capacity:
                 raise AssertionError(f"pool has {self.pool.capacity} blocks, allocator {self._allocator.capacity}")
+            if self.tier is not None:
+                self.tier.check_invariants()
 
     def pin(self, ids: Sequence[int] | torch.Tensor) -> int:
         """Keep the prefix ``ids`` (a system prompt) cached until :meth:`unpin`. Mutates.
@@ -454,6 +480,15 @@ class PrefixStore:
         truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
         return persist.load(cls, path, model, **kwargs)
 
+    @staticmethod
+    def convert(
+        path: str | os.PathLike[str], new_path: str | os.PathLike[str], kv_dtype: str | None
+    ) -> persist.PersistStats:
+        """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
+        ``"fp8"`` or ``None``): the explicit step between quantized and unquantized stores, which refuse
+        each other's files. See :func:`prefixkv.persist.convert`."""
+        return persist.convert(path, new_path, kv_dtype)
+
     def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
@@ -504,8 +539,11 @@ class PrefixStore:
     # -- for PagedPrefixCache (all under the store lock) -----------------------------------------
 
     def _lookup(self, rows: list[list[int]], space: Hashable = None) -> list[Match]:
-        """Longest cached prefix of each row in namespace ``space``. Mutates only LRU times."""
+        """Longest cached prefix of each row in namespace ``space``. Mutates LRU times, and the trie and pool
+        when blocks come back from the second tier."""
         with self._lock:
+            if self.tier is not None:
+                self._restore(rows, space)
             matches = [self._trie.match(r, space) for r in rows]
             for m in matches:
                 if m.length:
@@ -535,8 +573,8 @@ class PrefixStore:
             alloc.grow(target)
         collected = False
         while not alloc.can_allocate(n):
-            released = self._trie.evict_one()
-            if released is None:
+            node = self._trie.evict_lru()
+            if node is None:
                 if collected:
                     raise self._capacity_error(n)
                 # caches nobody closed may be waiting for the cyclic collector (a cache kept alive by a
@@ -545,7 +583,71 @@ class PrefixStore:
                 collected = True
                 continue
             self._evictions += 1
-            alloc.decref(released)
+            if self.tier is not None:
+                self._offload(node)
+            alloc.decref(node.blocks)
+
+    # -- the second tier (all under the store lock) ----------------------------------------------
+
+    def _offload(self, node: Node) -> None:
+        """Copy the whole blocks of an evicted node to the tier. Mutates the tier only."""
+        assert self.tier is not None
+        bs = self.block_size
+        first, end = node.start // bs, node.end // bs  # chunks [first, end) lie wholly before the edge's end
+        if end <= first:
+            return
+        keys = chunk_keys(self._trie.path_tokens(node), bs, end, self._trie.space_of(node))
+        for c in range(first, end):
+            if not self.tier.touch(keys[c]):
+                self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]))
+
+    def _restore(self, rows: list[list[int]], space: Hashable) -> None:
+        """Bring back from the tier the whole blocks that extend each row's match in the trie, and insert
+        them. Nodes matched or restored stay locked until every row is done, so that room made for one row
+        never evicts another's. Mutates."""
+        assert self.tier is not None
+        bs, alloc, held = self.block_size, self._allocator, []
+        try:
+            for row in rows:
+                m = self._trie.match(row, space)
+                if m.length:
+                    self._trie.lock(m.node)
+                    held.append(m.node)
+                c0 = m.length // bs
+                if c0 >= len(row) // bs:
+                    continue  # the pool holds every whole block of the row
+                keys = chunk_keys(row, bs, len(row) // bs, space)
+                n = 0
+                while c0 + n < len(keys) and keys[c0 + n] in self.tier:
+                    n += 1
+                if (c0 + n) * bs <= m.length:
+                    continue
+                for k in reversed(keys[c0 : c0 + n]):
+                    self.tier.touch(k)  # offloading to make room must not drop what this row is about to read
+                try:
+                    self._ensure_free(n)
+                except CapacityError:
+                    continue  # no room: the row recomputes what the tier holds
+                blocks: list[dict[str, torch.Tensor]] = []
+                for key in keys[c0 : c0 + n]:
+                    block = self.tier.get(key)
+                    if block is None:  # a file that failed its checksum: the rest is recomputed
+                        break
+                    blocks.append(block)
+                n = len(blocks)
+                if (c0 + n) * bs <= m.length:
+                    continue
+                fresh = alloc.allocate(n)
+                self.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
+                ins = self._trie.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
+                alloc.incref(ins.added)
+                alloc.decref(fresh)  # the restore's own hold; the trie holds them now
+                self._trie.lock(ins.node)
+                held.append(ins.node)
+                self.tier.count_restored(n, (c0 + n) * bs - m.length)
+        finally:
+            for node in held:
+                self._trie.unlock(node)
 
     def _capacity_error(self, n: int) -> CapacityError:
         occurrences = self._trie.check_invariants()

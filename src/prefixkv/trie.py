@@ -97,6 +97,7 @@ class RadixTrie:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._roots: dict[Hashable, Node] = {}
+        self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
         self.root = self.root_of(None)
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
@@ -109,7 +110,14 @@ class RadixTrie:
         if root is None:
             root = self._roots[space] = Node([], 0, [], None)
             root.lock = 1
+            self._spaces[id(root)] = space
         return root
+
+    def space_of(self, node: Node) -> Hashable:
+        """The namespace ``node`` is in (also for a node just evicted). Does not mutate."""
+        while node.parent is not None:
+            node = node.parent
+        return self._spaces[id(node)]
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -137,6 +145,17 @@ class RadixTrie:
                 break
             node = child
         return Match(pos, blocks, last)
+
+    @staticmethod
+    def path_tokens(node: Node) -> list[int]:
+        """The tokens from position 0 to the end of ``node``'s edge (also for a node just evicted). Does not
+        mutate."""
+        parts: list[list[int]] = []
+        n: Node | None = node
+        while n is not None:
+            parts.append(n.tokens)
+            n = n.parent
+        return [t for part in reversed(parts) for t in part]
 
     def is_leaf(self, node: Node) -> bool:
         return not node.children and node.parent is not None
@@ -262,6 +281,13 @@ class RadixTrie:
     def evict_one(self) -> list[int] | None:
         """Drop the least recently used unlocked leaf; return its block occurrences (the caller
         decrements them), or ``None`` if no leaf can go. Mutates."""
+        node = self.evict_lru()
+        return None if node is None else node.blocks
+
+    def evict_lru(self) -> Node | None:
+        """Drop the least recently used unlocked leaf and return it (its ``blocks`` are the occurrences
+        the caller decrements; its ``parent`` chain still spells its tokens), or ``None`` if no leaf can
+        go. Mutates."""
         while self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             if not node.alive or node.lock or node.children or stamp != node.last_access:
@@ -272,7 +298,7 @@ class RadixTrie:
             node.alive = False
             self._size -= 1
             self._offer(parent)
-            return node.blocks
+            return node
         return None
 
     def clear(self) -> list[int]:

@@ -1,0 +1,262 @@
+"""The second tier: blocks evicted from a store's pool, kept in host memory or on disk instead of dropped.
+
+An entry is one whole block (every layer's K and V as the pool stores them, scales included when
+quantized), keyed by a chained sha256 over the tokens from position 0 to the block's end: the key of
+chunk ``c`` hashes the key of chunk ``c - 1`` and the ``block_size`` tokens of chunk ``c``. A prefix is
+thus found block by block where the trie's match stops, and two prefixes that share their first blocks
+share those entries. No trie and no allocator here: the store decides what to offload and what to bring
+back (``PrefixStore._ensure_free``, ``PrefixStore._lookup``); the tier keeps entries within its own
+budget, least recently used first out.
+
+Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU
+runs asynchronously with compute); ``"disk"`` writes one safetensors file per block into a directory and
+reads it back memory-mapped. A disk file is written under a temporary name and renamed when whole, and
+carries the metadata and checksum of :mod:`prefixkv.persist`: a write cut short by a crash leaves only a
+temporary file, which is never read; a file whose checksum fails is dropped with a warning; a directory
+holding files of another model, dtype, block size or quantization is refused with :class:`PersistError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import persist
+from .errors import PersistError
+
+KINDS = ("cpu", "disk")
+BLOCK_FORMAT = "prefixkv.block"
+_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of a tier: blocks and bytes held, blocks moved in (``offloaded``), brought back
+    (``restored``) and dropped for its budget (``evictions``), and the prompt tokens whose K/V came
+    back from it (``hit_tokens``)."""
+
+    kind: str
+    blocks: int
+    bytes: int
+    max_bytes: int | None
+    offloaded: int
+    restored: int
+    hit_tokens: int
+    evictions: int
+
+
+def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
+    """The keys of the first ``chunks`` whole blocks of ``tokens`` in the store's namespace ``space`` (active
+    adapters, weights version: the same tokens have other K/V there). Does not mutate.
+
+    >>> a = chunk_keys([1, 2, 3, 4, 5, 6], 2, 3)
+    >>> b = chunk_keys([1, 2, 3, 4, 9, 9], 2, 3)
+    >>> a[:2] == b[:2], a[2] == b[2]
+    (True, False)
+    """
+    keys: list[str] = []
+    digest = hashlib.sha256()
+    if space is not None:
+        digest.update(repr(space).encode())  # repr, not hash(): stable across processes for the disk tier
+    for c in range(chunks):
+        digest.update(torch.tensor(tokens[c * block_size : (c + 1) * block_size], dtype=torch.int64).numpy().tobytes())
+        keys.append(digest.copy().hexdigest())
+    return keys
+
+
+class OffloadTier:
+    """Blocks keyed by :func:`chunk_keys`, in host memory (``kind="cpu"``) or files (``kind="disk"``),
+    within ``max_bytes`` (``None``: unbounded), least recently used first out.
+
+    ``meta`` is the metadata (:func:`prefixkv.persist.store_meta`) every disk file carries and every file
+    already in ``directory`` must match.
+
+    >>> tier = OffloadTier("cpu", max_bytes=1000)
+    >>> tier.put("a", {"k.0": torch.zeros(1, 4, 2, 8)})
+    True
+    >>> "a" in tier, tier.stats.bytes
+    (True, 256)
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        max_bytes: int | None = None,
+        directory: str | os.PathLike[str] | None = None,
+        meta: dict[str, str] | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"offload must be None, 'cpu' or 'disk', got {kind!r}")
+        if kind == "disk" and directory is None:
+            raise ValueError("offload='disk' needs offload_dir, the directory to keep the offloaded blocks in")
+        if kind == "cpu" and directory is not None:
+            raise ValueError("offload_dir is for offload='disk'; offload='cpu' keeps blocks in host memory")
+        self.kind = kind
+        self.max_bytes = max_bytes
+        self.meta = dict(meta or {})
+        self.directory = None if directory is None else Path(directory)
+        self._pin = kind == "cpu" and torch.cuda.is_available()
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
+        self._held: dict[str, dict[str, torch.Tensor]] = {}  # kind "cpu" only
+        self._bytes = 0
+        self._offloaded = self._restored = self._hit_tokens = self._evictions = 0
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def stats(self) -> TierStats:
+        """The counters. Does not mutate."""
+        return TierStats(
+            self.kind,
+            len(self._sizes),
+            self._bytes,
+            self.max_bytes,
+            self._offloaded,
+            self._restored,
+            self._hit_tokens,
+            self._evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the byte count, the budget or the files disagree with the entries.
+        Does not mutate."""
+        if self._bytes != sum(self._sizes.values()):
+            raise AssertionError(f"the tier counts {self._bytes} bytes, its entries {sum(self._sizes.values())}")
+        if self.max_bytes is not None and self._bytes > self.max_bytes:
+            raise AssertionError(f"the tier holds {self._bytes} bytes, over its budget of {self.max_bytes}")
+        if self.kind == "cpu" and set(self._held) != set(self._sizes):
+            raise AssertionError("the tier's tensors and its LRU disagree")
+        if self.directory is not None:
+            on_disk = {p.name[: -len(_SUFFIX)] for p in self.directory.glob(f"*{_SUFFIX}")}
+            if on_disk != set(self._sizes):
+                raise AssertionError(f"{len(on_disk)} files in {self.directory}, {len(self._sizes)} entries")
+
+    # -- mutations -------------------------------------------------------------------------------
+
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` used now; return whether it is held. Mutates the LRU order."""
+        if key not in self._sizes:
+            return False
+        self._sizes.move_to_end(key)
+        return True
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
+        """Keep a block (one ``[1, ...]`` tensor per name) under ``key``, dropping least recently used
+        entries for room; an entry already held is only marked used. Returns whether it is held. Mutates.
+
+        A disk entry's size is its file's, header included."""
+        if self.touch(key):
+            return True
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.max_bytes is not None and size > self.max_bytes:
+            return False
+        if self.directory is not None:
+            meta = {**self.meta, "key": key}
+            meta["checksum"] = persist._checksum(tensors, meta)
+            persist._write_atomically(self._path(key), tensors, meta)
+            size = self._path(key).stat().st_size
+        else:
+            self._held[key] = {n: t.pin_memory() if self._pin else t for n, t in tensors.items()}
+        self._sizes[key] = size
+        self._bytes += size
+        self._offloaded += 1
+        self._fit()
+        return key in self._sizes
+
+    def _fit(self) -> None:
+        """Drop least recently used entries until the budget holds. Mutates."""
+        while self.max_bytes is not None and self._bytes > self.max_bytes:
+            self._drop(next(iter(self._sizes)))
+            self._evictions += 1
+
+    def get(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The block under ``key`` (marked used), or ``None`` if it is not held or its file fails its
+        checksum (then it is dropped, with a warning). Mutates the LRU order."""
+        if key not in self._sizes:
+            return None
+        self._sizes.move_to_end(key)
+        if self.directory is None:
+            return self._held[key]
+        path = self._path(key)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = dict(f.metadata() or {})
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        except Exception as e:  # safetensors raises its own error type for every malformed file
+            self._refuse(key, f"is unreadable ({e})")
+            return None
+        if meta.get("checksum") != persist._checksum(tensors, meta) or meta.get("key") != key:
+            self._refuse(key, "fails its checksum")
+            return None
+        return tensors
+
+    def count_restored(self, blocks: int, tokens: int) -> None:
+        """Record ``blocks`` brought back, giving ``tokens`` prompt tokens of reuse. Mutates."""
+        self._restored += blocks
+        self._hit_tokens += tokens
+
+    def clear(self) -> int:
+        """Drop every entry (and its file). Returns how many. Mutates."""
+        n = len(self._sizes)
+        for key in list(self._sizes):
+            self._drop(key)
+        return n
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{key}{_SUFFIX}"
+
+    def _drop(self, key: str) -> None:
+        self._bytes -= self._sizes.pop(key)
+        self._held.pop(key, None)
+        if self.directory is not None:
+            self._path(key).unlink(missing_ok=True)
+
+    def _refuse(self, key: str, why: str) -> None:
+        warnings.warn(f"prefixkv: offloaded block {self._path(key)} {why}; it is dropped and recomputed", stacklevel=3)
+        self._drop(key)
+
+    def _scan(self) -> None:
+        """Index the block files already in the directory (a store's earlier life), oldest first, after
+        checking that they were made for this store. Temporary files of unfinished writes are ignored."""
+        assert self.directory is not None
+        files = sorted(self.directory.glob(f"*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    meta = dict(f.metadata() or {})
+            except Exception as e:  # safetensors raises its own error type for every malformed file
+                warnings.warn(f"prefixkv: {path} in offload_dir is unreadable ({e}); it is removed", stacklevel=3)
+                path.unlink(missing_ok=True)
+                continue
+            theirs = {k: v for k, v in meta.items() if k not in ("key", "checksum")}
+            if theirs != self.meta or meta.get("key") != path.name[: -len(_SUFFIX)]:
+                differ = sorted(k for k in {*theirs, *self.meta} if theirs.get(k) != self.meta.get(k))
+                raise PersistError(
+                    f"{path} in offload_dir was written for another store (it differs in {', '.join(differ) or 'key'}:"
+                    f" another model, dtype, block size or quantization); give this store its own offload_dir"
+                )
+            size = path.stat().st_size
+            self._sizes[path.name[: -len(_SUFFIX)]] = size
+            self._bytes += size
+        self._fit()

@@ -1,0 +1,179 @@
+"""The second tier (``offload="cpu"`` / ``"disk"``): evicted blocks move there and come back exactly; its own
+budget and LRU; disk files that survive the store, written atomically, checked by checksum, and refused
+when they belong to another model, dtype or quantization."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import compare, random_tokens
+
+import prefixkv
+from prefixkv import PersistError, PrefixStore
+from prefixkv.tier import OffloadTier, chunk_keys
+
+BS = 4
+
+
+def _entry(value: float, size: int = 64) -> dict[str, torch.Tensor]:
+    return {"k.0": torch.full((1, size // 4), value, dtype=torch.float32)}
+
+
+# -- the tier alone ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_budget_and_lru(kind: str, tmp_path: Path) -> None:
+    tier = OffloadTier(
+        kind, max_bytes=3 * 64 if kind == "cpu" else 3 * 300, directory=tmp_path if kind == "disk" else None
+    )
+    for i in range(3):
+        assert tier.put(f"k{i}", _entry(i))
+    assert tier.touch("k0")  # k1 is now the least recently used
+    assert tier.put("k3", _entry(3))
+    assert "k1" not in tier and all(f"k{i}" in tier for i in (0, 2, 3))
+    assert tier.stats.evictions == 1 and tier.stats.blocks == 3
+    got = tier.get("k2")
+    assert got is not None and torch.equal(got["k.0"], _entry(2)["k.0"])
+    assert not tier.put("huge", _entry(0, size=4096))  # over the whole budget: not kept
+    tier.check_invariants()
+    assert tier.clear() == 3 and tier.stats.bytes == 0
+    tier.check_invariants()
+
+
+def test_chunk_keys_chain_the_whole_prefix() -> None:
+    a = chunk_keys([1, 2, 3, 4], 2, 2)
+    assert chunk_keys([9, 2, 3, 4], 2, 2)[1] != a[1]  # same last block, another prefix: another key
+    assert chunk_keys([1, 2, 3, 4, 5], 2, 2) == a
+
+
+def test_arguments_are_checked(llama64: Any, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="offload must be None"):
+        PrefixStore(llama64, offload="gpu")
+    with pytest.raises(ValueError, match="needs offload_dir"):
+        PrefixStore(llama64, offload="disk")
+    with pytest.raises(ValueError, match="need offload="):
+        PrefixStore(llama64, max_offload_memory="1MiB")
+    with pytest.raises(ValueError, match="for offload='disk'"):
+        PrefixStore(llama64, offload="cpu", offload_dir=tmp_path)
+
+
+# -- a store over a tier ------------------------------------------------------------------------------
+
+
+def _fill(model: Any, store: PrefixStore, seeds: range, n: int = 37) -> list[torch.Tensor]:
+    prompts = [random_tokens(n, seed=s)[None] for s in seeds]
+    for ids in prompts:
+        assert compare(model, store, ids, do_sample=False).max_diff <= 1e-6
+    return prompts
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_evicted_prefixes_come_back_from_the_tier_exactly(llama64: Any, kind: str, tmp_path: Path) -> None:
+    directory = tmp_path if kind == "disk" else None
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
+        first, *_ = _fill(llama64, store, range(3))  # 11 blocks each: the first two calls' prefixes are evicted
+        assert store.stats.evictions > 0 and store.stats.offload is not None and store.stats.offload.blocks >= 11
+        assert store._trie.match(first[0].tolist()).length < 36
+        again = compare(llama64, store, first, do_sample=False)
+        assert again.same_tokens and again.max_diff <= 1e-6
+        assert again.cache.stats.cached_tokens == 36  # the prompt's 9 whole blocks, from the tier
+        o = store.stats.offload
+        assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store._trie.match([]).length
+        assert f"{kind} tier" in prefixkv.display.store_html(store)
+
+
+def test_the_tier_keeps_its_budget_and_drops_least_recently_used(llama64: Any) -> None:
+    block = PrefixStore(llama64, block_size=BS).bytes_per_block
+    with PrefixStore(llama64, block_size=BS, num_blocks=12, offload="cpu", max_offload_memory=10 * block) as store:
+        prompts = _fill(llama64, store, range(5))
+        o = store.stats.offload
+        assert o is not None and o.bytes <= 10 * block and o.evictions > 0
+        store.check_invariants()
+        oldest = compare(llama64, store, prompts[0], do_sample=False)  # dropped from both tiers: recomputed
+        assert oldest.cache.stats.cached_tokens == 0 and oldest.max_diff <= 1e-6
+
+
+def test_a_disk_tier_outlives_its_store(llama64: Any, tmp_path: Path) -> None:
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:
+        first, *_ = _fill(llama64, store, range(3))
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as later:
+        o = later.stats.offload
+        assert o is not None and o.blocks == len(list(tmp_path.glob("*.safetensors"))) > 0
+        again = compare(llama64, later, first, do_sample=False)
+        assert again.cache.stats.cached_tokens == 36 and again.max_diff <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(model_seed=1),
+        dict(kv_dtype="int8"),
+        dict(block_size=8),
+    ],
+    ids=["another model", "quantized", "another block size"],
+)
+def test_a_disk_tier_of_another_store_is_refused(llama64: Any, tmp_path: Path, other: dict[str, Any]) -> None:
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:
+        _fill(llama64, store, range(3))
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64, seed=other.pop("model_seed", 0))
+    kw = {"block_size": BS, "num_blocks": 16, "offload": "disk", "offload_dir": tmp_path, **other}
+    with pytest.raises(PersistError, match=r"written for another store.*its own offload_dir"):
+        PrefixStore(model, **kw)
+
+
+def test_a_damaged_block_file_is_dropped_and_recomputed(llama64: Any, tmp_path: Path) -> None:
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:
+        first, *_ = _fill(llama64, store, range(3))
+        keys = chunk_keys(first[0].tolist(), BS, 9)
+        damaged = tmp_path / f"{keys[4]}.safetensors"
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 0xFF  # one bit of K/V
+        damaged.write_bytes(bytes(data))
+        with pytest.warns(UserWarning, match="fails its checksum"):
+            again = compare(llama64, store, first, do_sample=False)
+        assert again.cache.stats.cached_tokens < 36 and again.max_diff <= 1e-6  # the rest was recomputed
+        assert not damaged.exists()
+        store.check_invariants()
+
+
+_WRITER = """
+import sys, torch
+from prefixkv.tier import OffloadTier
+tier = OffloadTier("disk", directory=sys.argv[1], meta={"format": "prefixkv.block"})
+print("ready", flush=True)
+i = 0
+while True:
+    tier.put(f"{i:064x}", {"k.0": torch.full((1, 256, 64, 16), float(i))})
+    i += 1
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_no_file_that_loads(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(prefixkv.__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*.safetensors"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no file to drop: a cut write left only its temporary name
+        tier = OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block"})
+    assert len(tier) >= 3
+    for i in range(len(tier)):
+        got = tier.get(f"{i:064x}")
+        assert got is not None and bool((got["k.0"] == float(i)).all())
+    tier.check_invariants()
