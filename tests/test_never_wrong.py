@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
 import warnings
 from typing import Any
@@ -307,6 +308,7 @@ def test_soft_prompt_on_a_cache_built_from_ids(model: Any) -> None:
             return_dict_in_generate=True,
         )
     assert cache.stats.cached_tokens == 0
+    assert store.stats.hit_tokens == 0 and store.stats.misses == 2  # the dropped reuse counts as a miss
     assert max_logit_diff(out.logits, ref.logits) <= TOL
     reuse_is_exact(model, store, ids)
     assert_no_leak(store)
@@ -703,3 +705,39 @@ def test_weights_written_in_place_start_a_new_namespace(model: Any) -> None:
     reuse_is_exact(model, store, ids, reused=False)  # stock with the new weights; nothing old reused
     reuse_is_exact(model, store, ids)
     assert_no_leak(store)
+
+
+@pytest.mark.skipif(os.environ.get("PREFIXKV_REAL_TESTS") != "1", reason="set PREFIXKV_REAL_TESTS=1 (loads SmolLM2)")
+def test_real_chat_turns_under_enable_and_inference_mode() -> None:
+    """SmolLM2-Instruct with its chat template, as a script would call it: enable(), inference_mode, no mask,
+    the checkpoint's own generation_config (pad token <|im_end|>, which every chat prompt holds). Turn 2 reuses
+    turn 1 and gets stock logits; a later plain request reuses what both published and gets stock logits too."""
+    model, tok = prefixkv.models.smollm2(dtype=torch.float64)
+    model.generation_config.eos_token_id = None  # stock then infers a mask with holes at every <|im_end|>
+    model.generation_config.pad_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    system = {"role": "system", "content": "You are the help desk of a public library. Answer in one sentence."}
+
+    def chat(*turns: dict[str, str]) -> torch.Tensor:
+        ids: torch.Tensor = tok.apply_chat_template(
+            [system, *turns], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        return ids
+
+    kw = dict(max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    first = chat({"role": "user", "content": "When are you open?"})
+    with torch.inference_mode():
+        ref1 = model.generate(first, **kw)
+        answer = tok.decode(ref1.sequences[0, first.shape[1] :], skip_special_tokens=True)
+        second = chat(
+            {"role": "user", "content": "When are you open?"},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And on Sundays?"},
+        )
+        ref2 = model.generate(second, **kw)
+        store = prefixkv.enable(model, block_size=16)
+        outs = [model.generate(ids, **kw) for ids in (first, second)]
+        prefixkv.disable(model)
+    for out, ref in zip(outs, (ref1, ref2)):
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max_logit_diff(out.logits, ref.logits) <= TOL
+    assert store.stats.hit_tokens >= first.shape[1] // 16 * 16 - 16

@@ -614,8 +614,13 @@ class PagedPrefixCache(Cache):
     def _drop_reuse(self) -> None:
         """Give back every held column, so the next forward recomputes the sequence from its start. Mutates."""
         self._truncate(0)
-        per_row = tuple(RowStats(r.prompt_tokens, 0, r.prompt_tokens) for r in self._stats.per_row)
+        before = self._stats.per_row
+        per_row = tuple(RowStats(r.prompt_tokens, 0, r.prompt_tokens) for r in before)
         self._stats = CacheStats(self._stats.prompt_tokens, 0, self._stats.prompt_tokens, per_row)
+        # the store counted this lookup's reuse at construction: count it as the miss it has become
+        prompts = [r.prompt_tokens for r in before]
+        self.store._count_query(prompts, [r.cached_tokens for r in before], undo=True)
+        self.store._count_query(prompts, [0] * len(prompts))
 
     # -- the forward protocol (called by the model hooks in patch.py) ----------------------------
 
