@@ -548,15 +548,17 @@ def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
                 )
             store._ensure_free(len(needed))
             fresh = alloc.allocate(len(needed))
-            store.pool.write_blocks(fresh, _blocks_of(file, needed))
-            slot = dict(zip(needed, fresh))
-            for plan in plans:
-                live = trie.match(plan.tokens, space)
-                assert live.length == plan.present, "the merge plan went stale under the store lock"
-                cut = live.length // bs
-                ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
-                alloc.incref(ins.added)
-            alloc.decref(fresh)  # the merge's own hold; the trie now holds every copied block
+            try:
+                store.pool.write_blocks(fresh, _blocks_of(file, needed))
+                slot = dict(zip(needed, fresh))
+                for plan in plans:
+                    live = trie.match(plan.tokens, space)
+                    assert live.length == plan.present, "the merge plan went stale under the store lock"
+                    cut = live.length // bs
+                    ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
+                    alloc.incref(ins.added)
+            finally:
+                alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing holds the rest
         finally:
             for node in anchors:
                 trie.unlock(node)

@@ -638,10 +638,12 @@ class PrefixStore:
                 if (c0 + n) * bs <= m.length:
                     continue
                 fresh = alloc.allocate(n)
-                self.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
-                ins = self._trie.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
-                alloc.incref(ins.added)
-                alloc.decref(fresh)  # the restore's own hold; the trie holds them now
+                try:
+                    self.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
+                    ins = self._trie.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
+                    alloc.incref(ins.added)
+                finally:
+                    alloc.decref(fresh)  # the restore's own hold: the trie holds them now, or nothing does
                 self._trie.lock(ins.node)
                 held.append(ins.node)
                 self.tier.count_restored(n, (c0 + n) * bs - m.length)
