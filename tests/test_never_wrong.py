@@ -741,3 +741,107 @@ def test_real_chat_turns_under_enable_and_inference_mode() -> None:
         assert torch.equal(out.sequences, ref.sequences)
         assert max_logit_diff(out.logits, ref.logits) <= TOL
     assert store.stats.hit_tokens >= first.shape[1] // 16 * 16 - 16
+
+
+# -- found by review: inputs the proof must see ----------------------------------------------------------------
+
+
+def test_positional_forward_arguments_are_seen(model: Any) -> None:
+    """position_ids and the cache given positionally, as ``model(ids, mask, positions, cache)`` does."""
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = _prompt(111)
+    shifted = torch.arange(ids.shape[1])[None] + 7
+    with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
+        model(ids, None, shifted, cache=cache)
+    with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
+        out = model(ids, None, None, cache)
+        ref = model(ids, None, None, DynamicCache(config=model.config))
+    assert (out.logits - ref.logits).abs().max() <= TOL
+    reuse_is_exact(model, store, ids)
+    assert_no_leak(store)
+
+
+def test_generate_with_position_ids_of_its_own(model: Any) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = _prompt(112)
+    reuse_is_exact(model, store, ids, reused=False)
+    shifted = torch.arange(ids.shape[1])[None] + 5
+    ref = _stock(model, ids, position_ids=shifted)
+    with pytest.warns(UserWarning, match="position_ids"), prefixkv.PagedPrefixCache(store, ids) as cache:
+        torch.manual_seed(0)
+        out = model.generate(ids, position_ids=shifted, cache=cache, **RUN_KW)
+    assert cache.stats.cached_tokens == 0 and max_logit_diff(out.logits, ref.logits) <= TOL
+    reuse_is_exact(model, store, ids)
+    assert_no_leak(store)
+
+
+RUN_KW = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("change", ["data", "parameter", "load_state_dict_assign", "buffer"])
+def test_replaced_weights_and_buffers_start_a_new_namespace(model: Any, change: str) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = _prompt(113)
+    reuse_is_exact(model, store, ids, reused=False)
+    attn = model.model.layers[0].self_attn
+    new = attn.k_proj.weight.detach() * 1.5
+    if change == "data":
+        attn.k_proj.weight.data = new
+    elif change == "parameter":
+        attn.k_proj.weight = torch.nn.Parameter(new)
+    elif change == "load_state_dict_assign":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        state["model.layers.0.self_attn.k_proj.weight"] = new
+        model.load_state_dict(state, assign=True)
+    else:
+        with torch.no_grad():
+            model.model.rotary_emb.inv_freq.mul_(1.01)
+    reuse_is_exact(model, store, ids, reused=False)
+    reuse_is_exact(model, store, ids)
+    assert_no_leak(store)
+
+
+def test_changed_weights_never_reach_the_second_tier(model: Any, tmp_path: Any) -> None:
+    """The disk tier's files outlive the process; K/V of weights changed since the store was built are only
+    told apart in this process, so none of them is offloaded."""
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=20, offload="disk", offload_dir=tmp_path)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    for seed in range(4):
+        reuse_is_exact(model, store, random_tokens(30, seed=120 + seed)[None], reused=False)
+    assert store.stats.evictions > 0 and len(store.tier) == 0
+    assert_no_leak(store)
+
+
+@pytest.mark.parametrize("how", ["forward", "generate"])
+def test_token_type_ids_are_never_published_under_the_ids(how: str) -> None:
+    model = prefixkv.models.tiny_model("gpt2", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 30)[None]
+    types = torch.full_like(ids, 7)
+    if how == "forward":
+        with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
+            model(input_ids=ids, token_type_ids=types, cache=cache)
+    else:
+        reuse_is_exact(model, store, ids, reused=False)
+        ref = _stock(model, ids, token_type_ids=types)
+        with pytest.warns(UserWarning, match="token_type_ids"), prefixkv.PagedPrefixCache(store, ids) as cache:
+            out = model.generate(ids, token_type_ids=types, cache=cache, **RUN_KW)
+        assert max_logit_diff(out.logits, ref.logits) <= TOL
+    reuse_is_exact(model, store, ids, reused=how == "generate")
+    reuse_is_exact(model, store, ids)
+    assert_no_leak(store)
+
+
+def test_training_mode_publishes_nothing() -> None:
+    """Dropout makes K/V random in training mode."""
+    model = prefixkv.models.tiny_model("gpt2", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 30)[None]
+    model.train()
+    with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
+        model(input_ids=ids, cache=cache)
+    model.eval()
+    reuse_is_exact(model, store, ids, reused=False)
+    reuse_is_exact(model, store, ids)
+    assert_no_leak(store)

@@ -34,7 +34,7 @@ import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -190,6 +190,24 @@ def layout(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int
     pads = (mask.to(torch.long).cumsum(dim=1) == 0).sum(dim=1).tolist()
     visible = mask.tolist()
     return pads, [[_key(t, v) for t, v in zip(row[p:], vis[p:])] for row, vis, p in zip(ids, visible, pads)]
+
+
+# inputs of a generate call that change the embeddings, so the K/V of the ids (multimodal inputs never reach a
+# text-only model's cache)
+_EMBEDDING_INPUTS = ("token_type_ids", "mm_token_type_ids")
+
+
+def _custom_positions(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> str | None:
+    """Why a generate call's own ``position_ids`` make construction's reuse wrong (they are not those the mask
+    implies: the count of shown tokens before each), or ``None``."""
+    if position_ids is None:
+        return None
+    reason = "position_ids of its own (K/V depend on positions; the cache keys assume the mask's)"
+    if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != tuple(input_ids.shape):
+        return reason
+    shown = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
+    expected = shown.to(torch.long).cumsum(dim=1) - 1
+    return reason if bool(((position_ids.cpu() != expected) & shown).any()) else None
 
 
 def _token(key: int) -> int:
@@ -484,7 +502,7 @@ class PagedPrefixCache(Cache):
             return next_sequence_length
         embeds = kwargs.get("inputs_embeds")
         if not self._computed:
-            planned = self._replan(input_ids, kwargs.get("attention_mask"), embeds, kwargs.get("use_cache"))
+            planned = self._replan(input_ids, kwargs.get("attention_mask"), embeds, kwargs.get("use_cache"), kwargs)
             if planned:
                 width = embeds.shape[1] if isinstance(embeds, torch.Tensor) else input_ids.shape[1]
                 return None if next_sequence_length is None and self._length == 0 else width - self._length
@@ -508,24 +526,25 @@ class PagedPrefixCache(Cache):
             return None
         return width - held
 
-    def _replan(self, input_ids: torch.Tensor, attention_mask: Any, embeds: Any, use_cache: Any) -> bool:
+    def _replan(
+        self, input_ids: torch.Tensor, attention_mask: Any, embeds: Any, use_cache: Any, kwargs: dict[str, Any]
+    ) -> bool:
         """Before this cache computes anything: redo construction's reuse for the call as it really is. Returns
         whether it changed what the cache holds. Mutates."""
         if not self._rows or all(row.tokens is None for row in self._rows):
             return False
-        why = None
-        if use_cache is False:
-            why = "use_cache=False"
-        elif isinstance(embeds, torch.Tensor):
-            why = "inputs_embeds (their K/V need not be those of the ids)"
+        others = [name for name in _EMBEDDING_INPUTS if kwargs.get(name) is not None]
+        embeds_ids = None if isinstance(embeds, torch.Tensor) else input_ids
+        why = self._unproven(embeds_ids, use_cache, others, check_space=False)
+        if why is None:
+            why = _custom_positions(input_ids, attention_mask, kwargs.get("position_ids"))
         if why is not None:
             had = self._length
             self._drop_reuse()
             for row in self._rows:
                 row.tokens = None
             warnings.warn(
-                f"prefixkv: this generate call passes {why}, so this PagedPrefixCache neither reuses nor publishes "
-                "cached K/V in it",
+                f"prefixkv: {why}: this PagedPrefixCache neither reuses nor publishes cached K/V in this generate call",
                 stacklevel=4,
             )
             return had > 0
@@ -631,8 +650,11 @@ class PagedPrefixCache(Cache):
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        others: Sequence[str] = (),
     ) -> None:
-        """Take the ids about to be fed, prove what their K/V will be, and allocate their slots. Mutates."""
+        """Take the ids about to be fed, prove what their K/V will be, and allocate their slots. ``others``
+        names the forward's other inputs, which this cache cannot tell the effect of (``token_type_ids``).
+        Mutates."""
         me = threading.get_ident()
         with self._guard:
             if self._closed:
@@ -663,7 +685,11 @@ class PagedPrefixCache(Cache):
         # allocation first: it may raise CapacityError, and the keys _prove records must then not be there yet;
         # if _prove raises, the next forward drops the allocated columns (the `_seen` check above)
         self._allocate(q)
-        self._prove(input_ids, start, q, attention_mask, position_ids, use_cache, whole_mask=not decode_step)
+        unproven = self._unproven(input_ids, use_cache, others, check_space=not decode_step)
+        if unproven:
+            self._forget(range(len(self._rows)))
+        else:
+            self._prove(input_ids, start, q, attention_mask, position_ids, whole_mask=not decode_step)
         self._computed = True
 
     def _start_rows(
@@ -686,7 +712,6 @@ class PagedPrefixCache(Cache):
         q: int,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None,
-        use_cache: bool | None,
         *,
         whole_mask: bool,
     ) -> None:
@@ -698,12 +723,7 @@ class PagedPrefixCache(Cache):
         fails forgets its keys and never publishes again. Raises :class:`CacheMisuseError` where the forward
         contradicts the row's prompt ids, or the mask contradicts K/V that construction reused. Mutates."""
         rows = self._rows
-        if all(row.tokens is None for row in rows):
-            return
-        if use_cache is False or input_ids is None or self.store.space() != self._space:
-            # embeddings need not be those of the ids (a soft prompt); use_cache=False re-feeds the sequence;
-            # another adapter computes other K/V: store them for this call, publish nothing
-            self._forget(range(len(rows)))
+        if input_ids is None or all(row.tokens is None for row in rows):
             return
         since = 0 if whole_mask else start  # the mask's columns to read; `new` is where this forward's begin
         new = start - since
@@ -728,7 +748,7 @@ class PagedPrefixCache(Cache):
                         f"row {i}: the tokens fed at positions {first}..{first + len(keys) - 1} differ from the "
                         "prompt this PagedPrefixCache was built with; build a new cache for a new prompt"
                     )
-                self._contradicts_reuse(i, reused)
+                self._contradicts_reuse(i, reused, "attention mask")
                 self._forget([i])
                 continue
             if mask is None:  # the model attends every column: right only with no padding and no holes
@@ -737,19 +757,39 @@ class PagedPrefixCache(Cache):
                 old = mask[i][:new]  # every held column when whole_mask, else none
                 old_ok, pads_hidden = old == _shown(row, len(old)), not any(mask[i][new : new + skip])
             if not old_ok:
-                self._contradicts_reuse(i, reused)
-            if not (old_ok and pads_hidden and _positions_ok(row, first, shown, positions, i)):
+                self._contradicts_reuse(i, reused, "attention mask")
+            placed = _positions_ok(row, first, shown, positions, i)
+            if not placed:
+                self._contradicts_reuse(i, reused, "position ids")
+            if not (old_ok and pads_hidden and placed):
                 self._forget([i])
                 continue
             row.tokens.extend(keys[len(known) :])
             row.real += sum(shown)
 
-    def _contradicts_reuse(self, i: int, reused: bool) -> None:
+    def _unproven(self, input_ids: Any, use_cache: Any, others: Sequence[str], *, check_space: bool) -> str | None:
+        """Why no row of this forward can be proven, whatever its mask: embeddings need not be those of the ids
+        (a soft prompt); ``use_cache=False`` re-feeds the sequence; inputs such as ``token_type_ids`` change the
+        embeddings; dropout in training mode makes K/V random; another adapter or changed weights compute other
+        K/V (checked except on ``generate``'s decode steps, which cannot change them). ``None`` if none."""
+        if use_cache is False:
+            return "use_cache=False"
+        if input_ids is None:
+            return "inputs_embeds (their K/V need not be those of the ids)"
+        if others:
+            return f"{', '.join(others)} (inputs whose effect on K/V prefixkv cannot check)"
+        if self.store._hf_model.training:
+            return "a model in training mode (dropout makes K/V random; call model.eval())"
+        if check_space and self.store.space() != self._space:
+            return "another adapter or changed weights"
+        return None
+
+    def _contradicts_reuse(self, i: int, reused: bool, what: str) -> None:
         if reused:
             raise CacheMisuseError(
-                f"row {i}: this forward's attention mask differs from the one this PagedPrefixCache was built with, "
-                "so the K/V it reused are not those this forward needs; build the cache with the same "
-                "attention_mask you pass to the model"
+                f"row {i}: this forward's {what} differ from those this PagedPrefixCache was built for, so the K/V "
+                f"it reused are not those this forward needs; build the cache with the same {what} you pass to "
+                "the model (or build it without input_ids)"
             )
 
     def _forget(self, indices: Any) -> None:

@@ -22,6 +22,25 @@ if TYPE_CHECKING:
     from .store import PrefixStore
 
 _CACHE_KWARGS = ("cache", "past_key_values")
+# forward inputs that do not change the K/V of the ids; any other input a forward gets (token_type_ids, say)
+# makes its rows unproven (DESIGN.md rule 11: publish only what is proven)
+_NEUTRAL_INPUTS = frozenset(
+    {
+        "input_ids",
+        "inputs_embeds",
+        "attention_mask",
+        "position_ids",
+        *_CACHE_KWARGS,
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "logits_to_keep",
+        "num_logits_to_keep",
+        "labels",
+        "cache_position",
+    }
+)
 
 
 def _paged_cache(store: PrefixStore, kwargs: dict[str, Any]) -> PagedPrefixCache | None:
@@ -40,21 +59,32 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
     """Register the pre/post forward hooks of ``store`` on ``model`` and share the wrapper of its
     ``prepare_inputs_for_generation``; return what undoes them. Mutates."""
 
+    positional = [
+        name
+        for name, p in inspect.signature(model.forward).parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+
+    def named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The forward's inputs by name, positional ones too (their order differs by family)."""
+        return {**dict(zip(positional, args)), **kwargs} if args else kwargs
+
     def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        cache = _paged_cache(store, kwargs)
+        inputs = named(args, kwargs)
+        cache = _paged_cache(store, inputs)
         if cache is None:
             return
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache._begin_forward(
-            input_ids,
-            kwargs.get("inputs_embeds"),
-            kwargs.get("attention_mask", args[1] if len(args) > 1 else None),
-            kwargs.get("position_ids"),
-            kwargs.get("use_cache"),
+            inputs.get("input_ids"),
+            inputs.get("inputs_embeds"),
+            inputs.get("attention_mask"),
+            inputs.get("position_ids"),
+            inputs.get("use_cache"),
+            others=sorted(k for k, v in inputs.items() if v is not None and k not in _NEUTRAL_INPUTS),
         )
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        cache = _paged_cache(store, kwargs)
+        cache = _paged_cache(store, named(args, kwargs))
         if cache is not None:
             cache._end_forward(output is not None)  # torch passes None when the forward raised
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import operator
 import os
 import threading
@@ -117,14 +118,27 @@ def adapter_space(tuners: Sequence[Any]) -> Hashable:
     )
 
 
-def _weights_version(params: Sequence[torch.Tensor]) -> int:
-    """A number that changes when any of ``params`` is written in place (an optimizer step, ``load_state_dict``):
-    the sum of their version counters. Inference tensors have none and count as 0."""
-    total = 0
-    for p in params:
+def _weights_state(model: Any) -> int:
+    """A number that changes when any parameter or buffer of ``model`` is written in place (an optimizer step,
+    ``load_state_dict``) or replaced (``.data =``, a new ``Parameter``, ``load_state_dict(assign=True)``): a hash
+    of every tensor's storage address and version counter (inference tensors have none: 0)."""
+    state = []
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        version = 0
         with contextlib.suppress(RuntimeError):
-            total += p._version
-    return total
+            version = t._version
+        state.append((t.data_ptr(), version))
+    return hash(tuple(state))
+
+
+@dataclass(frozen=True)
+class WeightsChanged:
+    """The namespace of K/V computed after the weights changed since the store was built: ``adapters`` as
+    :func:`adapter_space`, and ``state`` as :func:`_weights_state`. Only this process can tell such weights
+    apart, so the second tier keeps none of their blocks (its files outlive the process)."""
+
+    adapters: Hashable
+    state: int
 
 
 def _check_dtype(dtype: Any) -> torch.dtype | None:
@@ -223,8 +237,7 @@ class PrefixStore:
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = self._evictions = 0
         self._closed = False
         self._tuners = _tuner_layers(model)
-        self._params = list(model.parameters())
-        self._weights_at_start = _weights_version(self._params)
+        self._weights_at_start = _weights_state(model)
         self._hf_model = transformers_model(model)
         attention.install(self._hf_model)
         self._hooks = patch.attach_hooks(self._hf_model, self)
@@ -251,15 +264,15 @@ class PrefixStore:
     def space(self) -> Hashable:
         """The namespace that K/V computed now are cached under: ``None``, or for a PEFT model the active,
         disabled and merged adapters, so that a prefix cached with one adapter is never reused with another
-        (or with the adapter disabled); and, once the weights were written in place since the store was built
-        (a training step, ``load_state_dict``), their version, so that K/V of the old weights are never reused
-        (they wait for eviction or :meth:`clear`). Does not mutate."""
+        (or with the adapter disabled); and, once a weight or buffer was written or replaced since the store was
+        built (a training step, ``load_state_dict``), :class:`WeightsChanged`, so that K/V of the old weights are
+        never reused (they wait for eviction or :meth:`clear`). Walks the model's tensors (once per call, not per
+        decode step). Does not mutate."""
         if not self._tuners and hasattr(self.model, "peft_config"):
             self._tuners = _tuner_layers(self.model)  # adapters added after the store was built
-            self._params = list(self.model.parameters())
         adapters = adapter_space(self._tuners)
-        version = _weights_version(self._params)
-        return adapters if version == self._weights_at_start else (adapters, version)
+        state = _weights_state(self.model)
+        return adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
 
     @property
     def stats(self) -> StoreStats:
@@ -594,9 +607,10 @@ class PrefixStore:
         assert self.tier is not None
         bs = self.block_size
         first, end = node.start // bs, node.end // bs  # chunks [first, end) lie wholly before the edge's end
-        if end <= first:
+        space = self._trie.space_of(node)
+        if end <= first or isinstance(space, WeightsChanged):
             return
-        keys = chunk_keys(self._trie.path_tokens(node), bs, end, self._trie.space_of(node))
+        keys = chunk_keys(self._trie.path_tokens(node), bs, end, space)
         for c in range(first, end):
             if not self.tier.touch(keys[c]):
                 self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]))
@@ -606,6 +620,8 @@ class PrefixStore:
         them. Nodes matched or restored stay locked until every row is done, so that room made for one row
         never evicts another's. Mutates."""
         assert self.tier is not None
+        if isinstance(space, WeightsChanged):
+            return
         bs, alloc, held = self.block_size, self._allocator, []
         try:
             for row in rows:
