@@ -356,7 +356,7 @@ def test_direct_forward_with_another_mask_than_the_reuse_raises(model: Any) -> N
     cache = prefixkv.PagedPrefixCache(store, ids)
     held = cache.get_seq_length()
     mask = _holes(ids, [3])
-    with pytest.raises(CacheMisuseError, match="attention mask differs"):
+    with pytest.raises(CacheMisuseError, match="attention mask of this forward is not the one"):
         model(input_ids=ids[:, held:], attention_mask=mask, cache=cache)
     cache.close()
     reuse_is_exact(model, store, ids)

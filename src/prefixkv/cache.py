@@ -651,6 +651,7 @@ class PagedPrefixCache(Cache):
         position_ids: torch.Tensor | None = None,
         use_cache: bool | None = None,
         others: Sequence[str] = (),
+        positions_matter: bool = True,
     ) -> None:
         """Take the ids about to be fed, prove what their K/V will be, and allocate their slots. ``others``
         names the forward's other inputs, which this cache cannot tell the effect of (``token_type_ids``).
@@ -689,7 +690,9 @@ class PagedPrefixCache(Cache):
         if unproven:
             self._forget(range(len(self._rows)))
         else:
-            self._prove(input_ids, start, q, attention_mask, position_ids, whole_mask=not decode_step)
+            self._prove(
+                input_ids, start, q, attention_mask, position_ids, whole_mask=not decode_step, check=positions_matter
+            )
         self._computed = True
 
     def _start_rows(
@@ -714,6 +717,7 @@ class PagedPrefixCache(Cache):
         position_ids: torch.Tensor | None,
         *,
         whole_mask: bool,
+        check: bool = True,
     ) -> None:
         """The one rule (DESIGN.md rule 11), for the ``q`` columns this forward feeds. A row keeps its keys and
         records the new ones only if the forward provably computes the K/V of those keys: ``use_cache`` on,
@@ -758,9 +762,9 @@ class PagedPrefixCache(Cache):
                 old_ok, pads_hidden = old == _shown(row, len(old)), not any(mask[i][new : new + skip])
             if not old_ok:
                 self._contradicts_reuse(i, reused, "attention mask")
-            placed = _positions_ok(row, first, shown, positions, i)
+            placed = not check or _positions_ok(row, first, shown, positions, i)
             if not placed:
-                self._contradicts_reuse(i, reused, "position ids")
+                self._contradicts_reuse(i, reused, "position layout")
             if not (old_ok and pads_hidden and placed):
                 self._forget([i])
                 continue
@@ -787,8 +791,8 @@ class PagedPrefixCache(Cache):
     def _contradicts_reuse(self, i: int, reused: bool, what: str) -> None:
         if reused:
             raise CacheMisuseError(
-                f"row {i}: this forward's {what} differ from those this PagedPrefixCache was built for, so the K/V "
-                f"it reused are not those this forward needs; build the cache with the same {what} you pass to "
+                f"row {i}: the {what} of this forward is not the one this PagedPrefixCache was built for, so the "
+                f"K/V it reused are not those this forward needs; build the cache with the {what} you pass to "
                 "the model (or build it without input_ids)"
             )
 

@@ -59,11 +59,10 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
     """Register the pre/post forward hooks of ``store`` on ``model`` and share the wrapper of its
     ``prepare_inputs_for_generation``; return what undoes them. Mutates."""
 
-    positional = [
-        name
-        for name, p in inspect.signature(model.forward).parameters.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    ]
+    params = inspect.signature(model.forward).parameters
+    positional = [name for name, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # a model that takes no position_ids (Bloom's ALiBi) has K/V that do not depend on them
+    positions_matter = "position_ids" in params
 
     def named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The forward's inputs by name, positional ones too (their order differs by family)."""
@@ -81,6 +80,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
             inputs.get("position_ids"),
             inputs.get("use_cache"),
             others=sorted(k for k, v in inputs.items() if v is not None and k not in _NEUTRAL_INPUTS),
+            positions_matter=positions_matter,
         )
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
