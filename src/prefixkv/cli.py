@@ -287,7 +287,7 @@ def _demo_main(args: argparse.Namespace) -> int:
         name = "the embedded small model (4 layers, hidden 256, random weights)"
     else:
         model = models.bench_model()
-        workload = synthetic_workload(model.config.vocab_size, system_len=1536, new_tokens=args.new_tokens or 24)
+        workload = synthetic_workload(model.config.vocab_size, system_len=2048, new_tokens=args.new_tokens or 24)
         name = "the embedded ~100M-parameter Llama-shaped model (12 layers, hidden 768, random weights)"
     print(f"prefixkv demo on {name}:\n{workload.description}\n")
     print(report(model, workload, run(model, workload, args.block_size), tokenizer))
