@@ -144,7 +144,7 @@ class _FirstTokenClock(BaseStreamer):
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """One timed generate call: to the first new token (the prefill and one step), and in all."""
 
     prompt_tokens: int
@@ -155,7 +155,7 @@ class _Call:
     output: Any = field(repr=False)
 
 
-def _call(model: Any, ids: torch.Tensor, new_tokens: int, store: PrefixStore | None) -> _Call:
+def _call(model: Any, ids: torch.Tensor, new_tokens: int, store: PrefixStore | None) -> Call:
     clock = _FirstTokenClock()
     cache: Any = PagedPrefixCache(store, ids) if store is not None else DynamicCache(config=model.config)
     out = model.generate(
@@ -176,7 +176,7 @@ def _call(model: Any, ids: torch.Tensor, new_tokens: int, store: PrefixStore | N
         cache.close()
     else:
         reused, held = 0, cache.get_seq_length()
-    return _Call(ids.shape[1], reused, held, first, seconds, out)
+    return Call(ids.shape[1], reused, held, first, seconds, out)
 
 
 def _warm_up(model: Any, ids: torch.Tensor, block_size: int) -> None:
@@ -192,8 +192,8 @@ def _warm_up(model: Any, ids: torch.Tensor, block_size: int) -> None:
 class DemoRun:
     """Both sides of one demo run, call by call, and the store's hit rate and bytes at the end."""
 
-    stock: list[_Call]
-    ours: list[_Call]
+    stock: list[Call]
+    ours: list[Call]
     hit_rate: float
     store_bytes: int
 
@@ -202,8 +202,8 @@ def run(model: Any, workload: Workload, block_size: int = 16) -> DemoRun:
     """Run ``workload`` with stock generate (a ``DynamicCache`` per call) and with prefixkv (one store, a
     ``PagedPrefixCache`` per call)."""
     _warm_up(model, workload.turns[0]([])[:, : block_size + 1], block_size)
-    stock: list[_Call] = []
-    ours: list[_Call] = []
+    stock: list[Call] = []
+    ours: list[Call] = []
     with PrefixStore(model, block_size=block_size) as store:
         # the two sides take turns call by call: on a shared machine a slow moment hits both
         for turn in workload.turns:
@@ -225,13 +225,13 @@ def report(model: Any, workload: Workload, result: DemoRun, tokenizer: Any = Non
     reused = sum(c.reused for c in ours)
     stock_kv = sum(c.held_tokens for c in stock) * kv_bytes_per_token(model.config, model.dtype)
 
-    def warm_ms(calls: list[_Call]) -> float:  # the first call is cold for both
+    def warm_ms(calls: list[Call]) -> float:  # the first call is cold for both
         return 1000 * statistics.median(c.first_token_s for c in calls[1:])
 
-    def total(calls: list[_Call]) -> float:
+    def total(calls: list[Call]) -> float:
         return sum(c.seconds for c in calls)
 
-    def prefill(calls: list[_Call]) -> float:
+    def prefill(calls: list[Call]) -> float:
         return sum(c.first_token_s for c in calls)
 
     rows = [
@@ -287,7 +287,7 @@ def _demo_main(args: argparse.Namespace) -> int:
         name = "the embedded small model (4 layers, hidden 256, random weights)"
     else:
         model = models.bench_model()
-        workload = synthetic_workload(model.config.vocab_size, system_len=1536, new_tokens=args.new_tokens or 24)
+        workload = synthetic_workload(model.config.vocab_size, system_len=2048, new_tokens=args.new_tokens or 24)
         name = "the embedded ~100M-parameter Llama-shaped model (12 layers, hidden 768, random weights)"
     print(f"prefixkv demo on {name}:\n{workload.description}\n")
     print(report(model, workload, run(model, workload, args.block_size), tokenizer))
