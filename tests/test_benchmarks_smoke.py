@@ -55,3 +55,13 @@ def test_trie_ops_smoke(sequences: int) -> None:
     r = trie_ops.run(sequences, 10, 64, 16, 100, 20, 16)
     assert r["nodes"] >= 10 and r["median_ms"] > 0
     assert "sequences" in trie_ops.report(r)
+
+
+def test_lm_eval_smoke_gives_the_answers_of_hf() -> None:
+    pytest.importorskip("lm_eval")
+    import lm_eval_bench
+
+    r = lm_eval_bench.run("tiny", docs=3, shots=2, batch_sizes=[1, 2])
+    assert len(r["rows"]) == 4 and all(row["same_answers"] for row in r["rows"]), r["rows"]
+    assert all(row["hit_rate"] > 0.5 for row in r["rows"]), r["rows"]
+    assert "hf-prefixkv s" in lm_eval_bench.report(r)
