@@ -43,7 +43,7 @@ DESCRIPTION = (
     "a capital is not always the largest city of its country: some countries chose a smaller city, or built a "
     "new one, to be their capital. for each question, answer with the name of the capital city only, in "
     "lowercase letters, without any other words, and without repeating the question. if a country has more "
-    "than one capital, answer with the seat of its government. the examples below show the expected form."
+    "than one capital, answer with the seat of its government. the examples below show the expected form.\n\n"
 )
 
 
@@ -63,7 +63,7 @@ def made_up(docs: int, vocab: list[str]) -> Tasks:
     letter by letter), for the random-weight models: a 120-word description, 4-word questions around
     two-word countries, one-word capitals."""
     words = iter(vocab[(7 * i) % len(vocab)] for i in range(1, 10**6))
-    description = " ".join(next(words) for _ in range(120)) + ". "
+    description = " ".join(next(words) for _ in range(120)) + ".\n\n"
     question = f"{next(words)} {next(words)} {{{{country}}}} {next(words)} {next(words)}"
     return Tasks(description, question, [(f"{next(words)} {next(words)}", next(words)) for _ in range(docs)])
 
@@ -76,7 +76,7 @@ def write_tasks(folder: pathlib.Path, shots: int, tasks: Tasks) -> None:
     rows = []
     for i, (country, capital) in enumerate(pairs):
         others = [c for c in capitals if c != capital]
-        choices = [capital, *(others[(7 * i + 5 * k) % len(others)] for k in range(1, 4))]
+        choices = [capital, *(others[(3 * i + k) % len(others)] for k in range(3))]
         answer = i % 4
         choices[0], choices[answer] = choices[answer], choices[0]
         rows.append({"country": country, "capital": capital, "choices": choices, "answer": answer})
@@ -86,7 +86,7 @@ def write_tasks(folder: pathlib.Path, shots: int, tasks: Tasks) -> None:
     common = (
         f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    train: {train}\n    test: {test}\n"
         f"test_split: test\nfewshot_split: train\nnum_fewshot: {shots}\nfewshot_config:\n  sampler: first_n\n"
-        f'description: "{description}"\ndoc_to_text: "{question}"\n'
+        f"description: {json.dumps(description)}\ndoc_to_text: {json.dumps(question)}\n"
     )
     (folder / "geo_mc.yaml").write_text(
         "task: geo_mc\n" + common + "output_type: multiple_choice\n"
@@ -94,9 +94,9 @@ def write_tasks(folder: pathlib.Path, shots: int, tasks: Tasks) -> None:
     )
     (folder / "geo_gen.yaml").write_text(
         "task: geo_gen\n" + common + "output_type: generate_until\n"
-        'doc_to_target: " {{capital}}"\n'
-        "generation_kwargs:\n  until: ['\\n', '.']\n  max_gen_toks: 5\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n"
+        'doc_to_target: "{{capital}}"\n'
+        'generation_kwargs:\n  until: ["\\n", "."]\n  max_gen_toks: 5\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    ignore_case: true\n    regexes_to_ignore: [' ']\n"
     )
 
 

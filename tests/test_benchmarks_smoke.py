@@ -70,3 +70,13 @@ def test_tiers_smoke_brings_the_prefix_back() -> None:
     r = tiers.run("tiny", [48], repeat=1)  # measure() asserts each timed call reused the whole prefix
     assert set(r["rows"][0]) >= {"none", "pool", "cpu", "disk", "restore_disk"}
     assert "disk tier hit" in tiers.report(r)
+
+
+def test_lm_eval_smoke_gives_the_answers_of_hf() -> None:
+    pytest.importorskip("lm_eval")
+    import lm_eval_bench
+
+    r = lm_eval_bench.run("tiny", docs=3, shots=2, batch_sizes=[1, 2])
+    assert len(r["rows"]) == 4 and all(row["same_answers"] for row in r["rows"]), r["rows"]
+    assert all(row["hit_rate"] > 0.5 for row in r["rows"]), r["rows"]
+    assert "hf-prefixkv s" in lm_eval_bench.report(r)
