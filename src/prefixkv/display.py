@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .memory import format_bytes
+from .trie import RadixTrie
 
 if TYPE_CHECKING:
     from .cache import PagedPrefixCache
@@ -52,7 +53,7 @@ def top_prefixes(store: PrefixStore, n: int = 5) -> list[CachedPrefix]:
         ranked = [(leaves[node], node.end, node) for node in leaves if len(node.children) != 1]
         ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
         return [
-            CachedPrefix(tuple(_path_tokens(node)), count, node in pinned, node.lock > 0)
+            CachedPrefix(tuple(RadixTrie.path_tokens(node)), count, node in pinned, node.lock > 0)
             for count, _, node in ranked[:n]
         ]
 
@@ -250,15 +251,6 @@ def _leaf_counts(nodes: list[Node]) -> dict[Node, int]:
     for node in reversed(nodes):
         counts[node] = sum(counts[c] for c in node.children.values()) if node.children else 1
     return counts
-
-
-def _path_tokens(node: Node) -> list[int]:
-    parts: list[list[int]] = []
-    n: Node | None = node
-    while n is not None:
-        parts.append(n.tokens)
-        n = n.parent
-    return [t for part in reversed(parts) for t in part]
 
 
 def _pinned_nodes(store: PrefixStore) -> set[Node]:
