@@ -691,7 +691,13 @@ class PagedPrefixCache(Cache):
             self._forget(range(len(self._rows)))
         else:
             self._prove(
-                input_ids, start, q, attention_mask, position_ids, whole_mask=not decode_step, check=positions_matter
+                input_ids,
+                start,
+                q,
+                attention_mask,
+                position_ids,
+                whole_mask=not decode_step,
+                positions_matter=positions_matter,
             )
         self._computed = True
 
@@ -717,15 +723,17 @@ class PagedPrefixCache(Cache):
         position_ids: torch.Tensor | None,
         *,
         whole_mask: bool,
-        check: bool = True,
+        positions_matter: bool = True,
     ) -> None:
-        """The one rule (DESIGN.md rule 11), for the ``q`` columns this forward feeds. A row keeps its keys and
-        records the new ones only if the forward provably computes the K/V of those keys: ``use_cache`` on,
-        ids fed (not embeddings), the store's namespace unchanged, an attention mask that hides exactly the
-        row's padding and the keys' hidden tokens (over every column, or, on a ``generate`` decode step whose
-        mask only grows by ones, over the new ones), and positions that count the shown tokens. A row that
-        fails forgets its keys and never publishes again. Raises :class:`CacheMisuseError` where the forward
-        contradicts the row's prompt ids, or the mask contradicts K/V that construction reused. Mutates."""
+        """The one rule (DESIGN.md rule 11), row by row, for the ``q`` columns a forward feeds once
+        :meth:`_unproven` found nothing that rules out every row (embeddings, ``use_cache=False``, other inputs,
+        training mode, another namespace). A row keeps its keys and records the new ones only if the forward
+        provably computes the K/V of those keys: an attention mask that hides exactly the row's padding and the
+        keys' hidden tokens (over every column, or, on a ``generate`` decode step whose mask only grows by ones,
+        over the new ones), and, where the model takes ``position_ids`` (``positions_matter``), positions that
+        count the shown tokens. A row that fails forgets its keys and never publishes again. Raises
+        :class:`CacheMisuseError` where the forward contradicts the row's prompt ids, or its mask or positions
+        contradict K/V that construction reused. Mutates."""
         rows = self._rows
         if input_ids is None or all(row.tokens is None for row in rows):
             return
@@ -762,7 +770,7 @@ class PagedPrefixCache(Cache):
                 old_ok, pads_hidden = old == _shown(row, len(old)), not any(mask[i][new : new + skip])
             if not old_ok:
                 self._contradicts_reuse(i, reused, "attention mask")
-            placed = not check or _positions_ok(row, first, shown, positions, i)
+            placed = not positions_matter or _positions_ok(row, first, shown, positions, i)
             if not placed:
                 self._contradicts_reuse(i, reused, "position layout")
             if not (old_ok and pads_hidden and placed):
