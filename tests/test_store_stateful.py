@@ -69,8 +69,8 @@ def assert_blocks_hold(store: prefixkv.PrefixStore, seq: list[int], blocks: list
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
     want_k = torch.tensor(prefix_hashes(seq[:n]), dtype=torch.float64)
     for layer, (k, v) in enumerate(zip(store.pool.keys, store.pool.values)):
-        got_k = k.view(-1, *k.shape[2:]).index_select(0, slots)  # [n, kv_heads, head_dim]
-        got_v = v.view(-1, *v.shape[2:]).index_select(0, slots)
+        got_k = k.view(k.shape[0], -1, k.shape[3]).index_select(1, slots).transpose(0, 1)  # [n, kv_heads, head_dim]
+        got_v = v.view(v.shape[0], -1, v.shape[3]).index_select(1, slots).transpose(0, 1)
         assert (got_k == want_k[:, None, None]).all(), f"layer {layer}: blocks {blocks} do not hold {seq[:n]}"
         want_v = torch.arange(n, dtype=torch.float64) + 1000 * layer
         assert (got_v == want_v[:, None, None]).all(), f"layer {layer}: positions of {seq[:n]} are wrong"

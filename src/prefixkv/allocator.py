@@ -4,11 +4,15 @@ Block 0 is reserved: it is the *null block* whose slots stand in for padding col
 handed out. Every other id in ``[1, capacity)`` is either free (refcount 0, in the free list) or used
 (refcount >= 1). Refcounts are the single truth about who holds a block: each live cache row holding
 the block counts once, and each occurrence of the block in the trie counts once.
+
+Free blocks are handed out lowest id first, and a caller extending a row asks for the blocks right after its
+last one (``after``): a request's blocks then form few runs of consecutive ids, which attention reads as views
+of the pool instead of gathering them.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 NULL_BLOCK = 0
 
@@ -31,7 +35,10 @@ class BlockAllocator:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (block 0 is reserved), got {capacity}")
         self._refcount: list[int] = [1] + [0] * (capacity - 1)
-        self._free: deque[int] = deque(range(1, capacity))
+        # a min-heap of free ids; an id taken out of order (``after``) stays in it until popped, and is skipped
+        # then because its refcount is no longer 0 (or pushed again if it was freed meanwhile: duplicates skip)
+        self._free: list[int] = list(range(1, capacity))
+        self._num_free = capacity - 1
 
     @property
     def capacity(self) -> int:
@@ -40,19 +47,19 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
         """Blocks with a refcount >= 1, the null block excluded."""
-        return self.capacity - 1 - len(self._free)
+        return self.capacity - 1 - self._num_free
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
     def can_allocate(self, n: int) -> bool:
         """Whether ``allocate(n)`` would succeed. Does not mutate."""
-        return n <= len(self._free)
+        return n <= self._num_free
 
     def grow(self, new_capacity: int) -> None:
         """Add free ids up to ``new_capacity``. Mutates."""
@@ -60,15 +67,33 @@ class BlockAllocator:
         if new_capacity <= old:
             return
         self._refcount.extend([0] * (new_capacity - old))
-        self._free.extend(range(old, new_capacity))
+        self._free.extend(range(old, new_capacity))  # larger than every id in the heap: still a heap
+        self._num_free += new_capacity - old
 
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with refcount 1. Mutates; raises :class:`OutOfBlocksError`."""
-        if n > len(self._free):
-            raise OutOfBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
-            self._refcount[b] = 1
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take ``n`` free blocks, each with refcount 1: those right after block ``after`` while they are free,
+        then the lowest free ids. Mutates; raises :class:`OutOfBlocksError`.
+
+        >>> a = BlockAllocator(capacity=8)
+        >>> a.allocate(2), a.allocate(1), a.allocate(2, after=2)
+        ([1, 2], [3], [4, 5])
+        """
+        if n > self._num_free:
+            raise OutOfBlocksError(f"asked for {n} blocks, {self._num_free} free")
+        rc = self._refcount
+        blocks: list[int] = []
+        if after is not None:
+            b = after + 1
+            while len(blocks) < n and b < len(rc) and rc[b] == 0:
+                rc[b] = 1
+                blocks.append(b)
+                b += 1
+        while len(blocks) < n:
+            b = heapq.heappop(self._free)
+            if rc[b] == 0:
+                rc[b] = 1
+                blocks.append(b)
+        self._num_free -= n
         return blocks
 
     def incref(self, blocks: list[int]) -> None:
@@ -91,15 +116,16 @@ class BlockAllocator:
                 raise ValueError(f"decref of block {b}, which is not allocated")
             rc[b] -= 1
             if rc[b] == 0:
-                self._free.append(b)
+                heapq.heappush(self._free, b)
                 freed += 1
+        self._num_free += freed
         return freed
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the free list and the refcounts disagree. Does not mutate."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block appears twice in the free list")
+        free = {b for b in self._free if self._refcount[b] == 0}
+        if len(free) != self._num_free:
+            raise AssertionError(f"{self._num_free} blocks counted free, {len(free)} free in the heap")
         if NULL_BLOCK in free or self._refcount[NULL_BLOCK] != 1:
             raise AssertionError("the null block must stay reserved")
         for b in range(1, self.capacity):

@@ -14,7 +14,11 @@ path of each family.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -38,11 +42,48 @@ def prefixkv_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention over K/V read from the blocks (``[B, kv_heads, columns, head_dim]``), computed by the
-    implementation the model had before the store switched it."""
+    """Attention over the blocks of the ``PagedPrefixCache`` of this forward, when ``key`` is what the cache's
+    ``update`` handed out for this layer (:func:`blocks_attention`); otherwise, or for what reading the blocks does
+    not implement (soft-capping, attention sinks, dropout), the implementation the model had before the store
+    switched it, on every row's whole K/V."""
+    forward = _ACTIVE.get(threading.get_ident())
+    layer = None if forward is None else forward.layer_of(key)
+    if forward is not None and layer is not None:
+        forward.served.add(layer)
+        if not forward.probe:
+            if _servable(module, query, attention_mask, kwargs, forward):
+                return blocks_attention(forward, layer, query, key, value, attention_mask, kwargs.get("scaling")), None
+            key, value = forward.gather(layer)
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
     return out
+
+
+def _servable(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    forward: BlocksForward,
+) -> bool:
+    """Whether :func:`blocks_attention` computes what transformers' ``sdpa`` attention (the only implementation
+    the store switches from) would for this call: no dropout, no position bias, causal, and a mask that is ``None``
+    or boolean over the forward's columns. Other arguments ``sdpa`` ignores, and so does this."""
+    if kwargs.get("dropout") or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    causal = kwargs.get("is_causal")
+    if not (causal if causal is not None else getattr(module, "is_causal", True)):
+        return False
+    if mask is None:
+        return True
+    return (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[0] in (1, query.shape[0])
+        and mask.shape[1] == 1
+        and mask.shape[2] == query.shape[2]
+        and mask.shape[3] == forward.columns
+    )
 
 
 def prefixkv_mask(*args: Any, **kwargs: Any) -> Any:
@@ -84,3 +125,269 @@ def uninstall(model: Any) -> None:
         return
     delattr(model, _USERS)  # leave no trace on the model (prefixkv.disable restores it exactly)
     model.set_attn_implementation(_base(model.config))
+
+
+# -- reading the blocks ------------------------------------------------------------------------------------------
+#
+# A forward with a PagedPrefixCache on a model that runs ``prefixkv`` attention hands attention only the new K/V;
+# the cache describes where every row's earlier K/V sit in the pool (:class:`Read`), and the attention reads them
+# there: a contiguous run of blocks as a view of the pool, a scattered rest by one gather. Rows that hold the same
+# leading blocks (one system prompt under a batch of questions, ``num_return_sequences``, beams) read those blocks
+# in one pass with all their queries (cascade attention), and every part's result is merged with the others by its
+# log-sum-exp. The model's mask decides what each query sees, so padding, holes and sliding windows hold as in the
+# model's own implementation.
+
+
+class Read(NamedTuple):
+    """Columns of the pool that the queries of ``rows`` (batch indices) attend: ``length`` tokens, the first of
+    which sits, for each row, at mask column ``columns[j]``. The K/V are the ``length`` slots from ``first_slot``
+    (a run of blocks, read as a view of the pool), or else the slots ``slots``, the token at ``offsets[t]`` after
+    the first one (a gather of scattered blocks)."""
+
+    rows: tuple[int, ...]
+    columns: tuple[int, ...]
+    length: int
+    first_slot: int | None = None
+    slots: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+
+
+class BlocksForward:
+    """What one forward's attention needs to read the blocks: the pool (read at each call: another thread may
+    grow it), the reads, ``columns`` (the width of the model's mask), and ``new_from``: the column from which the
+    new K/V are attended from the arguments, or ``None`` when every column, the new ones included, is read from
+    the pool (a one-token step, whose K/V ``update`` wrote first). ``gather(layer)`` reads every row's whole K/V
+    (for a call this module does not serve, such as soft-capping or attention sinks). With ``probe``, ``update``
+    hands out whole rows and this only notes which layers reach the attention. Records, per layer, the key tensor
+    ``update`` handed out, so that only the attention call of that layer, with that tensor, reads the blocks."""
+
+    def __init__(
+        self,
+        pool: Any,
+        reads: list[Read],
+        columns: int,
+        new_from: int | None,
+        gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        probe: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.reads = reads
+        self.columns = columns
+        self.new_from = new_from
+        self.gather = gather
+        self.probe = probe
+        self.handed: dict[int, tuple[int, torch.Tensor]] = {}
+        self.served: set[int] = set()
+
+    def hand_out(self, layer: int, key: torch.Tensor) -> None:
+        """Note that ``update`` returned ``key`` for ``layer``. Mutates."""
+        self.handed[id(key)] = (layer, key)
+
+    def layer_of(self, key: torch.Tensor) -> int | None:
+        entry = self.handed.get(id(key))
+        return entry[0] if entry is not None and entry[1] is key else None
+
+    def every_layer_served(self) -> bool:
+        return bool(self.handed) and self.served == {layer for layer, _ in self.handed.values()}
+
+
+_ACTIVE: dict[int, BlocksForward] = {}
+# models whose every attention layer was seen to hand the K/V from ``update`` to this attention unchanged
+_VERIFIED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def begin(forward: BlocksForward) -> None:
+    """Make ``forward`` the one this thread's attention calls read (forwards with a cache do not nest; one that
+    a failed forward left here is replaced). Mutates."""
+    _ACTIVE[threading.get_ident()] = forward
+
+
+def end(forward: BlocksForward) -> None:
+    """Undo :func:`begin` of ``forward``. Mutates."""
+    me = threading.get_ident()
+    if _ACTIVE.get(me) is forward:
+        del _ACTIVE[me]
+
+
+def serves(model: Any) -> bool:
+    """Whether ``model`` runs ``prefixkv`` attention (so a cache may hand it only the new K/V)."""
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def verified(model: Any) -> bool:
+    """Whether a forward of ``model`` was seen to pass every layer's K/V from the cache to this attention."""
+    return _VERIFIED.get(model, False)
+
+
+def mark_verified(model: Any) -> None:
+    _VERIFIED[model] = True
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    *,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[B, Hq, q, D]`` over ``key``/``value`` ``[B, Hkv, n, D]`` (any strides with a
+    contiguous last dimension; ``Hq`` a multiple of ``Hkv``), with a boolean ``mask`` ``[B, 1, q, n]`` (True:
+    attend) or a float one (added), or ``causal`` for ``q == n``. Returns the output ``[B, Hq, q, D]`` and the
+    log-sum-exp of the scores ``[B, Hq, q]`` in float32 or float64, ``-inf`` where a query sees no column (its
+    output is then 0)."""
+    additive = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -math.inf)
+        else:
+            additive = mask.to(query.dtype)
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=additive, scale=scale
+        )
+    elif query.dtype != torch.float64 and query.device.type == "cuda":
+        out, lse = _attend_cuda(query, key, value, additive, scale, causal)
+    else:
+        out, lse = _attend_math(query, key, value, additive, scale, causal)
+    if mask is not None and mask.dtype == torch.bool:
+        seen = mask.any(dim=-1)  # [B, 1, q]
+        if not bool(seen.all()):
+            lse = lse.masked_fill(~seen, -math.inf)
+            out = out.masked_fill(~seen[..., None], 0.0)
+    return out, lse
+
+
+def _attend_cuda(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    additive: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` with torch's memory-efficient CUDA kernel, which returns the log-sum-exp (it takes equal
+    head counts, so grouped K/V heads are repeated; a mask is padded to its alignment). Falls back to
+    :func:`_attend_math` where the kernel refuses the inputs."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    bias = None
+    if additive is not None:
+        n = additive.shape[-1]
+        padded = additive.new_zeros((*additive.shape[:-1], -(-n // 16) * 16))
+        padded[..., :n] = additive
+        bias = padded[..., :n].expand(query.shape[0], query.shape[1], query.shape[2], n)
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, 0.0, causal, scale=scale
+        )[:2]
+    except RuntimeError:
+        return _attend_math(query, key, value, additive, scale, causal)
+    return out, lse[..., : query.shape[2]]
+
+
+def _attend_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    additive: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` in plain tensor operations (devices without a CPU kernel), for reference and fallback."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = query.to(work) @ key.to(work).transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if additive is not None:
+        scores = scores + additive.to(work)
+    if causal:
+        q, n = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(q, n, dtype=torch.bool, device=scores.device).triu(1), -math.inf)
+    lse = scores.logsumexp(dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = (scores - safe[..., None]).exp() @ value.to(work)
+    return out.to(query.dtype), lse
+
+
+def _merge(
+    out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint column sets by their log-sum-exps."""
+    total = torch.logaddexp(lse, other_lse)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    merged = out * (lse - safe).exp()[..., None] + other * (other_lse - safe).exp()[..., None]
+    return merged, total
+
+
+def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:
+    """``[1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor ``[kv_heads, num_blocks,
+    block_size, head_dim]``: a view for a run (each head one contiguous range), a gather otherwise."""
+    flat = pool.view(pool.shape[0], -1, pool.shape[3])
+    if read.first_slot is not None:
+        return flat[:, read.first_slot : read.first_slot + read.length].unsqueeze(0)
+    assert read.slots is not None
+    return flat.index_select(1, read.slots.to(flat.device)).unsqueeze(0)
+
+
+def _read_mask(mask: torch.Tensor, read: Read) -> torch.Tensor:
+    """The mask ``[1, 1, rows * q, n]`` of a read's queries over its columns."""
+    if read.offsets is None:
+        parts = [mask[r : r + 1, :, :, c : c + read.length] for r, c in zip(read.rows, read.columns)]
+    else:
+        offsets = read.offsets.to(mask.device)
+        parts = [mask[r : r + 1].index_select(-1, offsets + c) for r, c in zip(read.rows, read.columns)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def blocks_attention(
+    forward: BlocksForward,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[B, Hq, q, D]`` over what ``forward`` describes for ``layer``: its reads of the
+    pool, and, when ``forward.new_from`` is set, the new ``key``/``value`` ``[B, Hkv, q, D]``; ``mask`` is the
+    model's ``[B, 1, q, columns]`` mask (``None``: every held column and the new ones causally). Returns
+    ``[B, q, Hq, D]`` as transformers' attention functions do."""
+    batch, heads, q, dim = query.shape
+    pool_k, pool_v = forward.pool.keys[layer], forward.pool.values[layer]
+    if mask is not None and mask.shape[0] != batch:
+        mask = mask.expand(batch, *mask.shape[1:])
+    results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * batch
+
+    def add(row: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        held = results[row]
+        results[row] = (out, lse) if held is None else _merge(held[0], held[1], out, lse)
+
+    for read in forward.reads:
+        k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
+        part_mask = None if mask is None else _read_mask(mask, read)
+        if len(read.rows) == 1:
+            row = read.rows[0]
+            out, lse = attend(query[row : row + 1], k, v, part_mask, scale)
+            add(row, out, lse)
+            continue
+        # cascade: every sharing row's queries over the shared columns in one pass
+        rows = torch.tensor(read.rows, device=query.device)
+        stacked = query.index_select(0, rows).transpose(0, 1).reshape(1, heads, len(read.rows) * q, dim)
+        out, lse = attend(stacked, k, v, part_mask, scale)
+        out = out.view(heads, len(read.rows), q, dim).transpose(0, 1)
+        lse = lse.view(heads, len(read.rows), q).transpose(0, 1)
+        for j, row in enumerate(read.rows):
+            add(row, out[j : j + 1], lse[j : j + 1])
+    if forward.new_from is not None:
+        new_mask = None if mask is None else mask[..., forward.new_from :]
+        out, lse = attend(query, key, value, new_mask, scale, causal=new_mask is None)
+        for row in range(batch):
+            add(row, out[row : row + 1], lse[row : row + 1])
+    parts = [held[0] if held is not None else query.new_zeros((1, heads, q, dim)) for held in results]
+    merged = parts[0] if batch == 1 else torch.cat(parts)
+    return merged.to(query.dtype).transpose(1, 2).contiguous()

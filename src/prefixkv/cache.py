@@ -41,7 +41,7 @@ from typing import Any, Literal
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import display
+from . import attention, display
 from .errors import CacheMisuseError
 from .store import PrefixStore
 from .trie import Node
@@ -166,6 +166,82 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Te
     blocks = torch.tensor(table, dtype=torch.long) if table else torch.zeros(1, dtype=torch.long)
     slots = blocks[t.clamp(min=0) // block_size] * block_size + t.clamp(min=0) % block_size
     return slots.masked_fill_(t < 0, 0)
+
+
+# runs shorter than this many blocks are gathered (one copy per row) rather than read as views (one call each)
+_MIN_RUN = 8
+
+
+def _runs(
+    table: list[int], begin: int, stop: int, block_size: int, rows: tuple[int, ...], pads: tuple[int, ...]
+) -> list[attention.Read]:
+    """Reads of tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) for ``rows`` whose
+    token 0 sits at mask column ``pads[j]``: runs of at least ``_MIN_RUN`` consecutive block ids as views of the
+    pool, what is left as one gather. Does not mutate."""
+    reads: list[attention.Read] = []
+    scattered: list[int] = []  # token indices of short runs
+    b, last = begin // block_size, -(-stop // block_size)
+    while b < last:
+        e = b + 1
+        while e < last and table[e] == table[e - 1] + 1:
+            e += 1
+        lo, hi = b * block_size, min(e * block_size, stop)
+        if e - b >= _MIN_RUN or (b == begin // block_size and e == last):
+            columns = tuple(p + lo for p in pads)
+            reads.append(attention.Read(rows, columns, hi - lo, first_slot=table[b] * block_size))
+        else:
+            scattered.extend(range(lo, hi))
+        b = e
+    if scattered:
+        tokens = torch.tensor(scattered, dtype=torch.long)
+        slots = torch.tensor(table, dtype=torch.long)[tokens // block_size] * block_size + tokens % block_size
+        reads.append(
+            attention.Read(
+                rows,
+                tuple(p + scattered[0] for p in pads),
+                len(scattered),
+                slots=slots,
+                offsets=tokens - scattered[0],
+            )
+        )
+    return reads
+
+
+def plan_reads(
+    pads: list[int], tables: list[list[int]], start: int, q: int, block_size: int
+) -> tuple[list[attention.Read], int | None]:
+    """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``: runs of consecutive
+    blocks as views, the scattered rest as one gather per row, and the leading blocks that several rows hold
+    read once for all of them (cascade). A one-token forward reads its own new column from the pool too; a longer
+    one attends its new K/V from the arguments, from column ``start`` (the second value). Does not mutate."""
+    bs = block_size
+    end = start + q if q == 1 else start
+    spans = [max(0, end - pad) for pad in pads]
+    first = [0] * len(pads)
+    reads: list[attention.Read] = []
+    by_block: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        if spans[i] >= bs and table:
+            by_block.setdefault(table[0], []).append(i)
+    for members in by_block.values():
+        if len(members) < 2:
+            continue
+        shared = [tables[i] for i in members]
+        blocks = 0
+        for column in zip(*shared):
+            if any(b != column[0] for b in column):
+                break
+            blocks += 1
+        tokens = min(blocks, *(spans[i] // bs for i in members)) * bs  # whole blocks: the rest starts aligned
+        if not tokens:
+            continue
+        reads.extend(_runs(shared[0], 0, tokens, bs, tuple(members), tuple(pads[i] for i in members)))
+        for i in members:
+            first[i] = tokens
+    for i, table in enumerate(tables):
+        if spans[i] > first[i]:
+            reads.extend(_runs(table, first[i], spans[i], bs, (i,), (pads[i],)))
+    return reads, None if q == 1 else start
 
 
 def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
@@ -363,11 +439,14 @@ class PagedPrefixCache(Cache):
         self._rows: list[_Row] = []
         self._length = 0
         self._seen = [0] * num_layers
-        self._slots = torch.zeros((0, 0), dtype=torch.long)
-        self._slots_by_device: dict[torch.device, torch.Tensor] = {}
-        # derived per step, for update(): positions of the new columns to store (None: all; pads are skipped so
-        # the null block stays zeros) and the block-aligned table (None: some row's padding is not whole blocks)
+        # derived per forward, for update(): the slots of the new columns, and which of them to store (None: all;
+        # pads are skipped so the null block stays zeros); the whole slot table and the block-aligned table
+        # (None: some row's padding is not whole blocks) are built only for a forward that gathers whole rows
+        self._new_slots = torch.zeros((0, 0), dtype=torch.long)
         self._keep: torch.Tensor | None = None
+        self._slot_table: tuple[tuple[int, int], torch.device, torch.Tensor] | None = None
+        # what this forward's attention reads (attention.BlocksForward)
+        self._forward: attention.BlocksForward | None = None
         self._tables_version = 0
         self._block_table: tuple[tuple[int, int], torch.device, torch.Tensor | None] | None = None
         self._owner: int | None = None
@@ -435,8 +514,6 @@ class PagedPrefixCache(Cache):
                 row.real = _real_count(row.tokens[:r] if row.tokens is not None else [])
         self._length = offset
         self._seen = [offset] * len(self._seen)
-        self._slots = torch.stack([_column_slots(row, 0, offset, bs) for row in self._rows])
-        self._slots_by_device.clear()
         self._tables_version += 1
         # the shared prefill's tokens were computed by this call: charge them to a row that reused them
         for cost, members in prefilled:
@@ -700,6 +777,33 @@ class PagedPrefixCache(Cache):
                 positions_matter=positions_matter,
             )
         self._computed = True
+        self._begin_reads(start, q)
+
+    def _begin_reads(self, start: int, q: int) -> None:
+        """Tell this thread's attention where the rows' K/V are (:class:`attention.BlocksForward`), on a model that
+        runs ``prefixkv`` attention. Until a forward of that model showed every layer handing the K/V from
+        ``update`` to that attention unchanged, ``update`` hands out whole rows and the forward only checks it
+        (``probe``); a quantized pool is read whole rows at a time too. Mutates."""
+        model = self.store._hf_model
+        if not attention.serves(model):
+            return
+        probe = not attention.verified(model) or self.store.pool.kv_dtype is not None
+        reads, new_from = (
+            ([], None)
+            if probe
+            else plan_reads([r.pad for r in self._rows], [r.table for r in self._rows], start, q, self.block_size)
+        )
+        specs, me = self.store.pool.specs, weakref.ref(self)  # no cycle: a failed forward must not keep the cache
+
+        def gather(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cache = me()
+            if cache is None:
+                raise CacheMisuseError("the PagedPrefixCache of this forward was garbage-collected")
+            return cache._gather(layer, specs[layer].device)
+
+        forward = attention.BlocksForward(self.store.pool, reads, start + q, new_from, gather, probe=probe)
+        self._forward = forward
+        attention.begin(forward)
 
     def _start_rows(
         self, batch: int, q: int, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None
@@ -710,8 +814,6 @@ class PagedPrefixCache(Cache):
             pads = (mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
         known = input_ids is not None and self._length == 0
         self._rows = [_Row(p, [] if known else None, [], 0, None) for p in pads]
-        self._slots = torch.zeros((batch, self._length), dtype=torch.long)
-        self._slots_by_device.clear()
         self._tables_version += 1
 
     def _prove(
@@ -833,18 +935,13 @@ class PagedPrefixCache(Cache):
                         continue
                     row.table[c] = store._copy_prefix(old, (start - row.pad) % bs)
                     store._decref([old])
-                    # the columns already in that chunk must now read the copy: the old block may be
-                    # freed and reused once the rows still sharing it are gone
-                    col = row.pad + c * bs
-                    self._slots[i, col:start] = _column_slots(row, col, start, bs)
                 for row, n in zip(self._rows, grow):
                     if n:
-                        row.table.extend(store._allocate(n))
+                        row.table.extend(store._allocate(n, row.table[-1] if row.table else None))
             self._tables_version += 1
         new = torch.stack([_column_slots(row, start, start + q, bs) for row in self._rows])
         self._keep = (new.reshape(-1) != 0).nonzero().view(-1) if bool((new == 0).any()) else None
-        self._slots = torch.cat([self._slots, new], dim=1)
-        self._slots_by_device.clear()
+        self._new_slots = new
         self._length = start + q
 
     def _copies_needed(self, cow: list[int], start: int) -> int:
@@ -861,6 +958,11 @@ class PagedPrefixCache(Cache):
         if self._owner != threading.get_ident():
             return  # _begin_forward refused this forward (the cache is another thread's): nothing of ours ran
         bs = self.block_size
+        forward, self._forward = self._forward, None
+        if forward is not None:
+            attention.end(forward)
+            if ok and forward.probe and forward.every_layer_served():
+                attention.mark_verified(self.store._hf_model)
         try:
             if not ok or self._closed:
                 return
@@ -916,20 +1018,31 @@ class PagedPrefixCache(Cache):
                 f"layer {layer_idx} got {q} new tokens but this forward allocated {self._length - seen}"
             )
         device = key_states.device
-        slots = self._slots_on(device)
         keep = None if self._keep is None else self._keep.to(device)
-        table = self._block_table_on(device)
-        pool = self.store.pool
-        with self.store._lock:  # the pool may grow under another thread between write and read
-            pool.write(layer_idx, slots[:, seen:], key_states, value_states, keep)
-            if table is not None:
-                keys, values = pool.gather_blocks(layer_idx, table, self._length)
-            else:
-                keys, values = pool.gather(layer_idx, slots)
+        pool, forward = self.store.pool, self._forward
+        with self.store._lock:  # another thread may grow the pool (copying it) while this writes
+            pool.write(layer_idx, self._new_slots.to(device), key_states, value_states, keep)
         self._seen[layer_idx] = self._length
+        if forward is not None and not forward.probe:
+            # the attention reads the held K/V where they are (attention.blocks_attention)
+            forward.hand_out(layer_idx, key_states)
+            return key_states, value_states
+        keys, values = self._gather(layer_idx, device)
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+        if forward is not None:
+            forward.hand_out(layer_idx, keys)
         return keys, values
+
+    def _gather(self, layer_idx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's whole K/V of ``layer_idx``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool (the
+        path of models whose attention does not read the blocks). Does not mutate."""
+        pool = self.store.pool
+        table = self._block_table_on(device)
+        with self.store._lock:  # a pool growing under another thread is copied, not torn
+            if table is not None:
+                return pool.gather_blocks(layer_idx, table, self._length)
+            return pool.gather(layer_idx, self._slots_on(device))
 
     def _block_table_on(self, device: torch.device) -> torch.Tensor | None:
         """``[B, C]`` block ids such that column ``c`` of row ``i`` sits in block ``[i, c // block_size]`` at
@@ -948,9 +1061,14 @@ class PagedPrefixCache(Cache):
         return table
 
     def _slots_on(self, device: torch.device) -> torch.Tensor:
-        slots = self._slots_by_device.get(device)
-        if slots is None:
-            slots = self._slots_by_device[device] = self._slots.to(device)
+        """``[B, columns]`` pool slots of every column (pads read the null block), rebuilt when a table changed."""
+        key = (self._tables_version, self._length)
+        cached = self._slot_table
+        if cached is not None and cached[0] == key and cached[1] == device:
+            return cached[2]
+        bs = self.block_size
+        slots = torch.stack([_column_slots(row, 0, self._length, bs) for row in self._rows]).to(device)
+        self._slot_table = (key, device, slots)
         return slots
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -987,8 +1105,6 @@ class PagedPrefixCache(Cache):
             self._rows = []
         self._length = 0
         self._seen = [0] * len(self._seen)
-        self._slots = torch.zeros((0, 0), dtype=torch.long)
-        self._slots_by_device.clear()
         self._tables_version += 1
 
     # -- row surgery -----------------------------------------------------------------------------
@@ -1005,8 +1121,6 @@ class PagedPrefixCache(Cache):
                     store._lock_node(row.handle)
             self._release_rows(self._rows)
             self._rows = rows
-        self._slots = self._slots[torch.tensor(indices, dtype=torch.long)]
-        self._slots_by_device.clear()
         self._tables_version += 1
 
     def _truncate(self, length: int) -> None:
@@ -1025,8 +1139,6 @@ class PagedPrefixCache(Cache):
             self.store._decref(dropped)
         self._length = length
         self._seen = [length] * len(self._seen)
-        self._slots = self._slots[:, :length]
-        self._slots_by_device.clear()
         self._tables_version += 1
 
     def _release_rows(self, rows: list[_Row]) -> None:
@@ -1094,7 +1206,6 @@ class PagedPrefixCache(Cache):
                     self.store._lock_node(row.handle)
             other._rows = rows
         other._length, other._seen = self._length, list(self._seen)
-        other._slots = self._slots.clone()
         other._stats, other._space, other._computed = self._stats, self._space, self._computed
         other._prompt_ids = self._prompt_ids
         return other

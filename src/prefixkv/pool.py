@@ -1,4 +1,10 @@
-"""The KV tensors: per attention layer, K and V as ``[num_blocks, block_size, kv_heads, head_dim]``.
+"""The KV tensors: per attention layer, K and V as ``[kv_heads, num_blocks, block_size, head_dim]``.
+
+Head-major: the slots of one head are contiguous across blocks, so the K/V of a run of consecutive blocks is a
+view ``[kv_heads, tokens, head_dim]`` whose every head is one contiguous range, which attention reads as fast as
+a contiguous tensor (the block-major layout reads about twice as slowly on CPU). Whole blocks leave the pool
+(:meth:`BlockPool.read_blocks`, persistence, the second tier) in block-major form, ``[n, block_size, kv_heads,
+head_dim]``.
 
 No trie and no transformers here: the pool writes and reads *slots* (``block * block_size + offset``)
 that the cache computes. Each layer's tensors live on that layer's device, in the pool's dtype. The pool
@@ -83,7 +89,7 @@ class BlockPool:
     >>> spec = LayerSpec(2, 4, torch.device("cpu"), torch.float32)
     >>> pool = BlockPool([spec], block_size=16, capacity=3)
     >>> pool.keys[0].shape
-    torch.Size([3, 16, 2, 4])
+    torch.Size([2, 3, 16, 4])
     """
 
     def __init__(self, layers: list[LayerSpec], block_size: int, capacity: int, kv_dtype: str | None = None) -> None:
@@ -101,7 +107,7 @@ class BlockPool:
 
     def _allocate(self, layers: list[LayerSpec], block_size: int, capacity: int, kv_dtype: str | None) -> None:
         for s in layers:
-            shape = (capacity, block_size, s.kv_heads, s.head_dim)
+            shape = (s.kv_heads, capacity, block_size, s.head_dim)
             store = s.dtype if kv_dtype is None else _CODES[kv_dtype][0]
             # zeros, not empty: the null block stands in for padding and must hold finite values
             self.keys.append(torch.zeros(shape, device=s.device, dtype=store))
@@ -112,7 +118,7 @@ class BlockPool:
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
+        return self.keys[0].shape[1] if self.keys else 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -126,8 +132,8 @@ class BlockPool:
             return
         with _normal_tensors():
             grown = [
-                [torch.cat([t, torch.zeros((extra, *t.shape[1:]), device=t.device, dtype=t.dtype)]) for t in tensors]
-                for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
+                [_grown(t, extra, dim) for t in tensors]
+                for tensors, dim in ((self.keys, 1), (self.values, 1), (self.key_scales, 0), (self.value_scales, 0))
             ]
         # all layers at once: a failure half-way leaves the old pool
         self.keys, self.values, self.key_scales, self.value_scales = grown
@@ -141,15 +147,16 @@ class BlockPool:
         k, v = self.keys[layer], self.values[layer]
         flat = slots.reshape(-1)
         # [B, H, q, D] -> [B*q, H, D]
-        new_k = key.transpose(1, 2).reshape(-1, *k.shape[2:])
-        new_v = value.transpose(1, 2).reshape(-1, *v.shape[2:])
+        heads, dim = key.shape[1], key.shape[3]
+        new_k = key.transpose(1, 2).reshape(-1, heads, dim)
+        new_v = value.transpose(1, 2).reshape(-1, heads, dim)
         if keep is not None:
             flat, new_k, new_v = flat[keep], new_k[keep], new_v[keep]
         if self.kv_dtype is not None:
             self._write_quantized(layer, flat, new_k, new_v)
             return
-        k.view(-1, *k.shape[2:]).index_copy_(0, flat, new_k.to(k.dtype))
-        v.view(-1, *v.shape[2:]).index_copy_(0, flat, new_v.to(v.dtype))
+        _slots(k).index_copy_(1, flat, new_k.transpose(0, 1).to(k.dtype))
+        _slots(v).index_copy_(1, flat, new_v.transpose(0, 1).to(v.dtype))
 
     def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Place ``[N, kv_heads, head_dim]`` values at ``flat`` slots, re-quantizing the touched blocks. Mutates."""
@@ -161,11 +168,11 @@ class BlockPool:
         last = torch.full_like(touched, -1).scatter_reduce_(0, which, offsets, "amax")
         stale = torch.arange(bs, device=flat.device)[None, :] > last[:, None]  # [U, bs]: after the last written slot
         for codes, scales, new in ((self.keys, self.key_scales, new_k), (self.values, self.value_scales, new_v)):
-            block = self._dequantize(codes[layer].index_select(0, touched), scales[layer].index_select(0, touched))
+            block = self._dequantize(_take(codes[layer], touched), scales[layer].index_select(0, touched))
             block[which, offsets] = new.to(torch.float32)
             block[stale] = 0
             q, scale = self._quantize(block)
-            codes[layer].index_copy_(0, touched, q)
+            _put(codes[layer], touched, q)
             scales[layer].index_copy_(0, touched, scale)
 
     def _quantize(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,17 +197,21 @@ class BlockPool:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
         k, v = self.keys[layer], self.values[layer]
         b, n = slots.shape
+        heads, dim = k.shape[0], k.shape[3]
         flat = slots.reshape(-1)
-        keys = k.view(-1, *k.shape[2:]).index_select(0, flat)
-        values = v.view(-1, *v.shape[2:]).index_select(0, flat)
+        keys = _slots(k).index_select(1, flat)  # [H, B*n, D]
+        values = _slots(v).index_select(1, flat)
         if self.kv_dtype is not None:
             dtype, block = self.specs[layer].dtype, flat // self.block_size
-            keys = self._dequantize(keys[:, None], self.key_scales[layer].index_select(0, block), dtype)
-            values = self._dequantize(values[:, None], self.value_scales[layer].index_select(0, block), dtype)
-        return (
-            keys.view(b, n, *k.shape[2:]).transpose(1, 2),
-            values.view(b, n, *v.shape[2:]).transpose(1, 2),
-        )
+            keys = self._dequantize(keys.transpose(0, 1)[:, None], self.key_scales[layer].index_select(0, block), dtype)
+            values = self._dequantize(
+                values.transpose(0, 1)[:, None], self.value_scales[layer].index_select(0, block), dtype
+            )
+            return (
+                keys.view(b, n, heads, dim).transpose(1, 2),
+                values.view(b, n, heads, dim).transpose(1, 2),
+            )
+        return keys.view(heads, b, n, dim).transpose(0, 1), values.view(heads, b, n, dim).transpose(0, 1)
 
     def gather_blocks(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first ``length`` columns when column ``c`` sits in block ``table[:, c // block_size]`` at
@@ -208,22 +219,25 @@ class BlockPool:
         :meth:`gather`. ``table``: ``[B, C]`` -> two ``[B, kv_heads, length, head_dim]`` tensors."""
         k, v = self.keys[layer], self.values[layer]
         b, c = table.shape
+        heads, dim = k.shape[0], k.shape[3]
         flat = table.reshape(-1)
-        keys, values = k.index_select(0, flat), v.index_select(0, flat)
         if self.kv_dtype is not None:
             dtype = self.specs[layer].dtype
-            keys = self._dequantize(keys, self.key_scales[layer].index_select(0, flat), dtype)
-            values = self._dequantize(values, self.value_scales[layer].index_select(0, flat), dtype)
-        keys = keys.view(b, c * self.block_size, *k.shape[2:])[:, :length].transpose(1, 2)
-        values = values.view(b, c * self.block_size, *v.shape[2:])[:, :length].transpose(1, 2)
+            keys = self._dequantize(_take(k, flat), self.key_scales[layer].index_select(0, flat), dtype)
+            values = self._dequantize(_take(v, flat), self.value_scales[layer].index_select(0, flat), dtype)
+            keys = keys.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
+            values = values.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
+            return keys, values
+        keys = k.index_select(1, flat).view(heads, b, c * self.block_size, dim)[:, :, :length].transpose(0, 1)
+        values = v.index_select(1, flat).view(heads, b, c * self.block_size, dim)[:, :, :length].transpose(0, 1)
         return keys, values
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer. Mutates."""
         for k, v in zip(self.keys, self.values):
-            k[dst, :n] = k[src, :n]
-            v[dst, :n] = v[src, :n]
+            k[:, dst, :n] = k[:, src, :n]
+            v[:, dst, :n] = v[:, src, :n]
         for scales in (*self.key_scales, *self.value_scales):
             scales[dst] = scales[src]  # a scale too wide for the first n slots; the next write narrows it
 
@@ -249,7 +263,7 @@ class BlockPool:
         out = {}
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            out[name] = t.index_select(0, index).to(device)
+            out[name] = (t.index_select(0, index) if "scale" in name else _take(t, index)).to(device)
         return out
 
     @torch.no_grad()
@@ -258,7 +272,33 @@ class BlockPool:
         are cast to each layer's dtype), moved to each layer's device. Mutates."""
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            t.index_copy_(0, index, tensors[name].to(device=t.device, dtype=t.dtype, non_blocking=True))
+            given = tensors[name].to(device=t.device, dtype=t.dtype, non_blocking=True)
+            if "scale" in name:
+                t.index_copy_(0, index, given)
+            else:
+                _put(t, index, given)
+
+
+def _slots(t: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, num_blocks * block_size, head_dim]`` view of a layer's K or V, indexed by slot."""
+    return t.view(t.shape[0], -1, t.shape[3])
+
+
+def _take(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Copies of whole blocks of a layer's K or V in block-major form, ``[n, block_size, kv_heads, head_dim]``."""
+    return t.index_select(1, blocks).permute(1, 2, 0, 3)
+
+
+def _put(t: torch.Tensor, blocks: torch.Tensor, values: torch.Tensor) -> None:
+    """Write whole blocks given in block-major form into a layer's K or V. Mutates ``t``."""
+    t.index_copy_(1, blocks, values.permute(2, 0, 1, 3))
+
+
+def _grown(t: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
+    """``t`` with ``extra`` zero blocks appended along its block dimension ``dim``."""
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, torch.zeros(shape, device=t.device, dtype=t.dtype)], dim=dim)
 
 
 def code_dtype(kv_dtype: str) -> torch.dtype:

@@ -680,10 +680,11 @@ class PrefixStore:
             "or generate with fewer rows or new tokens."
         )
 
-    def _allocate(self, n: int) -> list[int]:
+    def _allocate(self, n: int, after: int | None = None) -> list[int]:
+        """``n`` fresh blocks, the ones right after block ``after`` where free (a row's blocks stay a run)."""
         with self._lock:
             self._ensure_free(n)
-            return self._allocator.allocate(n)
+            return self._allocator.allocate(n, after)
 
     def _copy_prefix(self, src: int, n: int) -> int:
         """A fresh block holding the first ``n`` slots of ``src`` (copy-on-write). Mutates."""

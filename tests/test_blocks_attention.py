@@ -1,0 +1,156 @@
+"""The attention that reads the blocks (``attention.blocks_attention``, with the reads ``cache.plan_reads``
+makes) against ``scaled_dot_product_attention`` over each row's whole K/V, in float64: random block layouts,
+rows sharing leading blocks (cascade), left padding, holes, sliding windows, grouped-query heads, one-token and
+longer forwards."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixkv import attention
+from prefixkv.cache import plan_reads
+
+
+@st.composite
+def layouts(draw: st.DrawFn) -> dict:
+    bs = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3]))
+    batch = draw(st.integers(1, 4))
+    q = draw(st.sampled_from([1, 1, 2, 5]))
+    pads = [draw(st.integers(0, 6)) for _ in range(batch)]
+    held = max(pads) + draw(st.integers(0, 20))  # columns held before this forward, pads included
+    # rows share leading blocks: a common prefix of some rows' tables
+    share = draw(st.integers(0, 6))
+    sharers = draw(st.lists(st.booleans(), min_size=batch, max_size=batch))
+    holes = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.integers(1, 12)))
+    contiguous = draw(st.booleans())
+    seed = draw(st.integers(0, 2**16))
+    return dict(
+        bs=bs,
+        kv_heads=kv_heads,
+        group=group,
+        batch=batch,
+        q=q,
+        pads=pads,
+        held=held,
+        share=share,
+        sharers=sharers,
+        holes=holes,
+        window=window,
+        contiguous=contiguous,
+        seed=seed,
+    )
+
+
+def build(layout: dict) -> tuple:
+    g = torch.Generator().manual_seed(layout["seed"])
+    bs, batch, q, held, pads = layout["bs"], layout["batch"], layout["q"], layout["held"], layout["pads"]
+    kv_heads, heads, dim = layout["kv_heads"], layout["kv_heads"] * layout["group"], 4
+    need = [-(-max(0, held + q - p) // bs) for p in pads]  # blocks each row's tokens fill after this forward
+    num_blocks = 1 + sum(need) + layout["share"] + 4
+    free = list(range(1, num_blocks))
+    if not layout["contiguous"]:
+        free = [free[i] for i in torch.randperm(len(free), generator=g).tolist()]
+    shared = [free.pop(0) for _ in range(layout["share"])]
+    tables = []
+    for i in range(batch):
+        # only blocks the row has filled before this forward are shared (a write copies a shared block first)
+        table = list(shared[: max(0, held - pads[i]) // bs]) if layout["sharers"][i] and pads[i] == pads[0] else []
+        while len(table) < need[i]:
+            table.append(free.pop(0))
+        tables.append(table)
+    pool_k = torch.randn(num_blocks, bs, kv_heads, dim, generator=g, dtype=torch.float64)
+    pool_v = torch.randn(num_blocks, bs, kv_heads, dim, generator=g, dtype=torch.float64)
+    pool_k[0], pool_v[0] = 0, 0  # block-major while the test fills it; the pool is head-major
+    columns = held + q
+    # every row's whole K/V by column (pads 0), and the new K/V
+    full_k = torch.zeros(batch, kv_heads, columns, dim, dtype=torch.float64)
+    full_v = torch.zeros_like(full_k)
+    new_k = torch.randn(batch, kv_heads, q, dim, generator=g, dtype=torch.float64)
+    new_v = torch.randn(batch, kv_heads, q, dim, generator=g, dtype=torch.float64)
+    for i in range(batch):
+        for c in range(pads[i], columns):
+            t = c - pads[i]
+            block, offset = tables[i][t // bs], t % bs
+            if c >= held:  # the new columns: update writes them into their slots
+                pool_k[block, offset] = new_k[i, :, c - held]
+                pool_v[block, offset] = new_v[i, :, c - held]
+            full_k[i, :, c] = pool_k[block, offset]
+            full_v[i, :, c] = pool_v[block, offset]
+    # the model's mask: causal, padding hidden, maybe holes and a sliding window
+    mask = torch.ones(batch, 1, q, columns, dtype=torch.bool)
+    positions = torch.arange(columns)
+    for i in range(batch):
+        mask[i, :, :, : pads[i]] = False
+        if layout["holes"] and columns - pads[i] > 2:
+            hole = pads[i] + int(torch.randint(0, columns - pads[i] - 1, (1,), generator=g))
+            mask[i, :, :, hole] = False
+    for j in range(q):
+        query_column = held + j
+        mask[:, :, j, positions > query_column] = False
+        if layout["window"] is not None:
+            mask[:, :, j, positions <= query_column - layout["window"]] = False
+    query = torch.randn(batch, heads, q, dim, generator=g, dtype=torch.float64)
+    pool_k, pool_v = pool_k.permute(2, 0, 1, 3).contiguous(), pool_v.permute(2, 0, 1, 3).contiguous()
+    return pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask
+
+
+class _Pool:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys, self.values = [k], [v]
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.booleans())
+def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask: bool) -> None:
+    pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build(layout)
+    held, q, batch = layout["held"], layout["q"], layout["batch"]
+    plain = not any(layout["pads"]) and not layout["holes"] and layout["window"] is None
+    if not with_mask and not plain:
+        with_mask = True  # a None mask means: no padding, no holes, no window
+    reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"])
+    forward = attention.BlocksForward(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer: (full_k, full_v))
+    scale = 0.7
+    got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        full_k,
+        full_v,
+        attn_mask=mask if with_mask else None,
+        is_causal=False if with_mask else q > 1 and held == 0,
+        scale=scale,
+        enable_gqa=True,
+    )
+    if not with_mask and held and q > 1:
+        causal = torch.ones(q, held + q, dtype=torch.bool).tril(held)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, full_k, full_v, attn_mask=causal, scale=scale, enable_gqa=True
+        )
+    want = want.transpose(1, 2)
+    seen = mask.any(dim=-1)[:, 0]  # [B, q]: a query that sees no column has no defined output
+    for i in range(batch):
+        for j in range(q):
+            if seen[i, j]:
+                assert torch.allclose(got[i, j], want[i, j], atol=1e-10, rtol=0), (i, j)
+            else:
+                assert not got[i, j].any()
+    assert not math.isnan(got.sum().item())
+
+
+def test_rows_sharing_leading_blocks_read_them_once() -> None:
+    # 3 rows on one 8-block prefix (contiguous), each with 2 blocks of its own: one cascade read of the prefix
+    prefix = list(range(1, 9))
+    tables = [[*prefix, 9 + 2 * i, 10 + 2 * i] for i in range(3)]
+    reads, new_from = plan_reads([0, 0, 0], tables, 8 * 4 + 7, 1, 4)
+    assert new_from is None
+    shared = [r for r in reads if len(r.rows) > 1]
+    assert len(shared) == 1 and shared[0].rows == (0, 1, 2) and shared[0].length == 32
+    assert shared[0].first_slot == 4
+    own = [r for r in reads if len(r.rows) == 1]
+    assert sorted(r.rows[0] for r in own) == [0, 1, 2] and all(r.length == 8 for r in own)
