@@ -27,8 +27,9 @@ def test_ttft_smoke() -> None:
 
 
 def test_decode_smoke() -> None:
-    r = decode.run("tiny", [24], [1, 2], new=4, repeat=1)
-    assert len(r["rows"]) == 2 and all(row["prefixkv"] > 0 for row in r["rows"])
+    r = decode.run("tiny", [24], [1, 2], new=4, repeat=1, shared=[(40, 3, 32)])
+    assert [row["shared"] for row in r["rows"]] == [0, 0, 32]
+    assert len(r["rows"]) == 3 and all(row["prefixkv"] > 0 for row in r["rows"])
     assert "StaticCache" in decode.report(r)
 
 

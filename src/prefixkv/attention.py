@@ -192,6 +192,11 @@ class BlocksForward:
         return bool(self.handed) and self.served == {layer for layer, _ in self.handed.values()}
 
 
+# device types whose pools attention reads in place. On CUDA, reading row by row costs a kernel launch per part
+# and row, which an H200 showed 4-6x slower than one gather and one batched kernel at batch 8 (docs/benchmarks.md);
+# a paged kernel is what reads blocks in place there
+READ_DEVICES = frozenset({"cpu"})
+
 _ACTIVE: dict[int, BlocksForward] = {}
 # models whose every attention layer was seen to hand the K/V from ``update`` to this attention unchanged
 _VERIFIED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()

@@ -281,7 +281,7 @@ def _custom_positions(input_ids: torch.Tensor, attention_mask: Any, position_ids
     reason = "position_ids of its own (K/V depend on positions; the cache keys assume the mask's)"
     if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != tuple(input_ids.shape):
         return reason
-    shown = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
+    shown = torch.ones(input_ids.shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
     expected = shown.to(torch.long).cumsum(dim=1) - 1
     return reason if bool(((position_ids.cpu() != expected) & shown).any()) else None
 
@@ -781,11 +781,13 @@ class PagedPrefixCache(Cache):
 
     def _begin_reads(self, start: int, q: int) -> None:
         """Tell this thread's attention where the rows' K/V are (:class:`attention.BlocksForward`), on a model that
-        runs ``prefixkv`` attention. Until a forward of that model showed every layer handing the K/V from
-        ``update`` to that attention unchanged, ``update`` hands out whole rows and the forward only checks it
-        (``probe``); a quantized pool is read whole rows at a time too. Mutates."""
+        runs ``prefixkv`` attention with its pool on a device of ``attention.READ_DEVICES``. Until a forward of that
+        model showed every layer handing the K/V from ``update`` to that attention unchanged, ``update`` hands out
+        whole rows and the forward only checks it (``probe``); a quantized pool is read whole rows at a time too.
+        Mutates."""
         model = self.store._hf_model
-        if not attention.serves(model):
+        specs = self.store.pool.specs
+        if not attention.serves(model) or any(s.device.type not in attention.READ_DEVICES for s in specs):
             return
         probe = not attention.verified(model) or self.store.pool.kv_dtype is not None
         reads, new_from = (
@@ -793,7 +795,7 @@ class PagedPrefixCache(Cache):
             if probe
             else plan_reads([r.pad for r in self._rows], [r.table for r in self._rows], start, q, self.block_size)
         )
-        specs, me = self.store.pool.specs, weakref.ref(self)  # no cycle: a failed forward must not keep the cache
+        me = weakref.ref(self)  # no cycle: a failed forward must not keep the cache
 
         def gather(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             cache = me()
