@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import prefixkv.trie as trie_module
 from prefixkv.trie import RadixTrie
 
 # a small alphabet makes shared prefixes and mid-edge splits common
@@ -81,6 +83,63 @@ def test_trie_matches_reference(block_size: int, script: list[tuple[str, object]
         assert +refs == trie.check_invariants()
         for _, seq in locked:
             assert trie.match(seq).length == len(seq), "a locked prefix was evicted"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.integers(1, 4),
+    script=st.lists(st.tuples(st.integers(0, 2), seqs, st.integers(0, 30), st.booleans()), max_size=30),
+)
+def test_insert_after_a_node_is_insert_from_the_root(
+    block_size: int, script: list[tuple[int, list[int], int, bool]]
+) -> None:
+    """Sequences that grow (and get cropped) publish from the node they hold (``after``/``known``/``end``) and
+    move their lock there (``move_lock``): the trie ends up exactly as with whole inserts from the root and
+    lock/unlock — same nodes, blocks, locks, added occurrences and eviction order."""
+    fast, slow = RadixTrie(block_size), RadixTrie(block_size)
+    held: dict[int, tuple[list[int], object, object, int]] = {}  # id -> tokens, fast node, slow node, known
+    next_block = 1
+    for sid, tail, cut, whole_blocks in script:
+        tokens, fnode, snode, known = held.get(sid, ([], None, None, 0))
+        known = min(known, cut // block_size * block_size)  # a crop keeps whole published blocks
+        tokens = tokens[:known] + tail
+        end = len(tokens) // block_size * block_size if whole_blocks else len(tokens)
+        if end <= known:
+            continue
+        table = list(range(next_block, next_block + -(-end // block_size)))
+        next_block += len(table)
+        f = fast.insert(tokens, table, after=fnode, known=known, end=end)  # type: ignore[arg-type]
+        s = slow.insert(tokens[:end], table)
+        assert f.added == s.added
+        fast.move_lock(fnode, f.node)  # type: ignore[arg-type]
+        slow.lock(s.node)
+        if snode is not None:
+            slow.unlock(snode)  # type: ignore[arg-type]
+        held[sid] = (tokens, f.node, s.node, end)
+        assert fast.view() == slow.view()
+        assert fast.check_invariants() == slow.check_invariants()
+        if cut % 3 == 0:
+            assert fast.evict_one() == slow.evict_one()
+    while (f_out := fast.evict_one()) is not None:
+        assert f_out == slow.evict_one()
+    assert slow.evict_one() is None
+
+
+def test_publishing_a_long_chain_compares_no_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence that grows block by block and publishes from the node it holds: each block becomes a leaf
+    under that node, with no edge of the chain compared (from the root, every edge would be)."""
+    trie = RadixTrie(block_size=4)
+    seq = list(range(4096))
+    calls = []
+    monkeypatch.setattr(trie_module, "_common_prefix", lambda *a: calls.append(a) or 0)
+    node = None
+    for end in range(4, len(seq) + 1, 4):
+        ins = trie.insert(seq, list(range(end // 4)), after=node, known=end - 4, end=end)
+        trie.move_lock(node, ins.node)
+        node = ins.node
+    assert calls == []
+    assert len(trie.nodes()) == 1024 and all(n.lock == 1 for n in trie.nodes())  # one locked path
+    assert trie.path_tokens(node) == seq
 
 
 def test_split_mid_block_keeps_both_paths() -> None:
