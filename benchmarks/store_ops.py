@@ -21,9 +21,9 @@ from prefixkv.cache import PagedPrefixCache
 
 # the store operations of one request, and the method that performs each
 OPERATIONS: dict[str, tuple[type, str]] = {
-    "match + attach": (PagedPrefixCache, "_attach_prompt"),
+    "match + attach": (PagedPrefixCache, "attach_prompt"),
     "allocate (with eviction)": (PagedPrefixCache, "_allocate"),
-    "publish": (PagedPrefixCache, "_end_forward"),
+    "publish": (PagedPrefixCache, "end_forward"),
     "release": (PagedPrefixCache, "close"),
 }
 # inside the above: making room, i.e. growing the pool or evicting
