@@ -316,12 +316,15 @@ class RadixTrie:
         return Insert(upper, [] if straddle is None else [straddle])
 
     def touch(self, node: Node) -> None:
-        """Mark ``node`` and its ancestors as used now (LRU). Mutates."""
+        """Mark ``node`` as used now (LRU). Mutates.
+
+        Its ancestors are not stamped: a node is an eviction candidate only once it is a leaf, and every
+        node below it has been evicted by then, each handing its time up (:meth:`evict_lru`). So a parent
+        competes with the time of the latest use at or below it, as if every touch stamped the whole path,
+        at O(1) per touch instead of the depth of a long chain."""
         now = next(self._clock)
-        n: Node | None = node
-        while n is not None and n.parent is not None:
-            n.last_access = now
-            n = n.parent
+        if node.parent is not None:
+            node.last_access = now
         self._offer(node)
 
     def lock(self, node: Node) -> None:
@@ -390,6 +393,7 @@ class RadixTrie:
             del parent.children[node.tokens[0]]
             node.alive = False
             self._size -= 1
+            parent.last_access = max(parent.last_access, node.last_access)  # see touch()
             self._offer(parent)
             return node
         return None
