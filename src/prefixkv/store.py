@@ -1,5 +1,10 @@
 """``PrefixStore``: one per model. Ties the allocator, the trie and the pool together and owns the
-budget, eviction, pins, statistics and the lock that lets several threads share one store."""
+budget, eviction, pins, statistics and the lock that lets several threads share one store.
+
+Caches use it through a small contract (:meth:`PrefixStore.claim`, ``extend``, ``publish``, ``truncate``,
+``fork``, ``release`` over :class:`Claim` objects, and a few queries): each method takes the lock itself, says
+what it mutates and leaves refcounts exact if it raises. This module imports neither the cache nor the model
+hooks; the layer above installs what runs the model (:func:`set_runner`)."""
 
 from __future__ import annotations
 
