@@ -1,7 +1,13 @@
 """A bounded store over many requests: 1,000 random requests (a few shared prefixes of different
 popularity, each with its own question) through a small pool on the tiny model. Reports the hit rate,
 the evictions, and the time spent in store operations per request: match + attach (building the
-cache), allocate (with eviction), publish, release. Run: ``python benchmarks/store_ops.py``."""
+cache), allocate (with eviction), publish, release.
+
+Then the bookkeeping of one long sequence (512, 8k and 32k tokens), decoded token by token through the
+cache's forward protocol without the model: per step, ``begin_forward`` (allocate, prove) and ``end_forward``
+(publish the block the step filled), and the whole sequence's publishing. Publishing continues from the
+row's trie node, so its cost per block stays flat as the context grows.
+Run: ``python benchmarks/store_ops.py``."""
 
 from __future__ import annotations
 
@@ -21,9 +27,9 @@ from prefixkv.cache import PagedPrefixCache
 
 # the store operations of one request, and the method that performs each
 OPERATIONS: dict[str, tuple[type, str]] = {
-    "match + attach": (PagedPrefixCache, "_attach_prompt"),
+    "match + attach": (PagedPrefixCache, "attach_prompt"),
     "allocate (with eviction)": (PagedPrefixCache, "_allocate"),
-    "publish": (PagedPrefixCache, "_end_forward"),
+    "publish": (PagedPrefixCache, "end_forward"),
     "release": (PagedPrefixCache, "close"),
 }
 # inside the above: making room, i.e. growing the pool or evicting
@@ -104,6 +110,54 @@ def run(
     }
 
 
+def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str, Any]:
+    """One row decoded token by token to ``length`` tokens through the cache's forward protocol, without the
+    model and without the attention read path (``decode.py`` measures those): seconds in ``begin_forward``
+    and in ``end_forward`` (which publishes each block as it fills), over the whole sequence and per step
+    over its last ``window`` steps."""
+    model = model_for("tiny")
+    store = prefixkv.PrefixStore(model, block_size=block_size)
+    layers = len(store.pool.specs)
+    rng = random.Random(length)
+    ids = [torch.tensor([[rng.randrange(3, model.config.vocab_size)]]) for _ in range(length)]
+    begin, end = [0.0] * length, [0.0] * length
+    with PagedPrefixCache(store) as cache:
+        for t, x in enumerate(ids):
+            cache.decode_step = t > 0  # as generate's decode steps: the namespace was checked at the first
+            a = time.perf_counter()
+            cache.begin_forward(x, None, None)
+            b = time.perf_counter()
+            cache._seen = [t + 1] * layers  # stands in for update(): every layer stored the step's column
+            cache.end_forward(True)
+            begin[t], end[t] = b - a, time.perf_counter() - b
+        assert store.cached_length([int(x) for x in ids]) == length // block_size * block_size
+    store.check_invariants()
+    store.close()
+    last = min(window, length)
+    return {
+        "tokens": length,
+        "block_size": block_size,
+        "publish_ms_per_sequence": 1000 * sum(end),
+        "begin_us_per_step": 1e6 * sum(begin[-last:]) / last,
+        "end_us_per_step": 1e6 * sum(end[-last:]) / last,
+    }
+
+
+def sequence_report(rows: list[dict[str, Any]]) -> str:
+    return table(
+        ["one sequence", "publishing, whole sequence ms", "end_forward µs/step", "begin_forward µs/step"],
+        [
+            [
+                f"{r['tokens']:,} tokens",
+                f"{r['publish_ms_per_sequence']:.1f}",
+                f"{r['end_us_per_step']:.1f}",
+                f"{r['begin_us_per_step']:.1f}",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def report(r: dict[str, Any]) -> str:
     ops = dict(r["us_per_request"])
     room = ops.pop("make room")
@@ -124,10 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--num-blocks", type=int, default=64)
+    ap.add_argument("--lengths", type=int, nargs="*", default=[512, 8192, 32768])
     args = ap.parse_args(argv)
     result = run(args.requests, num_blocks=args.num_blocks)
+    sequence(256)  # warm-up: the first steps pay for first calls
+    result["sequences"] = [sequence(n) for n in args.lengths]
     save("store_ops", result)
     print(report(result))
+    print()
+    print(sequence_report(result["sequences"]))
     print(f"\n{result['machine']}")
 
 

@@ -686,7 +686,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
         meta = dict(f.metadata())
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     tensors["k.1"][0, 0, 0, 0] = float("nan")
-    meta["checksum"] = persist._checksum(tensors, meta)
+    meta["checksum"] = persist.checksum(tensors, meta)
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(PersistError, match="non-finite"):
         prefixkv.PrefixStore.load(path, model)

@@ -182,7 +182,7 @@ def test_a_well_checksummed_but_malformed_trie_is_refused(saved: Path, tmp_path:
     """A file made by hand with a valid checksum still cannot corrupt a store."""
     from safetensors.torch import load_file, save_file
 
-    from prefixkv.persist import _checksum, read
+    from prefixkv.persist import checksum, read
 
     tensors, meta = load_file(saved), read(saved).meta
     breakages = {
@@ -194,7 +194,7 @@ def test_a_well_checksummed_but_malformed_trie_is_refused(saved: Path, tmp_path:
     model = llama()
     for name, breakage in breakages.items():
         broken = {**tensors, name: breakage(tensors[name]).contiguous()}
-        save_file(broken, tmp_path / "made.safetensors", metadata={**meta, "checksum": _checksum(broken, meta)})
+        save_file(broken, tmp_path / "made.safetensors", metadata={**meta, "checksum": checksum(broken, meta)})
         with pytest.raises(PersistError, match="is malformed"):
             prefixkv.PrefixStore.load(tmp_path / "made.safetensors", model)
     assert model.config._attn_implementation == "sdpa"

@@ -3,12 +3,15 @@ evictions; every matched block must hold the query's tokens."""
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.trie import RadixTrie
+import prefixkv.trie as trie_module
+from prefixkv.trie import Node, RadixTrie
 
 # a small alphabet makes shared prefixes and mid-edge splits common
 seqs = st.lists(st.integers(0, 3), min_size=1, max_size=24)
@@ -81,6 +84,143 @@ def test_trie_matches_reference(block_size: int, script: list[tuple[str, object]
         assert +refs == trie.check_invariants()
         for _, seq in locked:
             assert trie.match(seq).length == len(seq), "a locked prefix was evicted"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.integers(1, 4),
+    script=st.lists(st.tuples(st.integers(0, 2), seqs, st.integers(0, 30), st.booleans()), max_size=30),
+)
+def test_insert_after_a_node_is_insert_from_the_root(
+    block_size: int, script: list[tuple[int, list[int], int, bool]]
+) -> None:
+    """Sequences that grow (and get cropped) publish from the node they hold (``after``/``known``/``end``) and
+    move their lock there (``move_lock``): the trie ends up exactly as with whole inserts from the root and
+    lock/unlock — same nodes, blocks, locks, added occurrences and eviction order."""
+    fast, slow = RadixTrie(block_size), RadixTrie(block_size)
+    held: dict[int, tuple[list[int], object, object, int]] = {}  # id -> tokens, fast node, slow node, known
+    next_block = 1
+    for sid, tail, cut, whole_blocks in script:
+        tokens, fnode, snode, known = held.get(sid, ([], None, None, 0))
+        known = min(known, cut // block_size * block_size)  # a crop keeps whole published blocks
+        tokens = tokens[:known] + tail
+        end = len(tokens) // block_size * block_size if whole_blocks else len(tokens)
+        if end <= known:
+            continue
+        table = list(range(next_block, next_block + -(-end // block_size)))
+        next_block += len(table)
+        f = fast.insert(tokens, table, after=fnode, known=known, end=end)  # type: ignore[arg-type]
+        s = slow.insert(tokens[:end], table)
+        assert f.added == s.added
+        fast.move_lock(fnode, f.node)  # type: ignore[arg-type]
+        slow.lock(s.node)
+        if snode is not None:
+            slow.unlock(snode)  # type: ignore[arg-type]
+        held[sid] = (tokens, f.node, s.node, end)
+        assert fast.view() == slow.view()
+        assert fast.check_invariants() == slow.check_invariants()
+        if cut % 3 == 0:
+            assert fast.evict_one() == slow.evict_one()
+    while (f_out := fast.evict_one()) is not None:
+        assert f_out == slow.evict_one()
+    assert slow.evict_one() is None
+
+
+def test_publishing_a_long_chain_compares_no_edge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence that grows block by block and publishes from the node it holds: each block becomes a leaf
+    under that node, with no edge of the chain compared (from the root, every edge would be)."""
+    trie = RadixTrie(block_size=4)
+    seq = list(range(4096))
+    calls = []
+    monkeypatch.setattr(trie_module, "_common_prefix", lambda *a: calls.append(a) or 0)
+    node = None
+    for end in range(4, len(seq) + 1, 4):
+        ins = trie.insert(seq, list(range(end // 4)), after=node, known=end - 4, end=end)
+        trie.move_lock(node, ins.node)
+        node = ins.node
+    assert calls == []
+    assert len(trie.nodes()) == 1024 and all(n.lock == 1 for n in trie.nodes())  # one locked path
+    assert trie.path_tokens(node) == seq
+
+
+class EagerTrie(RadixTrie):
+    """The reference for LRU order: every touch stamps the node and all its ancestors."""
+
+    def touch(self, node: Node) -> None:
+        now = next(self._clock)
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            n.last_access = now
+            n = n.parent
+        self._offer(node)
+
+    def evict_lru(self) -> Node | None:
+        while self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            if not node.alive or node.lock or node.children or stamp != node.last_access:
+                continue
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.tokens[0]]
+            node.alive = False
+            self._size -= 1
+            self._offer(parent)
+            return node
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_size=st.integers(1, 3), script=ops)
+def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
+    block_size: int, script: list[tuple[str, object]]
+) -> None:
+    """touch() is O(1): a parent gets the time of the latest use below it when it becomes a leaf. Eviction
+    order is exactly that of stamping every ancestor on each touch."""
+    lazy, eager = RadixTrie(block_size), EagerTrie(block_size)
+    locked: list[tuple[Node, Node]] = []
+    for op, arg in script:
+        if op in ("insert", "match"):
+            seq = list(arg)  # type: ignore[call-overload]
+            if op == "insert":
+                table = list(range(1, len(seq) + 1))
+                a, b = lazy.insert(seq, table), eager.insert(seq, table)
+                if len(locked) < 3 and len(seq) % 2:
+                    lazy.lock(a.node)
+                    eager.lock(b.node)
+                    locked.append((a.node, b.node))
+            else:
+                ma, mb = lazy.match(seq), eager.match(seq)
+                if ma.length:
+                    lazy.touch(ma.node)
+                    eager.touch(mb.node)
+        elif op == "unlock" and locked:
+            a, b = locked.pop(int(arg) % len(locked))  # type: ignore[call-overload]
+            lazy.unlock(a)
+            eager.unlock(b)
+        elif op == "evict":
+            for _ in range(int(arg)):  # type: ignore[call-overload]
+                out = lazy.evict_one()
+                assert out == eager.evict_one()
+                if out is None:
+                    break
+        assert [v[:5] for v in lazy.view()] == [v[:5] for v in eager.view()]
+    while (out := lazy.evict_one()) is not None:
+        assert out == eager.evict_one()
+    assert eager.evict_one() is None
+
+
+def test_a_parent_competes_with_the_latest_use_below_it() -> None:
+    """A leaf kept locked while a parent's children go keeps its old time; once unlocked it goes before the
+    parent, whose children were used after it (the parent's own time is older than that leaf's)."""
+    for trie in (RadixTrie(block_size=1), EagerTrie(block_size=1)):
+        trie.insert([1, 2, 3], [1, 2, 3])  # [1 2 3] used at time 1
+        held = trie.insert([9], [9]).node  # time 2
+        trie.lock(held)
+        trie.insert([1, 2, 4], [1, 2, 4])  # splits [1 2 | 3]: [1 2] keeps time 1; [4] is time 3
+        assert trie.evict_one() == [3] and trie.evict_one() == [4]  # [1 2] is a leaf now, last used below at 3
+        trie.unlock(held)
+        assert trie.evict_one() == [9], type(trie).__name__
+        assert trie.evict_one() == [1, 2]
 
 
 def test_split_mid_block_keeps_both_paths() -> None:

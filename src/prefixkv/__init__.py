@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from . import display, models
-from .cache import CacheStats, PagedPrefixCache, RowStats
+from .cache import PagedPrefixCache
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .memory import estimate, kv_bytes_per_token
 from .patch import disable, enable
 from .persist import PersistStats
 from .score import Score, score
-from .store import PrefixStore, StoreStats
+from .stats import CacheStats, RowStats, StoreStats
+from .store import PrefixStore
 from .tier import TierStats
 
 __version__ = "0.1.0"

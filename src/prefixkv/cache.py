@@ -22,20 +22,17 @@ computed the K/V of its keys: ids fed in order, the mask and positions those of 
 no embeddings, the store's namespace (active adapters) unchanged. :meth:`PagedPrefixCache._prove` decides
 it for every forward, and a row that fails it forgets its keys (never publishes again). Reuse at
 construction is checked against the same facts at the first forward of each ``generate`` call
-(:meth:`PagedPrefixCache._plan_call`), which recomputes rather than serve K/V the call does not match.
+(:meth:`PagedPrefixCache.plan_call`), which recomputes rather than serve K/V the call does not match.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import itertools
 import threading
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -43,52 +40,32 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention, display
 from .errors import CacheMisuseError
-from .store import PrefixStore
-from .trie import Node
-
-
-@dataclass(frozen=True)
-class RowStats:
-    """Prompt tokens of one row, how many were reused from the store and how many computed."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Batch totals of :class:`RowStats`, and ``per_row``."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    per_row: tuple[RowStats, ...]
+from .stats import CacheStats, RowStats
+from .store import Claim, PrefixStore
 
 
 class _Row:
-    """One batch row: leading pad columns, its keys (``None`` once unproven: it never publishes again),
-    block table, number of its chunks already in the trie, and the trie node it keeps locked."""
+    """One batch row: leading pad columns, its keys (``None`` once unproven: it never publishes again), its
+    claim in the store (block table and the trie node it keeps locked), and its chunks already in the trie."""
 
-    __slots__ = ("handle", "pad", "prompt_len", "published", "real", "table", "tokens")
+    __slots__ = ("claim", "pad", "prompt_len", "published", "real", "tokens")
 
-    def __init__(self, pad: int, tokens: list[int] | None, table: list[int], published: int, handle: Node | None):
+    def __init__(self, pad: int, tokens: list[int] | None, claim: Claim, published: int):
         self.pad = pad
         self.tokens = tokens
         self.prompt_len = len(tokens) if tokens is not None else 0
-        self.table = table
+        self.claim = claim
         self.published = published
-        self.handle = handle
         self.real = 0  # shown tokens among the row's stored columns: the position of the next shown token
 
-    def clone(self) -> _Row:
-        row = _Row(
-            self.pad,
-            None if self.tokens is None else list(self.tokens),
-            list(self.table),
-            self.published,
-            self.handle,
-        )
+    @property
+    def table(self) -> list[int]:
+        """The row's block table: its claim's, which only the store changes."""
+        return self.claim.table
+
+    def clone(self, claim: Claim) -> _Row:
+        """This row holding ``claim`` (a :meth:`PrefixStore.fork` of its own)."""
+        row = _Row(self.pad, None if self.tokens is None else list(self.tokens), claim, self.published)
         row.prompt_len = self.prompt_len
         row.real = self.real
         return row
@@ -363,49 +340,6 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[
     return layout(input_ids, mask)
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:
-    """The longest whole-block prefixes that two or more rows share (at most ``len - 1`` tokens of each, what a
-    row can reuse), each with the indices of the rows that start with it; a prefix of another one is left
-    out, as computing the longer one caches it too. Does not mutate."""
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
-    found: dict[tuple[int, ...], None] = {}
-    for a, b in itertools.pairwise(order):
-        n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
-        if n:
-            found[tuple(rows[a][:n])] = None
-    longest = [p for p in found if not any(len(q) > len(p) and q[: len(p)] == p for q in found)]
-    return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
-
-
-def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
-    """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
-    beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
-    row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
-    computed = []
-    space = store.space()
-    for prefix, members in _shared_prefixes(rows, store.block_size):
-        if any(k < 0 for k in prefix):
-            continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
-        with store._lock:
-            held = store._trie.match(prefix, space).length
-        if held >= len(prefix):
-            continue
-        with PagedPrefixCache(store) as cache:
-            cache._attach_prompt([0], [prefix], count=False)
-            cache._prefill(keep_partial=False)
-        computed.append((cache.stats.computed_tokens, members))
-    return computed
-
-
 class PagedPrefixCache(Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
 
@@ -461,57 +395,39 @@ class PagedPrefixCache(Cache):
         self._computed = False
         # set by the prepare_inputs_for_generation wrapper for a decode step of generate, whose mask only
         # appends ones to the one checked in full at the call's first step
-        self._decode_step = False
-        store._register(self)
+        self.decode_step = False
+        store.ensure_open()
         # the prompt rows as given (pads included), to recognise them in the generate call
         self._prompt_ids: list[list[int]] | None = None
         if input_ids is not None:
             pads, keys = _check_prompt(input_ids, attention_mask)
             self._prompt_ids = input_ids.cpu().tolist()
-            self._attach_prompt(pads, keys)
+            self.attach_prompt(pads, keys)
         elif attention_mask is not None:
             raise ValueError("attention_mask was given without input_ids")
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _attach_prompt(self, pads: list[int], rows: list[list[int]], *, count: bool = True) -> None:
-        """Match each row, keep the batch to one offset (DESIGN.md rule 3), share or copy blocks. Rows that
-        share a prefix the store does not hold yet get it computed once, first (``_prefill_shared``). With
-        ``count=False`` the lookup stays out of the store's statistics (that inner prefill). Mutates."""
+    def attach_prompt(self, pads: list[int], rows: list[list[int]], *, count: bool = True) -> None:
+        """Start this cache (built without ``input_ids``) from prompt rows given as keys (token ids; ``-1 - id``
+        where a mask hides one) after ``pads`` leading pad columns: match each row, keep the batch to one offset
+        (DESIGN.md rule 3), share or copy blocks. Rows that share a prefix the store does not hold yet get it
+        computed once, first (in-batch sharing, by the store's runner). With ``count=False`` the lookup stays out
+        of the store's statistics (that inner prefill). For prefixkv's own layers (scoring, prefill). Mutates."""
         store, bs = self.store, self.block_size
-        prefilled = _prefill_shared(store, rows) if len(rows) > 1 else []
-        handles: list[Node | None] = []
-        tables: list[list[int]] = []
-        # one critical section: another thread must not evict a match before its blocks are taken
-        with store._lock:
-            matches = store._lookup(rows, self._space)
-            # at least one prompt token stays uncached (rule 2)
-            matched = [min(m.length, len(r) - 1) for m, r in zip(matches, rows)]
+        prefilled = store.runner.prefill_shared(store, rows) if len(rows) > 1 else []
+        offset = 0
+
+        def choose(lengths: list[int]) -> list[int]:
+            nonlocal offset
+            matched = [min(n, len(r) - 1) for n, r in zip(lengths, rows)]  # one prompt token stays uncached (rule 2)
             offset = min(p + m for p, m in zip(pads, matched))
-            reused = [max(0, offset - p) for p in pads]
-            try:
-                for m, r in zip(matches, reused):
-                    handles.append(m.node if r else None)
-                    if r:
-                        store._lock_node(m.node)
-                for m, r in zip(matches, reused):
-                    shared = m.blocks[: r // bs]
-                    store._incref(shared)
-                    tables.append(shared)
-                    if r % bs:
-                        shared.append(store._copy_prefix(m.blocks[r // bs], r % bs))
-            except BaseException:
-                for table in tables:
-                    store._decref(table)
-                for h in handles:
-                    if h is not None:
-                        store._unlock_node(h)
-                raise
-            self._rows = [
-                _Row(p, toks, table, r // bs, h) for p, toks, table, r, h in zip(pads, rows, tables, reused, handles)
-            ]
-            for row, r in zip(self._rows, reused):
-                row.real = _real_count(row.tokens[:r] if row.tokens is not None else [])
+            return [max(0, offset - p) for p in pads]
+
+        claims, reused = store.claim(rows, self._space, choose)
+        self._rows = [_Row(p, toks, c, r // bs) for p, toks, c, r in zip(pads, rows, claims, reused)]
+        for row, r in zip(self._rows, reused):
+            row.real = _real_count(row.tokens[:r] if row.tokens is not None else [])
         self._length = offset
         self._seen = [offset] * len(self._seen)
         self._tables_version += 1
@@ -527,32 +443,22 @@ class PagedPrefixCache(Cache):
             per_row,
         )
         if count:
-            store._count_query([len(t) for t in rows], reused)
+            store.count_query([len(t) for t in rows], reused)
 
     @property
     def stats(self) -> CacheStats:
         """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
         return self._stats
 
-    def _prefill(self, *, keep_partial: bool) -> None:
-        """Compute the uncached rest of this one-row prompt with the store's model (one forward, whose whole
-        blocks the forward hook publishes) and, with ``keep_partial``, publish the last part-filled block
-        too (what ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). Mutates."""
+    def publish_all(self) -> None:
+        """Publish every token of this one-row cache, a last part-filled block included (what
+        ``PrefixStore.pin`` keeps; a forward publishes whole blocks only). Raises :class:`CacheMisuseError` when
+        its K/V could not be proven to be those of its ids. Mutates."""
         (row,) = self._rows
-        assert row.tokens is not None and row.pad == 0
-        model = self.store._hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
-        params = inspect.signature(model.forward).parameters
-        kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": self, "use_cache": True}
-        if "logits_to_keep" in params:
-            kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
-        # the first layer's device: model.device is `meta` when accelerate offloads the weights
-        ids = torch.tensor([row.tokens[self._length :]], device=self.store.pool.specs[0].device)
-        with torch.no_grad():
-            model(input_ids=ids, **kwargs)
-        if keep_partial:
-            if row.tokens is None:
-                raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
-            row.handle = self.store._publish(row.tokens, row.table, row.handle, self._space)
+        if row.tokens is None:
+            raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
+        bs = self.block_size
+        self.store.publish(row.claim, row.tokens, known=row.published * bs, end=len(row.tokens), space=self._space)
 
     # -- the generate-call protocol (called by the prepare_inputs_for_generation wrapper in patch.py)
 
@@ -561,7 +467,7 @@ class PagedPrefixCache(Cache):
         sequence again (DESIGN.md rule 7); that forward will then skip the columns already held. Mutates."""
         self._refeed_pending = True
 
-    def _plan_call(
+    def plan_call(
         self, input_ids: torch.Tensor, next_sequence_length: int | None, kwargs: dict[str, Any]
     ) -> int | None:
         """At the first forward of a ``generate`` call: make what this cache holds fit the call, and return the
@@ -639,13 +545,12 @@ class PagedPrefixCache(Cache):
         ):
             return False
         before = self._stats.per_row
-        with self.store._lock:
-            self._release_rows(self._rows)
-            self._rows = []
-            self._length = 0
-            self._space = space
-            self.store._count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
-            self._attach_prompt(pads, keys)
+        self._release_rows(self._rows)
+        self._rows = []
+        self._length = 0
+        self._space = space
+        self.store.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
+        self.attach_prompt(pads, keys)
         return True
 
     def _check_new_tokens(
@@ -715,12 +620,12 @@ class PagedPrefixCache(Cache):
         self._stats = CacheStats(self._stats.prompt_tokens, 0, self._stats.prompt_tokens, per_row)
         # the store counted this lookup's reuse at construction: count it as the miss it has become
         prompts = [r.prompt_tokens for r in before]
-        self.store._count_query(prompts, [r.cached_tokens for r in before], undo=True)
-        self.store._count_query(prompts, [0] * len(prompts))
+        self.store.count_query(prompts, [r.cached_tokens for r in before], undo=True)
+        self.store.count_query(prompts, [0] * len(prompts))
 
     # -- the forward protocol (called by the model hooks in patch.py) ----------------------------
 
-    def _begin_forward(
+    def begin_forward(
         self,
         input_ids: torch.Tensor | None,
         inputs_embeds: torch.Tensor | None,
@@ -743,7 +648,7 @@ class PagedPrefixCache(Cache):
                     "give each concurrent call its own cache"
                 )
             self._owner = me
-        decode_step, self._decode_step = self._decode_step, False
+        decode_step, self.decode_step = self.decode_step, False
         if self._length != min(self._seen):
             self._truncate(min(self._seen))  # an earlier forward raised half-way: drop its columns
         x = input_ids if input_ids is not None else inputs_embeds
@@ -785,7 +690,7 @@ class PagedPrefixCache(Cache):
         model showed every layer handing the K/V from ``update`` to that attention unchanged, ``update`` hands out
         whole rows and the forward only checks it (``probe``); a quantized pool is read whole rows at a time too.
         Mutates."""
-        model = self.store._hf_model
+        model = self.store.hf_model
         specs = self.store.pool.specs
         if not attention.serves(model) or any(s.device.type not in attention.READ_DEVICES for s in specs):
             return
@@ -815,7 +720,7 @@ class PagedPrefixCache(Cache):
             mask = attention_mask[:, : self._length + q].to(torch.long).cpu()
             pads = (mask.cumsum(dim=1) == 0).sum(dim=1).tolist()
         known = input_ids is not None and self._length == 0
-        self._rows = [_Row(p, [] if known else None, [], 0, None) for p in pads]
+        self._rows = [_Row(p, [] if known else None, c, 0) for p, c in zip(pads, self.store.empty_claims(batch))]
         self._tables_version += 1
 
     def _prove(
@@ -894,7 +799,7 @@ class PagedPrefixCache(Cache):
             return "inputs_embeds (their K/V need not be those of the ids)"
         if others:
             return f"{', '.join(others)} (inputs whose effect on K/V prefixkv cannot check)"
-        if self.store._hf_model.training:
+        if self.store.hf_model.training:
             return "a model in training mode (dropout makes K/V random; call model.eval())"
         if check_space and self.store.space() != self._space:
             return "another adapter or changed weights"
@@ -915,56 +820,29 @@ class PagedPrefixCache(Cache):
 
     def _allocate(self, q: int) -> None:
         """Blocks (and copies of shared part-blocks about to be written) for ``q`` new columns."""
-        store, bs, start = self.store, self.block_size, self._length
-        cow, grow = [], []
-        for i, row in enumerate(self._rows):
-            first = max(0, start - row.pad)
-            last = start + q - row.pad  # tokens after this step
-            if last <= 0:
-                grow.append(0)
-                continue
-            if first % bs and first // bs < len(row.table) and store._refcount(row.table[first // bs]) > 1:
-                cow.append(i)
-            grow.append(max(0, -(-last // bs) - len(row.table)))
-        if cow or any(grow):
-            with store._lock:
-                store._ensure_free(self._copies_needed(cow, start) + sum(grow))
-                for i in cow:
-                    row = self._rows[i]
-                    c = max(0, start - row.pad) // bs
-                    old = row.table[c]
-                    if store._refcount(old) == 1:  # the other sharers copied it already: it is this row's now
-                        continue
-                    row.table[c] = store._copy_prefix(old, (start - row.pad) % bs)
-                    store._decref([old])
-                for row, n in zip(self._rows, grow):
-                    if n:
-                        row.table.extend(store._allocate(n, row.table[-1] if row.table else None))
+        bs, start = self.block_size, self._length
+        sizes = [len(row.table) for row in self._rows]
+        spans = [(max(0, start - row.pad), start + q - row.pad) for row in self._rows]
+        copied = self.store.extend([row.claim for row in self._rows], spans)
+        if copied or any(len(row.table) != n for row, n in zip(self._rows, sizes)):
             self._tables_version += 1
         new = torch.stack([_column_slots(row, start, start + q, bs) for row in self._rows])
         self._keep = (new.reshape(-1) != 0).nonzero().view(-1) if bool((new == 0).any()) else None
         self._new_slots = new
         self._length = start + q
 
-    def _copies_needed(self, cow: list[int], start: int) -> int:
-        """How many copies the rows in ``cow`` make of the shared part-blocks they write into: one per row,
-        except that the last row holding a block takes it over when nothing else holds it. Does not mutate."""
-        bs = self.block_size
-        writers = Counter(self._rows[i].table[(start - self._rows[i].pad) // bs] for i in cow)
-        return sum(k if self.store._refcount(b) > k else k - 1 for b, k in writers.items())
-
-    def _end_forward(self, ok: bool) -> None:
+    def end_forward(self, ok: bool) -> None:
         """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
         filled, so later calls can reuse them, and carry out a ``close()`` that another thread asked for
         meanwhile. Mutates."""
         if self._owner != threading.get_ident():
-            return  # _begin_forward refused this forward (the cache is another thread's): nothing of ours ran
+            return  # begin_forward refused this forward (the cache is another thread's): nothing of ours ran
         bs = self.block_size
         forward, self._forward = self._forward, None
         if forward is not None:
             attention.end(forward)
             if ok and forward.probe and forward.every_layer_served():
-                attention.mark_verified(self.store._hf_model)
+                attention.mark_verified(self.store.hf_model)
         try:
             if not ok or self._closed:
                 return
@@ -973,7 +851,8 @@ class PagedPrefixCache(Cache):
                     continue
                 full = max(0, self._length - row.pad) // bs
                 if full > row.published:
-                    row.handle = self.store._publish(row.tokens[: full * bs], row.table[:full], row.handle, self._space)
+                    known = row.published * bs  # on the path of the row's trie node: publish continues from it
+                    self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space)
                     row.published = full
         finally:
             with self._guard:
@@ -1021,9 +900,8 @@ class PagedPrefixCache(Cache):
             )
         device = key_states.device
         keep = None if self._keep is None else self._keep.to(device)
-        pool, forward = self.store.pool, self._forward
-        with self.store._lock:  # another thread may grow the pool (copying it) while this writes
-            pool.write(layer_idx, self._new_slots.to(device), key_states, value_states, keep)
+        forward = self._forward
+        self.store.write(layer_idx, self._new_slots.to(device), key_states, value_states, keep)
         self._seen[layer_idx] = self._length
         if forward is not None and not forward.probe:
             # the attention reads the held K/V where they are (attention.blocks_attention)
@@ -1039,12 +917,10 @@ class PagedPrefixCache(Cache):
     def _gather(self, layer_idx: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's whole K/V of ``layer_idx``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool (the
         path of models whose attention does not read the blocks). Does not mutate."""
-        pool = self.store.pool
         table = self._block_table_on(device)
-        with self.store._lock:  # a pool growing under another thread is copied, not torn
-            if table is not None:
-                return pool.gather_blocks(layer_idx, table, self._length)
-            return pool.gather(layer_idx, self._slots_on(device))
+        if table is not None:
+            return self.store.gather(layer_idx, table=table, length=self._length)
+        return self.store.gather(layer_idx, slots=self._slots_on(device))
 
     def _block_table_on(self, device: torch.device) -> torch.Tensor | None:
         """``[B, C]`` block ids such that column ``c`` of row ``i`` sits in block ``[i, c // block_size]`` at
@@ -1102,9 +978,8 @@ class PagedPrefixCache(Cache):
 
     def reset(self) -> None:
         """Give every block back and forget the rows; the cache can start a new sequence. Mutates."""
-        with self.store._lock:
-            self._release_rows(self._rows)
-            self._rows = []
+        self._release_rows(self._rows)
+        self._rows = []
         self._length = 0
         self._seen = [0] * len(self._seen)
         self._tables_version += 1
@@ -1114,42 +989,27 @@ class PagedPrefixCache(Cache):
     def _select(self, indices: list[int]) -> None:
         if indices == list(range(len(self._rows))):
             return
-        store = self.store
-        rows = [self._rows[j].clone() for j in indices]
-        with store._lock:
-            for row in rows:
-                store._incref(row.table)
-                if row.handle is not None:
-                    store._lock_node(row.handle)
-            self._release_rows(self._rows)
-            self._rows = rows
+        claims = self.store.fork([self._rows[j].claim for j in indices])
+        rows = [self._rows[j].clone(c) for j, c in zip(indices, claims)]
+        self._release_rows(self._rows)
+        self._rows = rows
         self._tables_version += 1
 
     def _truncate(self, length: int) -> None:
         bs = self.block_size
-        dropped: list[int] = []
-        with self.store._lock:  # tables and refcounts change together (check_invariants may run meanwhile)
-            for row in self._rows:
-                keep = max(0, length - row.pad)
-                chunks = -(-keep // bs)
-                dropped.extend(row.table[chunks:])
-                del row.table[chunks:]
-                row.published = min(row.published, keep // bs)
-                if row.tokens is not None:
-                    del row.tokens[max(keep, row.prompt_len) :]
-                    row.real = _real_count(row.tokens[:keep])
-            self.store._decref(dropped)
+        keeps = [max(0, length - row.pad) for row in self._rows]
+        self.store.truncate([row.claim for row in self._rows], [-(-keep // bs) for keep in keeps])
+        for row, keep in zip(self._rows, keeps):
+            row.published = min(row.published, keep // bs)
+            if row.tokens is not None:
+                del row.tokens[max(keep, row.prompt_len) :]
+                row.real = _real_count(row.tokens[:keep])
         self._length = length
         self._seen = [length] * len(self._seen)
         self._tables_version += 1
 
     def _release_rows(self, rows: list[_Row]) -> None:
-        store = self.store
-        with store._lock:
-            store._decref([b for row in rows for b in row.table])
-            for row in rows:
-                if row.handle is not None:
-                    store._unlock_node(row.handle)
+        self.store.release([row.claim for row in rows])
 
     def _held_blocks(self) -> Counter[int]:
         return Counter(b for row in self._rows for b in row.table)
@@ -1171,10 +1031,8 @@ class PagedPrefixCache(Cache):
         self._release()
 
     def _release(self) -> None:
-        with self.store._lock:
-            self._release_rows(self._rows)
-            self._rows = []
-            self.store._unregister(self)
+        self._release_rows(self._rows)
+        self._rows = []
 
     def __enter__(self) -> PagedPrefixCache:
         return self
@@ -1200,17 +1058,24 @@ class PagedPrefixCache(Cache):
         if self._owner is not None:
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
         other = PagedPrefixCache(self.store)
-        with self.store._lock:
-            rows = [row.clone() for row in self._rows]
-            for row in rows:
-                self.store._incref(row.table)
-                if row.handle is not None:
-                    self.store._lock_node(row.handle)
-            other._rows = rows
+        claims = self.store.fork([row.claim for row in self._rows])
+        other._rows = [row.clone(c) for row, c in zip(self._rows, claims)]
         other._length, other._seen = self._length, list(self._seen)
         other._stats, other._space, other._computed = self._stats, self._space, self._computed
         other._prompt_ids = self._prompt_ids
         return other
+
+    @property
+    def closed(self) -> bool:
+        """Whether the cache gave its blocks back (``close()``). Does not mutate."""
+        return self._closed
+
+    def block_tables(self) -> list[display.RowTable]:
+        """Each row's leading padding, block table, and which of its blocks something else holds too (the
+        trie, another row, another cache); empty once closed. Does not mutate."""
+        rows = list(self._rows)
+        views = self.store.table_view([row.claim for row in rows])
+        return [display.RowTable(row.pad, v.blocks, v.shared) for row, v in zip(rows, views)]
 
     def __repr__(self) -> str:
         s = self._stats

@@ -1,7 +1,9 @@
 """What a store and a cache look like in Jupyter (``_repr_html_``) and as text: block usage as a bar,
 hit rate, memory, the most shared cached prefixes, the trie as a tree and each row's block table.
 
-Everything here only reads: it takes the store's lock for a consistent snapshot and mutates nothing.
+Everything here only reads, from public snapshots (:meth:`PrefixStore.prefix_view`,
+:meth:`PagedPrefixCache.block_tables`) and counters; it mutates nothing and imports neither the store nor the
+cache, which sit above it (they render themselves through it).
 The HTML is self-contained (inline styles, no scripts), so it renders offline and in exported notebooks.
 
 >>> import prefixkv, torch
@@ -18,15 +20,13 @@ from __future__ import annotations
 import html
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from .memory import format_bytes
-from .trie import RadixTrie
-
-if TYPE_CHECKING:
-    from .cache import PagedPrefixCache
-    from .store import PrefixStore
-    from .trie import Node
+from .stats import CacheStats, StoreStats
+from .trie import NodeView
 
 # in use (live caches or pins), evictable, free; reused, computed
 _COLORS = {"used": "#4c78a8", "evictable": "#f2a93b", "free": "#d9d9d9", "reused": "#54a24b", "computed": "#e45756"}
@@ -44,36 +44,56 @@ class CachedPrefix:
     in_use: bool
 
 
-def top_prefixes(store: PrefixStore, n: int = 5) -> list[CachedPrefix]:
+class StoreLike(Protocol):
+    """What the views read of a :class:`prefixkv.PrefixStore`: public attributes and snapshots."""
+
+    block_size: int
+    max_blocks: int | None
+    bytes_per_block: int
+    kv_dtype: str | None
+    dtype: torch.dtype
+
+    @property
+    def stats(self) -> StoreStats: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def prefix_view(self) -> list[NodeView]: ...
+
+
+def top_prefixes(store: StoreLike, n: int = 5) -> list[CachedPrefix]:
     """The ``n`` most shared cached prefixes: branch points and leaves of the trie, by the number of
     cached sequences that continue them, then by length. Does not mutate."""
-    with store._lock:
-        pinned = _pinned_nodes(store)
-        leaves = _leaf_counts(store._trie.nodes())
-        ranked = [(leaves[node], node.end, node) for node in leaves if len(node.children) != 1]
-        ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
-        return [
-            CachedPrefix(tuple(RadixTrie.path_tokens(node)), count, node in pinned, node.lock > 0)
-            for count, _, node in ranked[:n]
-        ]
+    nodes = store.prefix_view()
+    children = _children(nodes)
+    leaves = _leaf_counts(nodes, children)
+    ranked = [(leaves[i], nodes[i].end, i) for i in leaves if len(children[i]) != 1]
+    ranked.sort(key=lambda t: (t[0], t[1]), reverse=True)
+    return [
+        CachedPrefix(tuple(_path_tokens(nodes, i)), count, nodes[i].pinned, nodes[i].lock > 0)
+        for count, _, i in ranked[:n]
+    ]
 
 
-def trie_text(store: PrefixStore, tokenizer: Any = None, max_nodes: int = 40) -> str:
-    """The trie as an indented tree, one line per node: its token span, the blocks holding it,
-    whether it is locked, and its first tokens (decoded when a tokenizer is given). Does not mutate."""
-    with store._lock:
-        root = store._trie.root
-        lines = ["root"]
-        for shown, (node, prefix, last) in enumerate(_walk(root)):
-            if shown == max_nodes:
-                lines.append(f"… {len(store._trie.nodes()) - shown} more nodes")
-                break
-            state = f"locked x{node.lock}" if node.lock else "evictable"
-            lines.append(
-                f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
-                f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'
-            )
-        return "\n".join(lines)
+def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> str:
+    """The trie (its default namespace) as an indented tree, one line per node: its token span, the blocks
+    holding it, whether it is locked, and its first tokens (decoded when a tokenizer is given). Does not
+    mutate."""
+    nodes = store.prefix_view()
+    children = _children(nodes)
+    lines = ["root"]
+    for shown, (i, prefix, last) in enumerate(_walk(nodes, children)):
+        if shown == max_nodes:
+            lines.append(f"… {len(nodes) - shown} more nodes")
+            break
+        node = nodes[i]
+        state = f"locked x{node.lock}" if node.lock else "evictable"
+        lines.append(
+            f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
+            f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -86,16 +106,26 @@ class RowTable:
     shared: tuple[bool, ...]
 
 
-def block_tables(cache: PagedPrefixCache) -> list[RowTable]:
+class CacheLike(Protocol):
+    """What the views read of a :class:`prefixkv.PagedPrefixCache`."""
+
+    @property
+    def stats(self) -> CacheStats: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def block_tables(self) -> list[RowTable]: ...
+
+
+def block_tables(cache: CacheLike) -> list[RowTable]:
     """The block table of each row of ``cache`` (empty once closed). Does not mutate."""
-    store = cache.store
-    with store._lock:
-        return [
-            RowTable(row.pad, tuple(row.table), tuple(store._refcount(b) > 1 for b in row.table)) for row in cache._rows
-        ]
+    return cache.block_tables()
 
 
-def block_tables_text(cache: PagedPrefixCache) -> str:
+def block_tables_text(cache: CacheLike) -> str:
     """:func:`block_tables` as text, ``*`` on shared blocks. Does not mutate."""
     rows = block_tables(cache)
     if not rows:
@@ -106,7 +136,7 @@ def block_tables_text(cache: PagedPrefixCache) -> str:
     )
 
 
-def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
+def store_html(store: StoreLike, tokenizer: Any = None, top: int = 5) -> str:
     """The HTML a notebook shows for a :class:`~prefixkv.PrefixStore`. Does not mutate."""
     s = store.stats
     in_use = s.blocks_used - s.blocks_evictable
@@ -162,7 +192,7 @@ def store_html(store: PrefixStore, tokenizer: Any = None, top: int = 5) -> str:
         else "<p><i>nothing cached yet</i></p>"
     )
     return _frame(
-        f"PrefixStore · block_size {store.block_size}" + (" · closed" if store._closed else ""),
+        f"PrefixStore · block_size {store.block_size}" + (" · closed" if store.closed else ""),
         bar + _facts(facts) + "<b>most shared cached prefixes</b>" + table,
     )
 
@@ -173,7 +203,7 @@ class StoreView:
     with each cached prefix as text when there is a tokenizer (hover over a token for its id), and as the
     trie in text when printed. It renders the store as it is when displayed, not when made."""
 
-    store: PrefixStore
+    store: StoreLike
     tokenizer: Any = None
     top: int = 5
 
@@ -184,13 +214,13 @@ class StoreView:
         return trie_text(self.store, self.tokenizer)
 
 
-def cache_html(cache: PagedPrefixCache, max_rows: int = 8, max_blocks: int = 24) -> str:
+def cache_html(cache: CacheLike, max_rows: int = 8, max_blocks: int = 24) -> str:
     """The HTML a notebook shows for a :class:`~prefixkv.PagedPrefixCache`: per row the reused and
     computed prompt tokens as a bar, and its block table (blocks shared with others in bold).
     Does not mutate."""
     s = cache.stats
     tables = block_tables(cache)
-    state = "closed" if cache._closed else f"{len(tables)} rows × {cache.get_seq_length()} columns"
+    state = "closed" if cache.closed else f"{len(tables)} rows × {cache.get_seq_length()} columns"
     n = len(tables) or len(s.per_row)
     body = ""
     for i in range(min(n, max_rows)):
@@ -229,38 +259,47 @@ def cache_html(cache: PagedPrefixCache, max_rows: int = 8, max_blocks: int = 24)
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _walk(root: Node) -> Iterator[tuple[Node, str, bool]]:
-    """Depth-first, children in token order: (node, indentation, is last child). Iterative: a long
-    chat is a chain of many nodes."""
-    stack = _below(root, "")
+def _children(nodes: list[NodeView]) -> list[list[int]]:
+    """The indices of each node's children in the view."""
+    children: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        if node.parent >= 0:
+            children[node.parent].append(i)
+    return children
+
+
+def _path_tokens(nodes: list[NodeView], i: int) -> list[int]:
+    """The tokens from position 0 to the end of node ``i``'s edge."""
+    parts = []
+    while i >= 0:
+        parts.append(nodes[i].tokens)
+        i = nodes[i].parent
+    return [t for part in reversed(parts) for t in part]
+
+
+def _walk(nodes: list[NodeView], children: list[list[int]]) -> Iterator[tuple[int, str, bool]]:
+    """Depth-first over the default namespace, children in token order: (node index, indentation, is last
+    child). Iterative: a long chat is a chain of many nodes."""
+    top = [i for i, n in enumerate(nodes) if n.parent < 0 and n.space is None]
+    stack = _below(nodes, top, "")
     while stack:
-        node, prefix, last = stack.pop()
-        yield node, prefix, last
-        stack.extend(_below(node, prefix + ("    " if last else "│   ")))
+        i, prefix, last = stack.pop()
+        yield i, prefix, last
+        stack.extend(_below(nodes, children[i], prefix + ("    " if last else "│   ")))
 
 
-def _below(node: Node, prefix: str) -> list[tuple[Node, str, bool]]:
-    """The children of ``node`` as stack entries, the first child on top."""
-    keys = sorted(node.children)
-    return [(node.children[k], prefix, i == len(keys) - 1) for i, k in reversed(list(enumerate(keys)))]
+def _below(nodes: list[NodeView], kids: list[int], prefix: str) -> list[tuple[int, str, bool]]:
+    """The children ``kids`` as stack entries, the one of the lowest first token on top."""
+    ordered = sorted(kids, key=lambda i: nodes[i].tokens[0])
+    return [(k, prefix, j == len(ordered) - 1) for j, k in reversed(list(enumerate(ordered)))]
 
 
-def _leaf_counts(nodes: list[Node]) -> dict[Node, int]:
+def _leaf_counts(nodes: list[NodeView], children: list[list[int]]) -> dict[int, int]:
     """Cached sequences (leaves) at or below each node; ``nodes`` lists parents before children."""
-    counts: dict[Node, int] = {}
-    for node in reversed(nodes):
-        counts[node] = sum(counts[c] for c in node.children.values()) if node.children else 1
+    counts: dict[int, int] = {}
+    for i in reversed(range(len(nodes))):
+        counts[i] = sum(counts[c] for c in children[i]) if children[i] else 1
     return counts
-
-
-def _pinned_nodes(store: PrefixStore) -> set[Node]:
-    pinned: set[Node] = set()
-    for node in (n for nodes in store._pins.values() for n in nodes):
-        n: Node | None = node
-        while n is not None:
-            pinned.add(n)
-            n = n.parent
-    return pinned
 
 
 def _state(p: CachedPrefix) -> str:

@@ -1,25 +1,34 @@
-"""Model hooks: the forward pre-hook hands each call's token ids to its ``PagedPrefixCache`` (the
+"""Everything that runs or hooks the model, above the store and the cache.
+
+Model hooks: the forward pre-hook hands each call's token ids to its ``PagedPrefixCache`` (the
 cache itself only ever sees K and V, DESIGN.md rule 1), the forward hook lets it publish what the
 forward computed, and a wrapper of ``prepare_inputs_for_generation`` shows it the whole sequence at the
-first step of each ``generate`` call, the only place where that sequence is visible. Also the
-zero-code-change mode, :func:`enable` and :func:`disable`."""
+first step of each ``generate`` call, the only place where that sequence is visible.
+
+The prefill that ``PrefixStore.pin`` and ``PrefixStore.warm`` need, and in-batch sharing (a prefix several
+rows of one batch share is computed once). The store needs both but sits below the cache, so it cannot
+import them: this module installs them in it (:func:`prefixkv.store.set_runner`) when prefixkv is imported,
+and every store hooks its model and prefills through them.
+
+Also the zero-code-change mode, :func:`enable` and :func:`disable`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
+from .cache import PagedPrefixCache
 from .errors import CacheMisuseError
-
-if TYPE_CHECKING:
-    from .cache import PagedPrefixCache
-    from .store import PrefixStore
+from .stats import RowStats
+from .store import Handle, PrefixStore, set_runner, transformers_model
 
 _CACHE_KWARGS = ("cache", "past_key_values")
 # forward inputs that do not change the K/V of the ids; any other input a forward gets (token_type_ids, say)
@@ -49,12 +58,6 @@ def _paged_cache(store: PrefixStore, kwargs: dict[str, Any]) -> PagedPrefixCache
     return cache if cache is not None and cache.store is store else None
 
 
-class Handle(Protocol):
-    """What undoes one hook or patch."""
-
-    def remove(self) -> None: ...
-
-
 def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
     """Register the pre/post forward hooks of ``store`` on ``model`` and share the wrapper of its
     ``prepare_inputs_for_generation``; return what undoes them. Mutates."""
@@ -73,7 +76,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
         cache = _paged_cache(store, inputs)
         if cache is None:
             return
-        cache._begin_forward(
+        cache.begin_forward(
             inputs.get("input_ids"),
             inputs.get("inputs_embeds"),
             inputs.get("attention_mask"),
@@ -86,7 +89,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         cache = _paged_cache(store, named(args, kwargs))
         if cache is not None:
-            cache._end_forward(output is not None)  # torch passes None when the forward raised
+            cache.end_forward(output is not None)  # torch passes None when the forward raised
 
     return [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -118,8 +121,6 @@ class _MethodPatch:
 
 
 def _any_paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
-    from .cache import PagedPrefixCache
-
     for name in _CACHE_KWARGS:
         cache = kwargs.get(name)
         if isinstance(cache, PagedPrefixCache):
@@ -137,7 +138,7 @@ def _checking_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
         if cache is None or args or not isinstance(input_ids, torch.Tensor):
             return original(input_ids, *args, **kwargs)
         if kwargs.get("is_first_iteration"):
-            kwargs["next_sequence_length"] = cache._plan_call(input_ids, kwargs.get("next_sequence_length"), kwargs)
+            kwargs["next_sequence_length"] = cache.plan_call(input_ids, kwargs.get("next_sequence_length"), kwargs)
         inputs = original(input_ids, *args, **kwargs)
         if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in _CACHE_KWARGS):
             raise CacheMisuseError(
@@ -145,7 +146,7 @@ def _checking_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
                 "rope scaling on long inputs), so prefixkv cannot serve this model: generate without it"
             )
         # a decode step of generate: its mask is the one checked at the first step, grown by ones
-        cache._decode_step = not kwargs.get("is_first_iteration")
+        cache.decode_step = not kwargs.get("is_first_iteration")
         return inputs
 
     return prepare_inputs_for_generation
@@ -205,8 +206,6 @@ _STOCK = _CallPlan(None, {}, False)
 def _call_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """Every argument of a ``generate`` call by name, as transformers' ``generate`` reads them (``inputs`` and
     ``generation_config`` may come positionally); ``None`` if they do not bind."""
-    from .store import transformers_model
-
     signature = inspect.signature(type(transformers_model(model)).generate)
     try:
         bound = signature.bind_partial(None, *args, **kwargs)
@@ -234,8 +233,6 @@ def _plan_enabled_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kw
     off, asks for a cache implementation itself, is an assistant model's draft call (which threads its own
     cache from call to call), or has inputs the cache cannot take (a warning says why). A cache implementation
     that only the checkpoint's ``generation_config`` names (Gemma 2's "hybrid") gives way to prefixkv's."""
-    from .cache import PagedPrefixCache
-
     named = _call_arguments(model, args, kwargs)
     if named is None or any(named.get(name) is not None for name in _CACHE_KWARGS):
         return _STOCK
@@ -294,8 +291,6 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
     10
     >>> prefixkv.disable(model)
     """
-    from .store import PrefixStore
-
     current: _Enabled | None = model.__dict__.get(_ENABLED)
     if current is not None:
         if store is None and not store_kwargs:
@@ -343,3 +338,94 @@ def disable(model: Any) -> None:
     state.patch.remove()
     if state.owns_store:
         state.store.close()
+
+
+# -- prefill: running the model for a store ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def prefill(store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool) -> Iterator[RowStats]:
+    """Compute the uncached rest of ``tokens`` with the store's model (one forward, whose whole blocks the
+    forward hook publishes) and, with ``keep_partial``, publish the last part-filled block too (what
+    ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). Yields the prompt tokens reused and
+    computed; what was published stays locked until the block exits. ``count=False`` keeps the lookup out of
+    the store's statistics. Mutates the store."""
+    ids = torch.tensor([tokens], dtype=torch.long) if count else None
+    with PagedPrefixCache(store, ids) as cache:
+        if not count:
+            cache.attach_prompt([0], [tokens], count=False)
+        _forward_rest(cache, tokens)
+        if keep_partial:
+            cache.publish_all()
+        yield cache.stats.per_row[0]
+
+
+def _forward_rest(cache: PagedPrefixCache, tokens: list[int]) -> None:
+    """One forward of the store's model over the tokens of a one-row prompt that ``cache`` does not hold."""
+    store = cache.store
+    model = store.hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+    # the first layer's device: model.device is `meta` when accelerate offloads the weights
+    ids = torch.tensor([tokens[cache.get_seq_length() :]], device=store.pool.specs[0].device)
+    with torch.no_grad():
+        model(input_ids=ids, **kwargs)
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:
+    """The longest whole-block prefixes that two or more rows share (at most ``len - 1`` tokens of each, what a
+    row can reuse), each with the indices of the rows that start with it; a prefix of another one is left
+    out, as computing the longer one caches it too. Does not mutate."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    found: dict[tuple[int, ...], None] = {}
+    for a, b in itertools.pairwise(order):
+        n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
+        if n:
+            found[tuple(rows[a][:n])] = None
+    longest = [p for p in found if not any(len(q) > len(p) and q[: len(p)] == p for q in found)]
+    return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
+
+
+def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
+    beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
+    row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
+    computed = []
+    space = store.space()
+    for prefix, members in _shared_prefixes(rows, store.block_size):
+        if any(k < 0 for k in prefix):
+            continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
+        if store.cached_length(prefix, space) >= len(prefix):
+            continue
+        with prefill(store, prefix, keep_partial=False, count=False) as row:
+            computed.append((row.computed_tokens, members))
+    return computed
+
+
+class _Runner:
+    """What every store runs its model with (:class:`prefixkv.store.ModelRunner`)."""
+
+    def attach(self, store: PrefixStore) -> list[Handle]:
+        return attach_hooks(store.hf_model, store)
+
+    def prefill(
+        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool
+    ) -> contextlib.AbstractContextManager[RowStats]:
+        return prefill(store, tokens, keep_partial=keep_partial, count=count)
+
+    def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+        return _prefill_shared(store, rows)
+
+
+set_runner(_Runner())

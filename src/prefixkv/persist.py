@@ -16,6 +16,9 @@ fully read and checked before a store is touched, so a refused file leaves the s
 
 Loading inserts each saved leaf's whole path into the trie with its block table: positions the store
 already holds keep their blocks, and only the blocks of new positions are copied in.
+
+This module sits below the store: it reads, checks and writes files, and plans over a trie; the store's
+``save``, ``load`` and ``merge`` take its lock, call these, and insert through the store's one insert.
 """
 
 from __future__ import annotations
@@ -26,19 +29,16 @@ import os
 from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import CapacityError, PersistError
-from .memory import attention_shape, format_bytes
+from .errors import PersistError
+from .memory import attention_shape
 from .pool import KV_DTYPES, BlockPool, LayerSpec, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
-
-if TYPE_CHECKING:
-    from .store import PrefixStore
 
 FORMAT = "prefixkv.prefixes"
 FORMAT_VERSION = 1
@@ -146,24 +146,13 @@ def _adapter_state(model: Any) -> str:
 # -- save ----------------------------------------------------------------------------------------------
 
 
-def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -> PersistStats:
-    """Write the store's cached prefixes (all, or the cached part of each of ``prefixes``) to ``path``.
-    Does not mutate the store; the file appears whole or not at all."""
-    now = getattr(store.model, "dtype", store.model_dtype)
-    if now != store.model_dtype:
-        raise PersistError(
-            f"the model now computes in {now} but the store's K/V were computed in "
-            f"{store.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
-        )
-    model_print = fingerprint(store.model)
-    space = store.space()
-    with store._lock:
-        nodes = _select_nodes(store._trie, prefixes, space)
-        tensors, blocks = _trie_tensors(nodes, store.block_size)
-        tensors.update(store.pool.read_blocks(blocks))
-    meta = store_meta(store, model_print)
-    meta["checksum"] = _checksum(tensors, meta)
-    _write_atomically(Path(path), tensors, meta)
+def write(
+    path: PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str], nodes: list[Saved], blocks: list[int]
+) -> PersistStats:
+    """Write a save's tensors (:func:`trie_tensors` and the pool's blocks) with ``meta`` and its checksum to
+    ``path``; the file appears whole or not at all."""
+    meta["checksum"] = checksum(tensors, meta)
+    write_atomically(Path(path), tensors, meta)
     return PersistStats(
         prefixes=sum(1 for n in nodes if not n.children),
         tokens=sum(len(n.tokens) for n in nodes),
@@ -171,7 +160,18 @@ def save(store: PrefixStore, path: PathLike, prefixes: list[list[int]] | None) -
     )
 
 
-def store_meta(store: PrefixStore, model_print: str, format: str = FORMAT) -> dict[str, str]:
+class StoreFacts(Protocol):
+    """What :func:`store_meta` reads of a store."""
+
+    block_size: int
+    dtype: torch.dtype
+    model_dtype: torch.dtype
+    kv_dtype: str | None
+    model: Any
+    pool: BlockPool
+
+
+def store_meta(store: StoreFacts, model_print: str, format: str = FORMAT) -> dict[str, str]:
     """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
     model fingerprint), without the checksum. Does not mutate."""
     spec = store.pool.specs[0]
@@ -192,7 +192,7 @@ def store_meta(store: PrefixStore, model_print: str, format: str = FORMAT) -> di
     return meta
 
 
-class _Saved(NamedTuple):
+class Saved(NamedTuple):
     """A trie node as written: its edge cut to the saved length, and which of the saved nodes are
     its parent and children."""
 
@@ -202,7 +202,7 @@ class _Saved(NamedTuple):
     children: list[int]
 
 
-def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashable) -> list[_Saved]:
+def select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashable) -> list[Saved]:
     """The saved part of namespace ``space`` of the trie, parents first: every node, or the paths of the cached
     part of each wanted prefix (a path may end inside an edge). Does not mutate."""
     keep: dict[int, int] = {}  # id(node) -> tokens of its edge kept
@@ -237,14 +237,14 @@ def _select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashab
         k = keep[id(n)]
         chunks = (n.start + k - 1) // bs - n.start // bs + 1
         parent = -1 if n.parent is None or n.parent.parent is None else index[id(n.parent)]
-        saved.append(_Saved(n.tokens[:k], n.blocks[:chunks], parent, []))
+        saved.append(Saved(n.tokens[:k], n.blocks[:chunks], parent, []))
     for i, s in enumerate(saved):
         if s.parent >= 0:
             saved[s.parent].children.append(i)
     return saved
 
 
-def _trie_tensors(nodes: list[_Saved], block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+def trie_tensors(nodes: list[Saved], block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
     """The integer tensors of the trie, and the pool blocks they reference in file order."""
     renumber: dict[int, int] = {}
     file_blocks = [renumber.setdefault(b, len(renumber)) for n in nodes for b in n.blocks]
@@ -258,7 +258,7 @@ def _trie_tensors(nodes: list[_Saved], block_size: int) -> tuple[dict[str, torch
     return tensors, list(renumber)
 
 
-def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+def write_atomically(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
@@ -294,7 +294,7 @@ def read(path: PathLike) -> PrefixFile:
         )
     if version < 1:
         raise PersistError(f"{path} has format version {version}, which no prefixkv writes; the file is corrupted")
-    if meta.get("checksum") != _checksum(tensors, meta):
+    if meta.get("checksum") != checksum(tensors, meta):
         raise PersistError(
             f"{path} fails its checksum: its tensors or metadata changed after it was written "
             "(a damaged copy or an edited file). Save the prefixes again"
@@ -450,32 +450,6 @@ def check_compatible(
         )
 
 
-def load(cls: type[PrefixStore], path: PathLike, model: Any, **kwargs: Any) -> PrefixStore:
-    """A new store for ``model`` holding the file's prefixes. ``kwargs`` go to ``PrefixStore``; block size
-    and dtype default to the file's."""
-    file = read(path)
-    kwargs.setdefault("block_size", file.block_size)
-    kwargs["dtype"] = kwargs.get("dtype") or file.dtype
-    kwargs.setdefault("kv_dtype", file.kv_dtype)
-    model_dtype = getattr(model, "dtype", torch.float32)
-    check_compatible(file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"])
-    store = cls(model, **kwargs)
-    try:
-        add(store, file)
-    except BaseException:
-        store.close()
-        raise
-    return store
-
-
-def merge(store: PrefixStore, path: PathLike) -> PersistStats:
-    """Add the file's prefixes to ``store``. Mutates the store (evicting LRU prefixes if its budget
-    needs room) only once the file has been verified and is known to fit."""
-    file = read(path)
-    check_compatible(file, path, store.model, store.block_size, store.dtype, store.model_dtype, store.kv_dtype)
-    return add(store, file)
-
-
 def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> PersistStats:
     """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
     ``"fp8"``, or ``None`` for unquantized in the file's dtype): the explicit step that lets a quantized
@@ -503,7 +477,7 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
     everything = list(range(count))
     if count:
-        source.write_blocks(everything, _blocks_of(file, everything))
+        source.write_blocks(everything, blocks_of(file, everything))
         table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
         for layer in range(len(specs)):
             target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
@@ -513,12 +487,12 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
     if kv_dtype is not None:
         meta["kv_dtype"] = kv_dtype
-    meta["checksum"] = _checksum(tensors, meta)
-    _write_atomically(Path(new_path), tensors, meta)
+    meta["checksum"] = checksum(tensors, meta)
+    write_atomically(Path(new_path), tensors, meta)
     return PersistStats(prefixes=len(file.paths), tokens=len(tensors["trie.tokens"]), blocks=count)
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """A saved path to insert, and how many of its tokens the store will already hold by then."""
 
     tokens: list[int]
@@ -526,54 +500,11 @@ class _Plan(NamedTuple):
     present: int
 
 
-def add(store: PrefixStore, file: PrefixFile) -> PersistStats:
-    """Insert the file's paths; copy in only the blocks of positions the store lacks. Mutates, or raises
-    :class:`CapacityError` before any change when the budget cannot make room."""
-    bs = store.block_size
-    space = store.space()
-    with store._lock:
-        trie, alloc = store._trie, store._allocator
-        plans, anchors = _plan(trie, file.paths, space)
-        needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
-        for node in anchors:
-            trie.lock(node)  # what the plan counts on must survive the evictions that make room
-        try:
-            room = _room(store)
-            if room is not None and len(needed) > room:
-                raise CapacityError(
-                    f"prefixkv: the file needs {len(needed)} new KV blocks "
-                    f"({format_bytes(len(needed) * store.bytes_per_block)}) but the store can make room for "
-                    f"only {room} (budget {store.max_blocks} blocks, {alloc.num_used} in use). Raise "
-                    "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
-                )
-            store._ensure_free(len(needed))
-            fresh = alloc.allocate(len(needed))
-            try:
-                store.pool.write_blocks(fresh, _blocks_of(file, needed))
-                slot = dict(zip(needed, fresh))
-                for plan in plans:
-                    live = trie.match(plan.tokens, space)
-                    assert live.length == plan.present, "the merge plan went stale under the store lock"
-                    cut = live.length // bs
-                    ins = trie.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
-                    alloc.incref(ins.added)
-            finally:
-                alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing holds the rest
-        finally:
-            for node in anchors:
-                trie.unlock(node)
-    return PersistStats(
-        prefixes=len(plans),
-        tokens=sum(len(p.tokens) - p.present for p in plans),
-        blocks=len(needed),
-    )
-
-
-def _plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hashable) -> tuple[list[_Plan], list[Node]]:
+def plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hashable) -> tuple[list[Plan], list[Node]]:
     """For each path, in order, how much of it namespace ``space`` of the trie (with the paths before it) will
     hold; and the nodes it already matches in the trie. Does not mutate ``trie``."""
     earlier = RadixTrie(trie.block_size)
-    plans: list[_Plan] = []
+    plans: list[Plan] = []
     anchors: list[Node] = []
     for tokens, table in paths:
         live = trie.match(tokens, space)
@@ -581,22 +512,12 @@ def _plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hash
             anchors.append(live.node)
         present = max(live.length, earlier.match(tokens).length)
         if present < len(tokens):
-            plans.append(_Plan(tokens, table, present))
+            plans.append(Plan(tokens, table, present))
             earlier.insert(tokens, table)
     return plans, anchors
 
 
-def _room(store: PrefixStore) -> int | None:
-    """Blocks the store could make free: free ones, growth left in the budget, and evictable ones
-    (``None``: no budget, the pool grows as needed). Does not mutate."""
-    alloc = store._allocator
-    if store.max_blocks is None:
-        return None
-    evictable, _ = store._unlocked_and_pinned_blocks(store._trie.check_invariants())
-    return alloc.num_free + (store.max_blocks + 1 - alloc.capacity) + evictable
-
-
-def _blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
+def blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
     """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
     index = torch.tensor(blocks, dtype=torch.long)
     out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
@@ -608,7 +529,7 @@ def _blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
 # -- helpers ------------------------------------------------------------------------------------------------
 
 
-def _checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+def checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]

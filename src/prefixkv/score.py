@@ -125,7 +125,7 @@ def logprob_rows(
     with PagedPrefixCache(store) as cache:
         # the cache knows each row's context only: it matches (and reuses) at most all but its last token,
         # and checks the fed ids against it; the continuation is recorded as it is fed
-        cache._attach_prompt(pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
+        cache.attach_prompt(pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
         start = cache.get_seq_length()
         kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
         if "logits_to_keep" in params:

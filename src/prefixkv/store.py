@@ -1,5 +1,10 @@
 """``PrefixStore``: one per model. Ties the allocator, the trie and the pool together and owns the
-budget, eviction, pins, statistics and the lock that lets several threads share one store."""
+budget, eviction, pins, statistics and the lock that lets several threads share one store.
+
+Caches use it through a small contract (:meth:`PrefixStore.claim`, ``extend``, ``publish``, ``truncate``,
+``fork``, ``release`` over :class:`Claim` objects, and a few queries): each method takes the lock itself, says
+what it mutates and leaves refcounts exact if it raises. This module imports neither the cache nor the model
+hooks; the layer above installs what runs the model (:func:`set_runner`)."""
 
 from __future__ import annotations
 
@@ -11,24 +16,23 @@ import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
-from . import attention, display, patch, persist
+from . import attention, display, persist
 from .allocator import BlockAllocator
-from .errors import CapacityError
+from .errors import CapacityError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
+from .stats import CacheStats, RowStats, StoreStats
 from .support import check_supported
-from .tier import BLOCK_FORMAT, OffloadTier, TierStats, chunk_keys
-from .trie import Insert, Match, Node, RadixTrie
-
-if TYPE_CHECKING:
-    from .cache import CacheStats, PagedPrefixCache
+from .tier import BLOCK_FORMAT, OffloadTier, chunk_keys
+from .trie import Insert, Match, Node, NodeView, RadixTrie
 
 _INITIAL_BLOCKS = 16
 _DTYPE_NAMES = {
@@ -39,28 +43,75 @@ _DTYPE_NAMES = {
 }
 
 
-@dataclass(frozen=True)
-class StoreStats:
-    """A snapshot of a store. ``hit_rate`` is reused prompt tokens over all prompt tokens looked up;
-    ``misses`` counts looked-up rows that reused nothing; ``evictions`` counts the cached prefixes (trie
-    nodes) dropped to make room, least recently used first (not those dropped by :meth:`PrefixStore.clear`).
-    With a second tier (``offload=``), ``offload`` holds its blocks, bytes and hits; the fields above
-    count the pool alone, except ``hit_tokens`` (every reused token, from either tier)."""
+class Claim:
+    """What one sequence holds in a store: ``table[c]`` is the block of its chunk ``c`` (each entry one count
+    in the block's refcount), ``node`` the trie node it keeps locked (``None``: none). Made and changed only by
+    the store's methods (:meth:`PrefixStore.claim` and the ones after it), which keep refcounts equal to the
+    holders: the trie's occurrences plus every live claim's table."""
 
-    queries: int
-    misses: int
-    prompt_tokens: int
-    hit_tokens: int
-    hit_rate: float
-    blocks_used: int
-    blocks_free: int
-    blocks_evictable: int
-    blocks_pinned: int
-    bytes_used: int
-    evictions: int
-    cached_tokens: int
-    nodes: int
-    offload: TierStats | None = None
+    __slots__ = ("__weakref__", "node", "table")
+
+    def __init__(self, table: list[int], node: Node | None) -> None:
+        self.table = table
+        self.node = node
+
+
+class Claimed(NamedTuple):
+    """Result of :meth:`PrefixStore.claim`: a claim per row, and how many of its tokens each reuses."""
+
+    claims: list[Claim]
+    reused: list[int]
+
+
+class TableView(NamedTuple):
+    """A claim's block table, and for each block whether something else holds it too."""
+
+    blocks: tuple[int, ...]
+    shared: tuple[bool, ...]
+
+
+class Handle(Protocol):
+    """What undoes one hook or patch."""
+
+    def remove(self) -> None: ...
+
+
+class ModelRunner(Protocol):
+    """What runs a store's model: the layer above the cache (:mod:`prefixkv.patch`) installs one with
+    :func:`set_runner` when prefixkv is imported, so this module never imports the cache or the hooks."""
+
+    def attach(self, store: PrefixStore) -> list[Handle]:
+        """Hook the store's model so that its forwards feed the store's caches; return what undoes it."""
+        ...
+
+    def prefill(
+        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool
+    ) -> AbstractContextManager[RowStats]:
+        """Compute and publish the uncached rest of ``tokens`` with one forward; the published tokens stay
+        locked until the context exits."""
+        ...
+
+    def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+        """In-batch sharing: compute once each whole-block prefix that several ``rows`` share; return, per
+        prefix computed, the tokens computed and the rows sharing it."""
+        ...
+
+
+_runner: ModelRunner | None = None
+
+
+def set_runner(runner: ModelRunner) -> None:
+    """Install what runs the model for every store (called once, by :mod:`prefixkv.patch` on import): the
+    store needs the model run for :meth:`PrefixStore.pin`, :meth:`PrefixStore.warm` and in-batch sharing, and
+    its model hooked at construction, but both live in the layer above the cache. Mutates module state."""
+    global _runner
+    _runner = runner
+
+
+def _the_runner() -> ModelRunner:
+    if _runner is None:
+        raise RuntimeError("prefixkv.patch installs the model runner: import prefixkv, not prefixkv.store alone")
+    return _runner
 
 
 def _execution_device(module: torch.nn.Module) -> torch.device | None:
@@ -232,15 +283,17 @@ class PrefixStore:
             self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
-        self._caches: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
+        self._claims: weakref.WeakSet[Claim] = weakref.WeakSet()
         self._pins: dict[tuple[Hashable, tuple[int, ...]], list[Node]] = {}
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = self._evictions = 0
         self._closed = False
         self._tuners = _tuner_layers(model)
         self._weights_at_start = _weights_state(model)
-        self._hf_model = transformers_model(model)
-        attention.install(self._hf_model)
-        self._hooks = patch.attach_hooks(self._hf_model, self)
+        # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
+        self.hf_model = transformers_model(model)
+        self.runner = _the_runner()
+        attention.install(self.hf_model)
+        self._hooks = self.runner.attach(self)
 
     def _budget(self, max_memory: int | str | None, num_blocks: int | None) -> int | None:
         if num_blocks is not None:
@@ -278,8 +331,7 @@ class PrefixStore:
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters. Does not mutate."""
         with self._lock:
-            occurrences = self._trie.check_invariants()
-            evictable, pinned = self._unlocked_and_pinned_blocks(occurrences)
+            evictable, pinned = self._unlocked_and_pinned_blocks()
             used = self._allocator.num_used
             cap = self.max_blocks if self.max_blocks is not None else self._allocator.capacity - 1
             nodes = self._trie.nodes()
@@ -300,7 +352,7 @@ class PrefixStore:
                 offload=None if self.tier is None else self.tier.stats,
             )
 
-    def _unlocked_and_pinned_blocks(self, occurrences: Counter[int]) -> tuple[int, int]:
+    def _unlocked_and_pinned_blocks(self) -> tuple[int, int]:
         """Blocks that evicting every unlocked node would free, and blocks under a pin."""
         unlocked: Counter[int] = Counter()
         for node in self._trie.nodes():
@@ -327,8 +379,8 @@ class PrefixStore:
         with self._lock:
             self._allocator.check_invariants()
             holders = self._trie.check_invariants()
-            for cache in list(self._caches):
-                holders.update(cache._held_blocks())
+            for claim in list(self._claims):
+                holders.update(claim.table)
             for b in range(1, self._allocator.capacity):
                 if self._allocator.refcount(b) != holders.get(b, 0):
                     raise AssertionError(
@@ -367,15 +419,12 @@ class PrefixStore:
             if end is not None:
                 self._add_pin(tokens, end, space)
                 return len(tokens)
-        from .cache import PagedPrefixCache  # cache.py imports this module
-
-        with PagedPrefixCache(self, torch.tensor([tokens])) as cache:
-            cache._prefill(keep_partial=True)  # the cache keeps the published tokens locked until the pin holds them
-            with self._lock:
-                end = self._trie.end_node(tokens, space)
-                if end is None:
-                    raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
-                self._add_pin(tokens, end, space)
+        # the prefill keeps the published tokens locked until the pin holds them
+        with self.runner.prefill(self, tokens, keep_partial=True, count=True), self._lock:
+            end = self._trie.end_node(tokens, space)
+            if end is None:
+                raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
+            self._add_pin(tokens, end, space)
         return len(tokens)
 
     def _check_pin_budget(self, tokens: list[int], space: Hashable) -> None:
@@ -447,14 +496,11 @@ class PrefixStore:
         >>> prefixkv.PagedPrefixCache(store, torch.arange(1, 30)[None]).stats.cached_tokens
         16
         """
-        from .cache import CacheStats, PagedPrefixCache
-
         rows = []
         with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
             for prompt in bar:
-                with PagedPrefixCache(self, torch.tensor([_as_token_list(prompt)], dtype=torch.long)) as cache:
-                    cache._prefill(keep_partial=False)
-                rows.append(cache.stats.per_row[0])
+                with self.runner.prefill(self, _as_token_list(prompt), keep_partial=False, count=True) as row:
+                    rows.append(row)
                 reused = sum(r.cached_tokens for r in rows)
                 bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
         return CacheStats(
@@ -484,14 +530,40 @@ class PrefixStore:
         16
         """
         wanted = None if prefixes is None else [_as_token_list(p) for p in prefixes]
-        return persist.save(self, path, wanted)
+        now = getattr(self.model, "dtype", self.model_dtype)
+        if now != self.model_dtype:
+            raise PersistError(
+                f"the model now computes in {now} but the store's K/V were computed in "
+                f"{self.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
+            )
+        model_print = persist.fingerprint(self.model)
+        space = self.space()
+        with self._lock:
+            nodes = persist.select_nodes(self._trie, wanted, space)
+            tensors, blocks = persist.trie_tensors(nodes, self.block_size)
+            tensors.update(self.pool.read_blocks(blocks))
+        return persist.write(path, tensors, persist.store_meta(self, model_print), nodes, blocks)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
         """A new store for ``model`` holding the prefixes saved at ``path`` (``kwargs`` as for
         ``PrefixStore``; block size and dtype default to the file's). Raises :class:`PersistError` for a
         truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
-        return persist.load(cls, path, model, **kwargs)
+        file = persist.read(path)
+        kwargs.setdefault("block_size", file.block_size)
+        kwargs["dtype"] = kwargs.get("dtype") or file.dtype
+        kwargs.setdefault("kv_dtype", file.kv_dtype)
+        model_dtype = getattr(model, "dtype", torch.float32)
+        persist.check_compatible(
+            file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
+        )
+        store = cls(model, **kwargs)
+        try:
+            store._add_file(file)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
     @staticmethod
     def convert(
@@ -506,7 +578,59 @@ class PrefixStore:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
-        return persist.merge(self, path)
+        file = persist.read(path)
+        persist.check_compatible(file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
+        return self._add_file(file)
+
+    def _add_file(self, file: persist.PrefixFile) -> persist.PersistStats:
+        """Insert the file's paths; copy in only the blocks of positions the store lacks. Mutates, or raises
+        :class:`CapacityError` before any change when the budget cannot make room."""
+        bs = self.block_size
+        space = self.space()
+        with self._lock:
+            trie, alloc = self._trie, self._allocator
+            plans, anchors = persist.plan(trie, file.paths, space)
+            needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
+            for node in anchors:
+                trie.lock(node)  # what the plan counts on must survive the evictions that make room
+            try:
+                room = self._room()
+                if room is not None and len(needed) > room:
+                    raise CapacityError(
+                        f"prefixkv: the file needs {len(needed)} new KV blocks "
+                        f"({format_bytes(len(needed) * self.bytes_per_block)}) but the store can make room for "
+                        f"only {room} (budget {self.max_blocks} blocks, {alloc.num_used} in use). Raise "
+                        "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
+                    )
+                self._ensure_free(len(needed))
+                fresh = alloc.allocate(len(needed))
+                try:
+                    self.pool.write_blocks(fresh, persist.blocks_of(file, needed))
+                    slot = dict(zip(needed, fresh))
+                    for plan in plans:
+                        live = trie.match(plan.tokens, space)
+                        assert live.length == plan.present, "the merge plan went stale under the store lock"
+                        cut = live.length // bs
+                        self._insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
+                finally:
+                    alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing the rest
+            finally:
+                for node in anchors:
+                    trie.unlock(node)
+        return persist.PersistStats(
+            prefixes=len(plans),
+            tokens=sum(len(p.tokens) - p.present for p in plans),
+            blocks=len(needed),
+        )
+
+    def _room(self) -> int | None:
+        """Blocks the store could make free: free ones, growth left in the budget, and evictable ones
+        (``None``: no budget, the pool grows as needed). Does not mutate."""
+        alloc = self._allocator
+        if self.max_blocks is None:
+            return None
+        evictable, _ = self._unlocked_and_pinned_blocks()
+        return alloc.num_free + (self.max_blocks + 1 - alloc.capacity) + evictable
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""
@@ -515,7 +639,7 @@ class PrefixStore:
         self._closed = True
         for handle in self._hooks:
             handle.remove()
-        attention.uninstall(self._hf_model)
+        attention.uninstall(self.hf_model)
 
     def __enter__(self) -> PrefixStore:
         return self
@@ -549,7 +673,216 @@ class PrefixStore:
         """
         return display.StoreView(self, tokenizer, top)
 
-    # -- for PagedPrefixCache (all under the store lock) -----------------------------------------
+    # -- the contract with PagedPrefixCache: each method takes the store lock itself -------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` detached the store from its model. Does not mutate."""
+        return self._closed
+
+    def ensure_open(self) -> None:
+        """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""
+        if self._closed:
+            raise RuntimeError("this PrefixStore is closed; build a new one for the model")
+
+    def cached_length(self, tokens: Sequence[int], space: Hashable = None) -> int:
+        """How many leading ``tokens`` namespace ``space`` holds. Does not mutate."""
+        with self._lock:
+            return self._trie.match(tokens, space).length
+
+    def claim(self, rows: list[list[int]], space: Hashable, choose: Callable[[list[int]], list[int]]) -> Claimed:
+        """Reuse for each of ``rows`` a prefix of what namespace ``space`` holds, in one critical section (another
+        thread cannot evict a match before its blocks are taken). ``choose`` gets the matched length of each row
+        and returns how many tokens each reuses (at most its match; the cache's rules, such as one offset per
+        batch, live there); it runs under the store lock and must not call the store.
+
+        Each row's claim shares the whole blocks it reuses, holds a copy of a part-block it reuses (copy-on-write:
+        the row will write after it) and keeps the matched node locked. Mutates LRU times, refcounts, locks (and
+        the trie and pool when blocks come back from the second tier); if it raises, every refcount and lock is
+        as before. Callers release the claims (:meth:`release`)."""
+        bs = self.block_size
+        with self._lock:
+            matches = self._lookup(rows, space)
+            reused = choose([m.length for m in matches])
+            claims = [Claim([], None) for _ in rows]
+            try:
+                for claim, m, r in zip(claims, matches, reused):
+                    if r:  # every match locked before any copy makes room: that must not evict another row's
+                        self._trie.lock(m.node)
+                        claim.node = m.node
+                for claim, m, r in zip(claims, matches, reused):
+                    shared = m.blocks[: r // bs]
+                    self._allocator.incref(shared)
+                    claim.table = shared
+                    if r % bs:
+                        shared.append(self._copy_prefix(m.blocks[r // bs], r % bs))
+            except BaseException:
+                self._drop(claims)
+                raise
+            self._claims.update(claims)
+            return Claimed(claims, reused)
+
+    def empty_claims(self, n: int) -> list[Claim]:
+        """``n`` claims that hold nothing yet (rows a cache starts from scratch). Mutates (registers them)."""
+        claims = [Claim([], None) for _ in range(n)]
+        with self._lock:
+            self._claims.update(claims)
+        return claims
+
+    def extend(self, claims: Sequence[Claim], spans: Sequence[tuple[int, int]]) -> list[int]:
+        """Make room for new tokens: ``spans[i] = (first, last)`` says claim ``i`` is about to write its tokens
+        ``first`` to ``last - 1``. A part-block it writes into that something else also holds is replaced by a
+        copy of its first ``first % block_size`` slots (copy-on-write; the last holder of a block writes in
+        place), and new blocks cover the chunks up to ``last``. Returns the indices of the claims whose block
+        under ``first`` was replaced (their earlier slots in that block moved).
+
+        Mutates the claims' tables, refcounts and the pool (making room: growing, evicting); all or nothing: if
+        it raises (:class:`CapacityError`), the tables and refcounts are as before."""
+        bs, alloc = self.block_size, self._allocator
+        cow, grow = [], []
+        for i, (claim, (first, last)) in enumerate(zip(claims, spans)):
+            if last <= 0:
+                grow.append(0)
+                continue
+            if first % bs and first // bs < len(claim.table) and alloc.refcount(claim.table[first // bs]) > 1:
+                cow.append(i)
+            grow.append(max(0, -(-last // bs) - len(claim.table)))
+        if not cow and not any(grow):
+            return []
+        copied: list[tuple[int, int]] = []  # (claim, the block it held before its copy)
+        grown: list[int] = []
+        with self._lock:
+            self._ensure_free(self._copies_needed(claims, spans, cow) + sum(grow))
+            try:
+                for i in cow:
+                    table, first = claims[i].table, spans[i][0]
+                    old = table[first // bs]
+                    if alloc.refcount(old) == 1:  # the other sharers copied it already: it is this claim's now
+                        continue
+                    table[first // bs] = self._copy_prefix(old, first % bs)
+                    copied.append((i, old))
+                    alloc.decref([old])
+                for i, n in enumerate(grow):
+                    if n:  # right after the claim's last block where free: a row's blocks stay a run
+                        table = claims[i].table
+                        table.extend(alloc.allocate(n, table[-1] if table else None))
+                        grown.append(i)
+            except BaseException:
+                for i in grown:
+                    alloc.decref(claims[i].table[-grow[i] :])
+                    del claims[i].table[-grow[i] :]
+                for i, old in reversed(copied):
+                    table, first = claims[i].table, spans[i][0]
+                    alloc.incref([old])
+                    alloc.decref([table[first // bs]])
+                    table[first // bs] = old
+                raise
+        return [i for i, _ in copied]
+
+    def _copies_needed(self, claims: Sequence[Claim], spans: Sequence[tuple[int, int]], cow: list[int]) -> int:
+        """How many copies the claims in ``cow`` make of the shared part-blocks they write into: one per claim,
+        except that the last one holding a block takes it over when nothing else holds it. Does not mutate."""
+        bs = self.block_size
+        writers = Counter(claims[i].table[spans[i][0] // bs] for i in cow)
+        return sum(k if self._allocator.refcount(b) > k else k - 1 for b, k in writers.items())
+
+    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> None:
+        """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
+        move the claim's lock to the node that ends them. ``known`` leading tokens are on the claim's node's
+        path already (what it published or reused before): the insert continues from there, so publishing a
+        block of a long sequence costs that block, not the sequence. Callers publish only K/V proven to be those
+        of ``tokens`` (``PagedPrefixCache._prove``). Mutates the trie, refcounts and locks."""
+        with self._lock:
+            node = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
+            self._trie.move_lock(claim.node, node)
+            claim.node = node
+
+    def _insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
+        """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
+        one insert of the store (publishing and loading). Mutates."""
+        ins = self._trie.insert(tokens, table, space, **where)
+        self._allocator.incref(ins.added)
+        return ins.node
+
+    def truncate(self, claims: Sequence[Claim], chunks: Sequence[int]) -> None:
+        """Keep the first ``chunks[i]`` blocks of claim ``i`` and give back the rest. Mutates."""
+        with self._lock:
+            dropped: list[int] = []
+            for claim, n in zip(claims, chunks):
+                dropped.extend(claim.table[n:])
+                del claim.table[n:]
+            self._allocator.decref(dropped)
+
+    def fork(self, claims: Sequence[Claim]) -> list[Claim]:
+        """A new claim per claim holding the same blocks and lock (beams, ``num_return_sequences``, copies of a
+        cache): they share blocks until one writes (:meth:`extend` copies). Mutates refcounts and locks."""
+        with self._lock:
+            forks = []
+            for claim in claims:
+                self._allocator.incref(claim.table)
+                if claim.node is not None:
+                    self._trie.lock(claim.node)
+                forks.append(Claim(list(claim.table), claim.node))
+            self._claims.update(forks)
+            return forks
+
+    def release(self, claims: Sequence[Claim]) -> None:
+        """Give back every block and lock of ``claims``, which hold nothing afterwards. Mutates."""
+        with self._lock:
+            self._drop(claims)
+
+    def _drop(self, claims: Sequence[Claim]) -> None:
+        self._allocator.decref([b for claim in claims for b in claim.table])
+        for claim in claims:
+            claim.table = []
+            if claim.node is not None:
+                self._trie.unlock(claim.node)
+                claim.node = None
+            self._claims.discard(claim)
+
+    def write(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None
+    ) -> None:
+        """Store new K/V of ``layer`` into their ``slots`` (:meth:`BlockPool.write`), under the lock: another
+        thread may grow the pool (a copy) meanwhile, and a write into the old copy would be lost. Mutates the
+        pool."""
+        with self._lock:
+            self.pool.write(layer, slots, key, value, keep)
+
+    def gather(
+        self, layer: int, *, table: torch.Tensor | None = None, slots: torch.Tensor | None = None, length: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole rows of ``layer`` copied out of the pool: the first ``length`` columns of block ``table`` rows
+        (:meth:`BlockPool.gather_blocks`), or the given ``slots`` (:meth:`BlockPool.gather`). Does not mutate."""
+        with self._lock:
+            if table is not None:
+                return self.pool.gather_blocks(layer, table, length)
+            assert slots is not None
+            return self.pool.gather(layer, slots)
+
+    def table_view(self, claims: Sequence[Claim]) -> list[TableView]:
+        """Each claim's blocks, and whether something else holds each of them too. Does not mutate."""
+        with self._lock:
+            rc = self._allocator.refcount
+            return [TableView(tuple(c.table), tuple(rc(b) > 1 for b in c.table)) for c in claims]
+
+    def prefix_view(self) -> list[NodeView]:
+        """A copy of every cached prefix node, for display (:meth:`RadixTrie.view`), pins marked. Does not
+        mutate."""
+        with self._lock:
+            return self._trie.view([n for nodes in self._pins.values() for n in nodes])
+
+    def count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int], *, undo: bool = False) -> None:
+        """Count a lookup in :attr:`stats` (``undo``: take back one counted before, as a cache that redoes its
+        reuse does). Mutates the counters."""
+        sign = -1 if undo else 1
+        with self._lock:
+            self._queries += sign * len(prompt_tokens)
+            self._misses += sign * sum(1 for r in reused if r == 0)
+            self._prompt_tokens += sign * sum(prompt_tokens)
+            self._hit_tokens += sign * sum(reused)
+
+    # -- inside the store (all under the store lock) ------------------------------------------------
 
     def _lookup(self, rows: list[list[int]], space: Hashable = None) -> list[Match]:
         """Longest cached prefix of each row in namespace ``space``. Mutates LRU times, and the trie and pool
@@ -562,15 +895,6 @@ class PrefixStore:
                 if m.length:
                     self._trie.touch(m.node)
             return matches
-
-    def _count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int], *, undo: bool = False) -> None:
-        """Count a lookup (``undo``: take back one counted before, as a cache that redoes its reuse does)."""
-        sign = -1 if undo else 1
-        with self._lock:
-            self._queries += sign * len(prompt_tokens)
-            self._misses += sign * sum(1 for r in reused if r == 0)
-            self._prompt_tokens += sign * sum(prompt_tokens)
-            self._hit_tokens += sign * sum(reused)
 
     def _ensure_free(self, n: int) -> None:
         """Make ``n`` blocks free: grow the pool within the budget, then evict LRU unlocked leaves.
@@ -670,7 +994,7 @@ class PrefixStore:
     def _capacity_error(self, n: int) -> CapacityError:
         occurrences = self._trie.check_invariants()
         live = sum(1 for b in range(1, self._allocator.capacity) if self._allocator.refcount(b) > occurrences.get(b, 0))
-        _, pinned = self._unlocked_and_pinned_blocks(occurrences)
+        _, pinned = self._unlocked_and_pinned_blocks()
         budget = self.max_blocks if self.max_blocks is not None else self._allocator.capacity - 1
         return CapacityError(
             f"prefixkv: {n} more KV blocks are needed, {self._allocator.num_free} are free and no cached prefix "
@@ -679,12 +1003,6 @@ class PrefixStore:
             "Raise max_memory/num_blocks, close() caches you no longer need, unpin prefixes, "
             "or generate with fewer rows or new tokens."
         )
-
-    def _allocate(self, n: int, after: int | None = None) -> list[int]:
-        """``n`` fresh blocks, the ones right after block ``after`` where free (a row's blocks stay a run)."""
-        with self._lock:
-            self._ensure_free(n)
-            return self._allocator.allocate(n, after)
 
     def _copy_prefix(self, src: int, n: int) -> int:
         """A fresh block holding the first ``n`` slots of ``src`` (copy-on-write). Mutates."""
@@ -700,44 +1018,6 @@ class PrefixStore:
 
     def _refcount(self, block: int) -> int:
         return self._allocator.refcount(block)
-
-    def _incref(self, blocks: list[int]) -> None:
-        with self._lock:
-            self._allocator.incref(blocks)
-
-    def _decref(self, blocks: list[int]) -> None:
-        with self._lock:
-            self._allocator.decref(blocks)
-
-    def _publish(self, tokens: list[int], table: list[int], old: Node | None, space: Hashable) -> Node:
-        """Insert ``tokens`` (whole blocks of computed KV) into namespace ``space`` and move the caller's lock
-        to the new end node. Mutates. Callers publish only K/V proven to be those of ``tokens``
-        (``PagedPrefixCache._prove``)."""
-        with self._lock:
-            ins = self._trie.insert(tokens, table, space)
-            self._allocator.incref(ins.added)
-            self._trie.lock(ins.node)
-            if old is not None:
-                self._trie.unlock(old)
-            return ins.node
-
-    def _lock_node(self, node: Node) -> None:
-        with self._lock:
-            self._trie.lock(node)
-
-    def _unlock_node(self, node: Node) -> None:
-        with self._lock:
-            self._trie.unlock(node)
-
-    def _register(self, cache: PagedPrefixCache) -> None:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this PrefixStore is closed; build a new one for the model")
-            self._caches.add(cache)
-
-    def _unregister(self, cache: PagedPrefixCache) -> None:
-        with self._lock:
-            self._caches.discard(cache)
 
 
 def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:

@@ -5,7 +5,7 @@ quantized), keyed by a chained sha256 over the tokens from position 0 to the blo
 chunk ``c`` hashes the key of chunk ``c - 1`` and the ``block_size`` tokens of chunk ``c``. A prefix is
 thus found block by block where the trie's match stops, and two prefixes that share their first blocks
 share those entries. No trie and no allocator here: the store decides what to offload and what to bring
-back (``PrefixStore._ensure_free``, ``PrefixStore._lookup``); the tier keeps entries within its own
+back (when it makes room, and in :meth:`PrefixStore.claim`); the tier keeps entries within its own
 budget, least recently used first out.
 
 Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU
@@ -170,8 +170,8 @@ class OffloadTier:
             return False
         if self.directory is not None:
             meta = {**self.meta, "key": key}
-            meta["checksum"] = persist._checksum(tensors, meta)
-            persist._write_atomically(self._path(key), tensors, meta)
+            meta["checksum"] = persist.checksum(tensors, meta)
+            persist.write_atomically(self._path(key), tensors, meta)
             size = self._path(key).stat().st_size
         else:
             self._held[key] = {n: t.pin_memory() if self._pin else t for n, t in tensors.items()}
@@ -203,7 +203,7 @@ class OffloadTier:
         except Exception as e:  # safetensors raises its own error type for every malformed file
             self._refuse(key, f"is unreadable ({e})")
             return None
-        if meta.get("checksum") != persist._checksum(tensors, meta) or meta.get("key") != key:
+        if meta.get("checksum") != persist.checksum(tensors, meta) or meta.get("key") != key:
             self._refuse(key, "fails its checksum")
             return None
         return tensors

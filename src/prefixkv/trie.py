@@ -66,9 +66,26 @@ class Insert(NamedTuple):
     added: list[int]
 
 
-def _common_prefix(edge: list[int], seq: list[int], pos: int) -> int:
-    """Length of the common prefix of ``edge`` and ``seq[pos:]``, by bisection over slice compares."""
-    hi = min(len(edge), len(seq) - pos)
+class NodeView(NamedTuple):
+    """A copy of one node (:meth:`RadixTrie.view`): its edge, blocks and lock count, the index of its parent in
+    the view (``-1`` under a root), its namespace, and whether it lies on the path of a given node (a pin)."""
+
+    tokens: tuple[int, ...]
+    start: int
+    blocks: tuple[int, ...]
+    lock: int
+    parent: int
+    space: Hashable
+    pinned: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def _common_prefix(edge: list[int], seq: list[int], pos: int, end: int | None = None) -> int:
+    """Length of the common prefix of ``edge`` and ``seq[pos:end]``, by bisection over slice compares."""
+    hi = min(len(edge), (len(seq) if end is None else end) - pos)
     if edge[:hi] == seq[pos : pos + hi]:
         return hi
     lo = 0  # edge[:lo] matches, edge[:hi] does not
@@ -172,33 +189,90 @@ class RadixTrie:
             stack.extend(n.children.values())
         return out
 
+    def view(self, pinned: Sequence[Node] = ()) -> list[NodeView]:
+        """A copy of every node in :meth:`nodes` order (parents before children), marking those on the path of
+        a node in ``pinned``. Does not mutate."""
+        marked: set[int] = set()
+        for end in pinned:
+            n: Node | None = end
+            while n is not None and id(n) not in marked:
+                marked.add(id(n))
+                n = n.parent
+        out: list[NodeView] = []
+        index: dict[int, int] = {}
+        stack = [(child, space) for space, root in self._roots.items() for child in root.children.values()]
+        while stack:
+            node, space = stack.pop()
+            parent = node.parent
+            index[id(node)] = len(out)
+            out.append(
+                NodeView(
+                    tuple(node.tokens),
+                    node.start,
+                    tuple(node.blocks),
+                    node.lock,
+                    -1 if parent is None or parent.parent is None else index[id(parent)],
+                    space,
+                    id(node) in marked,
+                )
+            )
+            stack.extend((child, space) for child in node.children.values())
+        return out
+
     # -- mutations -------------------------------------------------------------------------------
 
-    def insert(self, seq: Sequence[int], table: Sequence[int], space: Hashable = None) -> Insert:
-        """Add ``seq`` whose chunk ``c`` is held by ``table[c]`` to namespace ``space``. Mutates.
+    def insert(
+        self,
+        seq: Sequence[int],
+        table: Sequence[int],
+        space: Hashable = None,
+        *,
+        after: Node | None = None,
+        known: int = 0,
+        end: int | None = None,
+    ) -> Insert:
+        """Add ``seq[:end]`` (all of ``seq`` by default) whose chunk ``c`` is held by ``table[c]`` to namespace
+        ``space``. Mutates.
 
         Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
         ``table``. Returns the node holding the last token and the block occurrences added.
+
+        ``after`` continues from a node whose path spells (at least) ``seq[:known]``, such as the node a
+        sequence published last: the walk starts at the deepest of ``after`` and its ancestors that ends within
+        those tokens instead of at the root, so a growing sequence pays for its new tokens, not for all of them.
+        The result is the same as without it.
+
+        >>> t = RadixTrie(block_size=2)
+        >>> first = t.insert([1, 2, 3, 4], [10, 11])
+        >>> t.insert([1, 2, 3, 4, 5, 6], [10, 11, 12], after=first.node, known=4).added
+        [12]
         """
         seq = seq if isinstance(seq, list) else list(seq)
+        end = len(seq) if end is None else end
         bs = self.block_size
-        if len(table) * bs < len(seq):
-            raise ValueError(f"{len(seq)} tokens need {-(-len(seq) // bs)} blocks, got {len(table)}")
+        if len(table) * bs < end:
+            raise ValueError(f"{end} tokens need {-(-end // bs)} blocks, got {len(table)}")
         added: list[int] = []
-        node, pos = self.root_of(space), 0
-        if not seq:
+        node = self.root_of(space) if after is None else after
+        while node.end > min(known, end):
+            assert node.parent is not None, "a root ends at position 0"
+            node = node.parent
+        pos = node.end
+        if pos >= end:
+            if node.parent is not None:
+                self.touch(node)
             return Insert(node, added)
         while True:
             child = node.children.get(seq[pos])
             if child is None:
-                leaf = Node(seq[pos:], pos, list(table[pos // bs : (len(seq) - 1) // bs + 1]), node)
+                leaf = Node(seq[pos:end], pos, list(table[pos // bs : (end - 1) // bs + 1]), node)
                 node.children[seq[pos]] = leaf
                 self._size += 1
                 added.extend(leaf.blocks)
                 self.touch(leaf)
                 return Insert(leaf, added)
-            k = _common_prefix(child.tokens, seq, pos)
-            if pos + k == len(seq):
+            k = _common_prefix(child.tokens, seq, pos, end)
+            if pos + k == end:
                 self.touch(child)
                 return Insert(child, added)
             if k < len(child.tokens):
@@ -242,12 +316,15 @@ class RadixTrie:
         return Insert(upper, [] if straddle is None else [straddle])
 
     def touch(self, node: Node) -> None:
-        """Mark ``node`` and its ancestors as used now (LRU). Mutates."""
+        """Mark ``node`` as used now (LRU). Mutates.
+
+        Its ancestors are not stamped: a node is an eviction candidate only once it is a leaf, and every
+        node below it has been evicted by then, each handing its time up (:meth:`evict_lru`). So a parent
+        competes with the time of the latest use at or below it, as if every touch stamped the whole path,
+        at O(1) per touch instead of the depth of a long chain."""
         now = next(self._clock)
-        n: Node | None = node
-        while n is not None and n.parent is not None:
-            n.last_access = now
-            n = n.parent
+        if node.parent is not None:
+            node.last_access = now
         self._offer(node)
 
     def lock(self, node: Node) -> None:
@@ -256,6 +333,25 @@ class RadixTrie:
         while n is not None:
             n.lock += 1
             n = n.parent
+
+    def move_lock(self, old: Node | None, new: Node) -> None:
+        """:meth:`lock` ``new`` and :meth:`unlock` ``old`` (``None``: nothing to unlock). When ``new`` lies below
+        ``old`` (a sequence that grew), only the nodes between them change, so a long chain costs its new
+        part, not its depth. Mutates."""
+        if old is None:
+            self.lock(new)
+            return
+        between: list[Node] = []
+        n: Node | None = new
+        while n is not None and n is not old and n.end > old.end:
+            between.append(n)
+            n = n.parent
+        if n is not old:
+            self.lock(new)
+            self.unlock(old)
+            return
+        for m in between:  # the lock of `old` and above stays: it now counts the lock of `new`
+            m.lock += 1
 
     def unlock(self, node: Node) -> None:
         """Undo one :meth:`lock`. Mutates."""
@@ -297,6 +393,7 @@ class RadixTrie:
             del parent.children[node.tokens[0]]
             node.alive = False
             self._size -= 1
+            parent.last_access = max(parent.last_access, node.last_access)  # see touch()
             self._offer(parent)
             return node
         return None

@@ -1,0 +1,51 @@
+"""The statistics records of a store and of a cache: plain frozen data, below every module that makes or
+shows them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .tier import TierStats
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store. ``hit_rate`` is reused prompt tokens over all prompt tokens looked up;
+    ``misses`` counts looked-up rows that reused nothing; ``evictions`` counts the cached prefixes (trie
+    nodes) dropped to make room, least recently used first (not those dropped by :meth:`PrefixStore.clear`).
+    With a second tier (``offload=``), ``offload`` holds its blocks, bytes and hits; the fields above
+    count the pool alone, except ``hit_tokens`` (every reused token, from either tier)."""
+
+    queries: int
+    misses: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    blocks_used: int
+    blocks_free: int
+    blocks_evictable: int
+    blocks_pinned: int
+    bytes_used: int
+    evictions: int
+    cached_tokens: int
+    nodes: int
+    offload: TierStats | None = None
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Prompt tokens of one row, how many were reused from the store and how many computed."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Batch totals of :class:`RowStats`, and ``per_row``."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    per_row: tuple[RowStats, ...]
