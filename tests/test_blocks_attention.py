@@ -144,13 +144,25 @@ def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask:
 
 
 def test_rows_sharing_leading_blocks_read_them_once() -> None:
-    # 3 rows on one 8-block prefix (contiguous), each with 2 blocks of its own: one cascade read of the prefix
+    # 3 rows on one 8-block prefix (contiguous), each with 2 blocks of its own, allocated one row after the other:
+    # one cascade read of the prefix, one strided view of the rows' own blocks
     prefix = list(range(1, 9))
     tables = [[*prefix, 9 + 2 * i, 10 + 2 * i] for i in range(3)]
     reads, new_from = plan_reads([0, 0, 0], tables, 8 * 4 + 7, 1, 4)
     assert new_from is None
-    shared = [r for r in reads if len(r.rows) > 1]
-    assert len(shared) == 1 and shared[0].rows == (0, 1, 2) and shared[0].length == 32
-    assert shared[0].first_slot == 4
-    own = [r for r in reads if len(r.rows) == 1]
-    assert sorted(r.rows[0] for r in own) == [0, 1, 2] and all(r.length == 8 for r in own)
+    shared, own = reads
+    assert shared.rows == (0, 1, 2) and shared.length == 32 and shared.first_slot == 4 and shared.row_stride is None
+    assert own.rows == (0, 1, 2) and own.length == 8 and own.first_slot == 36 and own.row_stride == 8
+
+
+def test_a_batch_is_one_strided_view_and_one_gather_of_the_decode_blocks() -> None:
+    # 4 rows prefilled together (16 blocks each, one after the other), then decode blocks taken in turn
+    tables = [[*range(1 + 16 * i, 17 + 16 * i), 65 + i, 69 + i] for i in range(4)]
+    reads, _ = plan_reads([0] * 4, tables, 16 * 4 + 5, 1, 4)
+    strided, gathered = reads
+    assert strided.rows == (0, 1, 2, 3) and strided.length == 64 and strided.row_stride == 64
+    assert gathered.rows == (0, 1, 2, 3) and gathered.slots is not None and tuple(gathered.slots.shape) == (4, 6)
+    assert gathered.valid is not None and bool(gathered.valid.all())
+    # a single row that is one run is one view, nothing else
+    (one,) = plan_reads([0], [list(range(3, 20))], 60, 1, 4)[0]
+    assert one.rows == (0,) and one.first_slot == 12 and one.length == 61

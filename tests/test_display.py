@@ -190,7 +190,7 @@ def test_trie_text_draws_the_split(llama64: Any) -> None:
             "root",
             '└── 5 tokens [0, 5)  blocks 1-2  evictable  "5 6 7 8 9"',
             '    ├── 3 tokens [5, 8)  blocks 2  evictable  "10 11 12"',
-            '    └── 3 tokens [5, 8)  blocks 4  evictable  "20 21 22"',
+            '    └── 3 tokens [5, 8)  blocks 3  evictable  "20 21 22"',
         ]
     )
     assert display.trie_text(store, max_nodes=1).endswith("… 2 more nodes")

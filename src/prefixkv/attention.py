@@ -139,17 +139,24 @@ def uninstall(model: Any) -> None:
 
 
 class Read(NamedTuple):
-    """Columns of the pool that the queries of ``rows`` (batch indices) attend: ``length`` tokens, the first of
-    which sits, for each row, at mask column ``columns[j]``. The K/V are the ``length`` slots from ``first_slot``
-    (a run of blocks, read as a view of the pool), or else the slots ``slots``, the token at ``offsets[t]`` after
-    the first one (a gather of scattered blocks)."""
+    """Columns of the pool that the queries of ``rows`` (batch indices) attend, ``length`` tokens per row:
+
+    - one row, or several with ``row_stride`` (a strided view: row ``j`` reads the ``length`` slots from
+      ``first_slot + j * row_stride``): a view of the pool, the first token at mask column ``columns[j]``;
+    - several rows without ``row_stride``: the same K/V for all of them (shared blocks, read once with every
+      row's queries), the slots from ``first_slot``, or ``slots`` (1-D) at mask columns ``columns[j] + offsets``;
+    - ``slots`` 2-D ``[rows, length]``: a gather, row ``j``'s K/V at ``slots[j]`` and mask columns
+      ``offsets[j]``, padded where ``valid`` is False.
+    """
 
     rows: tuple[int, ...]
     columns: tuple[int, ...]
     length: int
     first_slot: int | None = None
+    row_stride: int | None = None
     slots: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
 
 class BlocksForward:
@@ -330,23 +337,47 @@ def _merge(
 
 
 def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:
-    """``[1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor ``[kv_heads, num_blocks,
-    block_size, head_dim]``: a view for a run (each head one contiguous range), a gather otherwise."""
-    flat = pool.view(pool.shape[0], -1, pool.shape[3])
+    """``[rows or 1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor ``[kv_heads, num_blocks,
+    block_size, head_dim]``: a view for runs (each head one contiguous range), a gather otherwise."""
+    heads, dim = pool.shape[0], pool.shape[3]
+    flat = pool.view(heads, -1, dim)
     if read.first_slot is not None:
+        if read.row_stride is not None:
+            return flat.as_strided(
+                (len(read.rows), heads, read.length, dim),
+                (read.row_stride * dim, flat.stride(0), dim, 1),
+                flat.storage_offset() + read.first_slot * dim,
+            )
         return flat[:, read.first_slot : read.first_slot + read.length].unsqueeze(0)
     assert read.slots is not None
-    return flat.index_select(1, read.slots.to(flat.device)).unsqueeze(0)
+    slots = read.slots.to(flat.device)
+    if slots.dim() == 1:
+        return flat.index_select(1, slots).unsqueeze(0)
+    rows, n = slots.shape
+    return flat.index_select(1, slots.view(-1)).view(heads, rows, n, dim).transpose(0, 1)
 
 
-def _read_mask(mask: torch.Tensor, read: Read) -> torch.Tensor:
-    """The mask ``[1, 1, rows * q, n]`` of a read's queries over its columns."""
-    if read.offsets is None:
-        parts = [mask[r : r + 1, :, :, c : c + read.length] for r, c in zip(read.rows, read.columns)]
-    else:
+def _read_mask(mask: torch.Tensor | None, read: Read, q: int) -> torch.Tensor | None:
+    """The mask of a read's queries over its columns: ``[rows, 1, q, n]`` (``[1, 1, rows * q, n]`` for shared
+    K/V), from the model's ``mask`` (``None``: every column is seen, except a gather's padding)."""
+    if read.valid is not None:  # a gather of several rows
+        assert read.offsets is not None
+        valid = read.valid.to(mask.device if mask is not None else read.valid.device)
+        if mask is None:
+            return valid[:, None, None, :].expand(len(read.rows), 1, q, read.length)
+        rows = torch.tensor(read.rows, device=mask.device)
+        index = read.offsets.to(mask.device)[:, None, None, :].expand(len(read.rows), 1, q, read.length)
+        return mask.index_select(0, rows).gather(-1, index) & valid[:, None, None, :]
+    if mask is None:
+        return None
+    if read.offsets is not None:
         offsets = read.offsets.to(mask.device)
         parts = [mask[r : r + 1].index_select(-1, offsets + c) for r, c in zip(read.rows, read.columns)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    else:
+        parts = [mask[r : r + 1, :, :, c : c + read.length] for r, c in zip(read.rows, read.columns)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=0 if read.row_stride is not None else 2)
 
 
 def blocks_attention(
@@ -366,33 +397,44 @@ def blocks_attention(
     pool_k, pool_v = forward.pool.keys[layer], forward.pool.values[layer]
     if mask is not None and mask.shape[0] != batch:
         mask = mask.expand(batch, *mask.shape[1:])
-    results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * batch
-
-    def add(row: int, out: torch.Tensor, lse: torch.Tensor) -> None:
-        held = results[row]
-        results[row] = (out, lse) if held is None else _merge(held[0], held[1], out, lse)
-
+    everyone = tuple(range(batch))
+    parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for read in forward.reads:
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-        part_mask = None if mask is None else _read_mask(mask, read)
+        part_mask = _read_mask(mask, read, q)
         if len(read.rows) == 1:
-            row = read.rows[0]
-            out, lse = attend(query[row : row + 1], k, v, part_mask, scale)
-            add(row, out, lse)
-            continue
-        # cascade: every sharing row's queries over the shared columns in one pass
-        rows = torch.tensor(read.rows, device=query.device)
-        stacked = query.index_select(0, rows).transpose(0, 1).reshape(1, heads, len(read.rows) * q, dim)
-        out, lse = attend(stacked, k, v, part_mask, scale)
-        out = out.view(heads, len(read.rows), q, dim).transpose(0, 1)
-        lse = lse.view(heads, len(read.rows), q).transpose(0, 1)
-        for j, row in enumerate(read.rows):
-            add(row, out[j : j + 1], lse[j : j + 1])
+            out, lse = attend(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
+        else:
+            index = torch.tensor(read.rows, device=query.device)
+            chosen = query if read.rows == everyone else query.index_select(0, index)
+            if read.row_stride is None and read.valid is None:  # shared K/V: every row's queries in one pass
+                stacked = chosen.transpose(0, 1).reshape(1, heads, len(read.rows) * q, dim)
+                out, lse = attend(stacked, k, v, part_mask, scale)
+                out = out.view(heads, len(read.rows), q, dim).transpose(0, 1)
+                lse = lse.view(heads, len(read.rows), q).transpose(0, 1)
+            else:
+                out, lse = attend(chosen, k, v, part_mask, scale)
+        parts.append((read.rows, out, lse))
     if forward.new_from is not None:
         new_mask = None if mask is None else mask[..., forward.new_from :]
         out, lse = attend(query, key, value, new_mask, scale, causal=new_mask is None)
-        for row in range(batch):
-            add(row, out[row : row + 1], lse[row : row + 1])
-    parts = [held[0] if held is not None else query.new_zeros((1, heads, q, dim)) for held in results]
-    merged = parts[0] if batch == 1 else torch.cat(parts)
+        parts.append((everyone, out, lse))
+    if len(parts) == 1 and parts[0][0] == everyone:
+        merged = parts[0][1]
+    else:
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        if parts[0][0] == everyone:  # the first part covers every row: start from it
+            _, merged, total = parts.pop(0)
+            merged, total = merged.to(work), total.to(work)
+        else:
+            merged = query.new_zeros((batch, heads, q, dim), dtype=work)
+            total = query.new_full((batch, heads, q), -math.inf, dtype=work)
+        for rows, out, lse in parts:
+            if rows == everyone:
+                merged, total = _merge(merged, total, out, lse)
+                continue
+            index = torch.tensor(rows, device=query.device)
+            m, t = _merge(merged.index_select(0, index), total.index_select(0, index), out, lse)
+            merged.index_copy_(0, index, m.to(work))
+            total.index_copy_(0, index, t.to(work))
     return merged.to(query.dtype).transpose(1, 2).contiguous()

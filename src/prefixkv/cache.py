@@ -149,48 +149,47 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Te
 _MIN_RUN = 8
 
 
-def _runs(
-    table: list[int], begin: int, stop: int, block_size: int, rows: tuple[int, ...], pads: tuple[int, ...]
-) -> list[attention.Read]:
-    """Reads of tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) for ``rows`` whose
-    token 0 sits at mask column ``pads[j]``: runs of at least ``_MIN_RUN`` consecutive block ids as views of the
-    pool, what is left as one gather. Does not mutate."""
-    reads: list[attention.Read] = []
-    scattered: list[int] = []  # token indices of short runs
+def _runs(table: list[int], begin: int, stop: int, block_size: int) -> list[tuple[int, int, int]]:
+    """Tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) as runs of consecutive block
+    ids: ``(first token, end token, first slot)``. Does not mutate."""
+    runs = []
     b, last = begin // block_size, -(-stop // block_size)
     while b < last:
         e = b + 1
         while e < last and table[e] == table[e - 1] + 1:
             e += 1
-        lo, hi = b * block_size, min(e * block_size, stop)
-        if e - b >= _MIN_RUN or (b == begin // block_size and e == last):
-            columns = tuple(p + lo for p in pads)
-            reads.append(attention.Read(rows, columns, hi - lo, first_slot=table[b] * block_size))
-        else:
-            scattered.extend(range(lo, hi))
+        runs.append((b * block_size, min(e * block_size, stop), table[b] * block_size))
         b = e
-    if scattered:
-        tokens = torch.tensor(scattered, dtype=torch.long)
-        slots = torch.tensor(table, dtype=torch.long)[tokens // block_size] * block_size + tokens % block_size
-        reads.append(
-            attention.Read(
-                rows,
-                tuple(p + scattered[0] for p in pads),
-                len(scattered),
-                slots=slots,
-                offsets=tokens - scattered[0],
-            )
-        )
-    return reads
+    return runs
+
+
+def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads: list[int]) -> attention.Read:
+    """One read of the scattered pieces ``(first token, end token, first slot)`` of several rows, padded to the
+    longest row's count (``valid`` marks the real ones)."""
+    width = max(sum(hi - lo for lo, hi, _ in row) for row in pieces)
+    slots = torch.zeros((len(rows), width), dtype=torch.long)
+    columns = torch.zeros((len(rows), width), dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    for j, (row, row_pieces) in enumerate(zip(rows, pieces)):
+        n = 0
+        for lo, hi, slot in row_pieces:
+            slots[j, n : n + hi - lo] = torch.arange(slot, slot + hi - lo)
+            columns[j, n : n + hi - lo] = torch.arange(pads[row] + lo, pads[row] + hi)
+            n += hi - lo
+        valid[j, :n] = True
+    return attention.Read(tuple(rows), (0,) * len(rows), width, slots=slots, offsets=columns, valid=valid)
 
 
 def plan_reads(
     pads: list[int], tables: list[list[int]], start: int, q: int, block_size: int
 ) -> tuple[list[attention.Read], int | None]:
-    """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``: runs of consecutive
-    blocks as views, the scattered rest as one gather per row, and the leading blocks that several rows hold
-    read once for all of them (cascade). A one-token forward reads its own new column from the pool too; a longer
-    one attends its new K/V from the arguments, from column ``start`` (the second value). Does not mutate."""
+    """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
+    possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
+    of consecutive blocks is a view of the pool, and when those runs start at evenly spaced slots (the rows of a
+    batch prefilled together) one strided view serves every row; other runs of at least ``_MIN_RUN`` blocks are
+    views too; what is left of every row (the blocks decode steps add one at a time, interleaved between rows) is
+    one gather for the whole batch. A one-token forward reads its own new column from the pool too; a longer one
+    attends its new K/V from the arguments, from column ``start`` (the second value). Does not mutate."""
     bs = block_size
     end = start + q if q == 1 else start
     spans = [max(0, end - pad) for pad in pads]
@@ -212,12 +211,34 @@ def plan_reads(
         tokens = min(blocks, *(spans[i] // bs for i in members)) * bs  # whole blocks: the rest starts aligned
         if not tokens:
             continue
-        reads.extend(_runs(shared[0], 0, tokens, bs, tuple(members), tuple(pads[i] for i in members)))
+        for lo, hi, slot in _runs(shared[0], 0, tokens, bs):
+            reads.append(attention.Read(tuple(members), tuple(pads[i] + lo for i in members), hi - lo, slot))
         for i in members:
             first[i] = tokens
-    for i, table in enumerate(tables):
-        if spans[i] > first[i]:
-            reads.extend(_runs(table, first[i], spans[i], bs, (i,), (pads[i],)))
+    rows = [i for i in range(len(pads)) if spans[i] > first[i]]
+    runs_of = {i: _runs(tables[i], first[i], spans[i], bs) for i in rows}
+    # every row's first run: one strided view when they start at evenly spaced slots
+    heads = [runs_of[i][0] for i in rows]
+    common = min((hi - lo for lo, hi, _ in heads), default=0)
+    steps = {heads[j + 1][2] - heads[j][2] for j in range(len(heads) - 1)}
+    if len(rows) > 1 and len(steps) == 1 and min(steps) >= 0 and common >= bs:
+        (step,) = steps
+        columns = tuple(pads[i] + runs_of[i][0][0] for i in rows)
+        reads.append(attention.Read(tuple(rows), columns, common, heads[0][2], row_stride=step))
+        for i in rows:
+            lo, hi, slot = runs_of[i][0]
+            runs_of[i][0] = (lo + common, hi, slot + common)
+    scattered: dict[int, list[tuple[int, int, int]]] = {}
+    for i in rows:
+        pieces = [(lo, hi, slot) for lo, hi, slot in runs_of[i] if hi > lo]
+        for lo, hi, slot in pieces:
+            # a row that is one run (a single prompt) is one view; in a batch, only long runs are worth a call
+            if hi - lo >= _MIN_RUN * bs or (len(pieces) == 1 and len(runs_of[i]) == 1 and len(rows) == 1):
+                reads.append(attention.Read((i,), (pads[i] + lo,), hi - lo, slot))
+            else:
+                scattered.setdefault(i, []).append((lo, hi, slot))
+    if scattered:
+        reads.append(_gather_read(list(scattered), list(scattered.values()), pads))
     return reads, None if q == 1 else start
 
 
