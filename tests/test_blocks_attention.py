@@ -166,3 +166,23 @@ def test_a_batch_is_one_strided_view_and_one_gather_of_the_decode_blocks() -> No
     # a single row that is one run is one view, nothing else
     (one,) = plan_reads([0], [list(range(3, 20))], 60, 1, 4)[0]
     assert one.rows == (0,) and one.first_slot == 12 and one.length == 61
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "cow", "cut"]), st.integers(1, 60)), max_size=40))
+def test_the_runs_kept_between_forwards_are_those_of_a_fresh_walk(steps: list[tuple[str, int]]) -> None:
+    # a row's table grows at its end, has its last block replaced (copy-on-write), or is cut (which the cache
+    # answers by clearing the memo); every forward's runs must equal a walk of the whole table
+    from prefixkv.cache import _table_runs
+
+    memo: dict = {}
+    table = [5]
+    for kind, value in steps:
+        if kind == "append":
+            table.append(table[-1] + 1 if value % 3 else value)
+        elif kind == "cow":
+            table[-1] = value
+        elif len(table) > 1:
+            del table[max(1, value % len(table)) :]
+            memo.clear()
+        assert _table_runs(table, memo) == _table_runs(table, None)

@@ -249,7 +249,16 @@ def attend(
     contiguous last dimension; ``Hq`` a multiple of ``Hkv``), with a boolean ``mask`` ``[B, 1, q, n]`` (True:
     attend) or a float one (added), or ``causal`` for ``q == n``. Returns the output ``[B, Hq, q, D]`` and the
     log-sum-exp of the scores ``[B, Hq, q]`` in float32 or float64, ``-inf`` where a query sees no column (its
-    output is then 0)."""
+    output is then 0).
+
+    Without ``causal``, the query heads that share a K/V head are packed as more query rows of that head (as
+    transformers' ``pack_gqa`` does for decode), so each K/V head is read once, not once per query head."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1 and not causal:
+        b, heads, q, dim = query.shape
+        packed = query.reshape(b, key.shape[1], group * q, dim)
+        out, lse = attend(packed, key, value, None if mask is None else mask.repeat(1, 1, group, 1), scale)
+        return out.reshape(b, heads, q, dim), lse.reshape(b, heads, q)
     additive = None
     if mask is not None:
         if mask.dtype == torch.bool:

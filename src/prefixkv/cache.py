@@ -149,18 +149,47 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Te
 _MIN_RUN = 8
 
 
-def _runs(table: list[int], begin: int, stop: int, block_size: int) -> list[tuple[int, int, int]]:
-    """Tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) as runs of consecutive block
-    ids: ``(first token, end token, first slot)``. Does not mutate."""
-    runs = []
-    b, last = begin // block_size, -(-stop // block_size)
-    while b < last:
-        e = b + 1
-        while e < last and table[e] == table[e - 1] + 1:
-            e += 1
-        runs.append((b * block_size, min(e * block_size, stop), table[b] * block_size))
-        b = e
+def _table_runs(table: list[int], memo: dict[int, tuple[list[int], int, list[list[int]]]] | None) -> list[list[int]]:
+    """``[first, end)`` block indices of the runs of consecutive block ids in ``table``. With ``memo`` (kept by the
+    caller, cleared whenever a table changes other than at its end), a table seen before is walked again only
+    from its last block (which copy-on-write may have replaced): a decode step costs O(1), not O(blocks). Mutates
+    ``memo``."""
+    entry = None if memo is None else memo.get(id(table))
+    runs: list[list[int]] = []
+    walked = 0
+    if entry is not None and entry[0] is table and entry[1] <= len(table):
+        keep = max(0, entry[1] - 1)
+        for first, end in entry[2]:
+            if first >= keep:
+                break
+            runs.append([first, min(end, keep)])
+        walked = keep
+    for b in range(walked, len(table)):
+        if runs and runs[-1][1] == b and table[b] == table[b - 1] + 1:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    if memo is not None:
+        memo[id(table)] = (table, len(table), runs)
     return runs
+
+
+def _runs(
+    table: list[int],
+    begin: int,
+    stop: int,
+    block_size: int,
+    memo: dict[int, tuple[list[int], int, list[list[int]]]] | None = None,
+) -> list[tuple[int, int, int]]:
+    """Tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) as runs of consecutive block
+    ids: ``(first token, end token, first slot)``. Mutates ``memo`` only (:func:`_table_runs`)."""
+    out = []
+    b, last = begin // block_size, -(-stop // block_size)
+    for first, end in _table_runs(table, memo):
+        lo, hi = max(first, b), min(end, last)
+        if lo < hi:
+            out.append((lo * block_size, min(hi * block_size, stop), table[lo] * block_size))
+    return out
 
 
 def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads: list[int]) -> attention.Read:
@@ -181,7 +210,12 @@ def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads
 
 
 def plan_reads(
-    pads: list[int], tables: list[list[int]], start: int, q: int, block_size: int
+    pads: list[int],
+    tables: list[list[int]],
+    start: int,
+    q: int,
+    block_size: int,
+    memo: dict[int, tuple[list[int], int, list[list[int]]]] | None = None,
 ) -> tuple[list[attention.Read], int | None]:
     """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
     possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
@@ -211,12 +245,12 @@ def plan_reads(
         tokens = min(blocks, *(spans[i] // bs for i in members)) * bs  # whole blocks: the rest starts aligned
         if not tokens:
             continue
-        for lo, hi, slot in _runs(shared[0], 0, tokens, bs):
+        for lo, hi, slot in _runs(shared[0], 0, tokens, bs, memo):
             reads.append(attention.Read(tuple(members), tuple(pads[i] + lo for i in members), hi - lo, slot))
         for i in members:
             first[i] = tokens
     rows = [i for i in range(len(pads)) if spans[i] > first[i]]
-    runs_of = {i: _runs(tables[i], first[i], spans[i], bs) for i in rows}
+    runs_of = {i: _runs(tables[i], first[i], spans[i], bs, memo) for i in rows}
     # every row's first run: one strided view when they start at evenly spaced slots
     heads = [runs_of[i][0] for i in rows]
     common = min((hi - lo for lo, hi, _ in heads), default=0)
@@ -400,8 +434,10 @@ class PagedPrefixCache(Cache):
         self._new_slots = torch.zeros((0, 0), dtype=torch.long)
         self._keep: torch.Tensor | None = None
         self._slot_table: tuple[tuple[int, int], torch.device, torch.Tensor] | None = None
-        # what this forward's attention reads (attention.BlocksForward)
+        # what this forward's attention reads (attention.BlocksForward), and each row table's runs of consecutive
+        # block ids, kept between forwards (a table that only grew is re-walked from its last block)
         self._forward: attention.BlocksForward | None = None
+        self._runs_memo: dict[int, tuple[list[int], int, list[list[int]]]] = {}
         self._tables_version = 0
         self._block_table: tuple[tuple[int, int], torch.device, torch.Tensor | None] | None = None
         self._owner: int | None = None
@@ -452,6 +488,7 @@ class PagedPrefixCache(Cache):
         self._length = offset
         self._seen = [offset] * len(self._seen)
         self._tables_version += 1
+        self._runs_memo.clear()  # a table changed other than at its end
         # the shared prefill's tokens were computed by this call: charge them to a row that reused them
         for cost, members in prefilled:
             j = max(members, key=lambda i: reused[i])
@@ -719,7 +756,9 @@ class PagedPrefixCache(Cache):
         reads, new_from = (
             ([], None)
             if probe
-            else plan_reads([r.pad for r in self._rows], [r.table for r in self._rows], start, q, self.block_size)
+            else plan_reads(
+                [r.pad for r in self._rows], [r.table for r in self._rows], start, q, self.block_size, self._runs_memo
+            )
         )
         me = weakref.ref(self)  # no cycle: a failed forward must not keep the cache
 
@@ -743,6 +782,7 @@ class PagedPrefixCache(Cache):
         known = input_ids is not None and self._length == 0
         self._rows = [_Row(p, [] if known else None, c, 0) for p, c in zip(pads, self.store.empty_claims(batch))]
         self._tables_version += 1
+        self._runs_memo.clear()  # a table changed other than at its end
 
     def _prove(
         self,
@@ -1004,6 +1044,7 @@ class PagedPrefixCache(Cache):
         self._length = 0
         self._seen = [0] * len(self._seen)
         self._tables_version += 1
+        self._runs_memo.clear()  # a table changed other than at its end
 
     # -- row surgery -----------------------------------------------------------------------------
 
@@ -1015,6 +1056,7 @@ class PagedPrefixCache(Cache):
         self._release_rows(self._rows)
         self._rows = rows
         self._tables_version += 1
+        self._runs_memo.clear()  # a table changed other than at its end
 
     def _truncate(self, length: int) -> None:
         bs = self.block_size
@@ -1028,6 +1070,7 @@ class PagedPrefixCache(Cache):
         self._length = length
         self._seen = [length] * len(self._seen)
         self._tables_version += 1
+        self._runs_memo.clear()  # a table changed other than at its end
 
     def _release_rows(self, rows: list[_Row]) -> None:
         self.store.release([row.claim for row in rows])
