@@ -1,15 +1,16 @@
 """The ``prefixkv`` attention implementation, registered with transformers' ``AttentionInterface``
 and, for its masks, ``AttentionMaskInterface``.
 
-A ``PagedPrefixCache`` hands attention the K/V of each row read back from its blocks (a gather by the
-row's block table in ``update``; torch has no paged kernel on CPU to read them in place). The
-``prefixkv`` implementation runs the model's original implementation on them, so the numbers are
-exactly those of that implementation; calls that carry no ``PagedPrefixCache`` reach the original
-unchanged. The store switches a model whose implementation is ``sdpa`` to it and back
-(``PrefixStore.close``); a model on ``eager`` (whose eager code may be its own, e.g. soft-capping), or whose
-attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its implementation and is
-served through ``update`` alone, which is exact for every implementation. docs/architectures.md lists the
-path of each family.
+The store switches a model whose implementation is ``sdpa`` to it and back (``PrefixStore.close``). In a
+forward with a ``PagedPrefixCache`` whose pool is on a device of :data:`READ_DEVICES` (the CPU), ``update``
+writes only the new K/V and this attention reads every row's held K/V where they sit in the pool
+(:func:`blocks_attention`: views of runs of blocks, one gather of scattered ones, blocks shared by several rows
+read once for all of them), merging the parts by their log-sum-exp; the model's own mask decides what each query
+sees. Everything else (calls without such a cache, a first forward that checks every layer reaches this
+attention, dropout, position bias, CUDA pools, quantized pools) runs the original ``sdpa`` on whole rows, which
+``update`` gathers. A model on ``eager`` (whose eager code may be its own, e.g. soft-capping), or whose
+attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its implementation and is served
+through ``update`` alone. docs/architectures.md lists the path of each family.
 """
 
 from __future__ import annotations
