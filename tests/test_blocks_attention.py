@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from conftest import compare, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import prefixkv
 from prefixkv import attention
 from prefixkv.cache import plan_reads
 
@@ -186,3 +190,55 @@ def test_the_runs_kept_between_forwards_are_those_of_a_fresh_walk(steps: list[tu
             del table[max(1, value % len(table)) :]
             memo.clear()
         assert _table_runs(table, memo) == _table_runs(table, None)
+
+
+def test_a_layer_that_does_not_hand_its_cache_kv_to_the_attention_keeps_whole_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a model whose layer 0 changes K/V between update and attention (here: a copy) must never be served from
+    # the blocks: the first forward sees layer 0 miss, the model stays unverified, every step gets whole rows
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    served = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+
+    def copying(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a, **k):
+        if module.layer_idx == 0:
+            key, value = key.clone(), value.clone()
+        return served(module, query, key, value, *a, **k)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, copying)
+    system = random_tokens(30, seed=1)
+    for seed in (2, 3):  # cold, then a warm call reusing what the first published
+        result = compare(model, store, torch.cat([system, random_tokens(5, seed=seed)])[None])
+        assert result.same_tokens and result.max_diff <= 1e-6
+    assert result.cache.stats.cached_tokens == 30
+    assert not attention.verified(model)
+    store.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.sampled_from([1, 2, 3]),
+    st.integers(1, 4),
+    st.integers(1, 9),
+    st.booleans(),
+    st.integers(0, 999),
+)
+def test_the_plain_tensor_attention_is_the_cpu_kernel(
+    batch: int, group: int, q: int, n: int, masked: bool, seed: int
+) -> None:
+    # the path of devices without the CPU kernel (and the fallback of the CUDA one), checked on the CPU
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, 2 * group, q, 4, generator=g, dtype=torch.float64)
+    key = torch.randn(batch, 2, n, 4, generator=g, dtype=torch.float64)
+    value = torch.randn(batch, 2, n, 4, generator=g, dtype=torch.float64)
+    mask = torch.rand(batch, 1, q, n, generator=g) > 0.3 if masked else None
+    causal = not masked and q == n
+    additive = None if mask is None else torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, -math.inf)
+    want, want_lse = attention.attend(query, key, value, mask, 0.5, causal=causal)
+    got, got_lse = attention._attend_math(query, key, value, additive, 0.5, causal)
+    if mask is not None:  # rows that see nothing: attend() zeroes them; compare the others
+        seen = mask.any(dim=-1).expand(batch, 2 * group, q)
+        got, got_lse, want, want_lse = got[seen], got_lse[seen], want[seen], want_lse[seen]
+    assert torch.allclose(got, want, atol=1e-10, rtol=0) and torch.allclose(got_lse, want_lse, atol=1e-10, rtol=0)
