@@ -167,7 +167,7 @@ def store_html(store: StoreLike, tokenizer: Any = None, top: int = 5) -> str:
     ]
     if store.kv_dtype is not None:
         facts.insert(
-            4, ("storage", f"{store.kv_dtype} with a float32 scale per block and KV head, read as {store.dtype}")
+            4, ("storage", f"{store.kv_dtype} with a bfloat16 scale per token and KV head, read as {store.dtype}")
         )
     if s.offload is not None:
         o = s.offload

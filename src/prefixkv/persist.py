@@ -37,11 +37,11 @@ from safetensors.torch import save_file
 
 from .errors import PersistError
 from .memory import attention_shape
-from .pool import KV_DTYPES, BlockPool, LayerSpec, check_kv_dtype, code_dtype
+from .pool import KV_DTYPES, SCALE_DTYPE, BlockPool, LayerSpec, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
 
 FORMAT = "prefixkv.prefixes"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: quantized files keep a scale per token and head (1: per block and head)
 _SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models
 _TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
 
@@ -332,12 +332,18 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
                 f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
                 f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
             )
+    if kv_dtype is not None and _int(meta, "format_version", path) < 2:
+        raise PersistError(
+            f"{path} holds {kv_dtype} K/V with one scale per block (format version 1, an older prefixkv); this "
+            "prefixkv keeps one scale per token and cannot read them. Save the prefixes again from an "
+            "unquantized store or with this prefixkv"
+        )
     scales = {}
     if kv_dtype is not None:
         for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
             scale = tensors.get(name)
-            if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (count, shape[1]):
-                raise bad(f"scale tensor {name} is missing or not float32 of shape [{count}, {shape[1]}]")
+            if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, *shape[:2]):
+                raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {shape[1]}]")
             scales[name] = scale
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):

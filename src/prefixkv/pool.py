@@ -14,20 +14,25 @@ Users call ``generate`` under ``torch.inference_mode()`` and ``torch.no_grad()``
 tensor made inside ``inference_mode`` is an inference tensor, which refuses in-place writes outside it; so
 the pool's tensors are always made as normal tensors (:func:`_normal_tensors`), which accept writes in both.
 
-Quantized storage (``kv_dtype="int8"`` or ``"fp8"``): K and V are kept in 8 bits with one float32 scale
-per block, per KV head (per layer, K and V apart): ``value = code * scale``. The scale of a block is
-its absolute maximum over the slots filled so far divided by the code range (127 for int8, 448 for
-fp8 e4m3). A write re-quantizes the blocks it touches: they are dequantized, the new slots placed, the
-slots after the last one written cleared (stale data of a block's earlier life, or a cropped tail, must
-not widen the scale), and the block quantized again with the scale of its new absolute maximum. While
-that maximum does not grow, the codes already there come back unchanged; when it grows, they are rounded
-once more to the coarser grid (at most half a step of the new scale each). Reads dequantize only the
-gathered blocks, into the pool's ``dtype``; the full-precision cache never exists as a whole.
+Quantized storage (``kv_dtype="int8"`` or ``"fp8"``): K and V are kept in 8 bits with one bfloat16 scale
+per token and KV head (per layer, K and V apart), ``[kv_heads, num_blocks, block_size]`` beside the codes.
+Each token is quantized once, when it is written, and never again: appending to a block leaves the tokens
+already there as they are, and copy-on-write copies codes and scales exactly. Each token's head vector is
+first turned by a fixed orthogonal matrix (a normalised Hadamard matrix when ``head_dim`` is a power of two,
+the orthonormal DCT-II otherwise): K has a few channels far larger than the rest, which would set the scale
+of every token and leave the other channels a handful of steps; turned, a token's size is spread evenly
+over its channels. Then ``code = round(x / scale)`` (int8; fp8 rounds to the nearest e4m3), ``scale`` the
+token's absolute maximum over the largest code (127, or 448 for e4m3) rounded up to a bfloat16 (no code
+clips), and a read computes ``code * scale`` turned back. The scales cost ``2 / head_dim`` bytes per code
+byte. Reads dequantize only the gathered slots, into the pool's ``dtype``; the full-precision
+cache never exists as a whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -59,6 +64,30 @@ _CODES: dict[str, tuple[torch.dtype, torch.dtype, float]] = {
     "int8": (torch.int8, torch.int8, 127.0),
     "fp8": (torch.uint8, torch.float8_e4m3fn, 448.0),
 }
+SCALE_DTYPE = torch.bfloat16
+"""What a quantized pool keeps its scales in, one per token and KV head: float32's range in 2 bytes."""
+_ROUND_UP = 1 + 2**-7  # a positive float32 times this, rounded to the nearest bfloat16, is not below it
+
+
+@functools.cache
+def rotation(head_dim: int) -> torch.Tensor:
+    """The orthogonal ``[head_dim, head_dim]`` float32 matrix 8-bit storage turns head vectors by (rows
+    times it): Sylvester's Hadamard matrix over ``sqrt(head_dim)`` when ``head_dim`` is a power of two, else
+    the orthonormal DCT-II. Fixed by ``head_dim`` alone, so saved files need no copy of it.
+
+    >>> r = rotation(64)
+    >>> bool(torch.allclose(r @ r.T, torch.eye(64), atol=1e-6)), float(r.abs().max()) == 1 / 8
+    (True, True)
+    """
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h / math.sqrt(head_dim)).float()
+    n = torch.arange(head_dim, dtype=torch.float64)
+    dct = torch.cos(math.pi / head_dim * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / head_dim)
+    dct[0] /= math.sqrt(2)
+    return dct.T.contiguous().float()  # columns are the basis: x @ dct.T gives the DCT coefficients
 
 
 def check_kv_dtype(kv_dtype: str | None) -> None:
@@ -72,14 +101,14 @@ def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = 
 
     >>> spec = LayerSpec(2, 64, torch.device("cpu"), torch.float32)
     >>> block_bytes([spec], 16), block_bytes([spec], 16, "int8")
-    (16384, 4112)
+    (16384, 4224)
     """
     total = 0
     for s in specs:
         if kv_dtype is None:
-            total += 2 * block_size * s.kv_heads * s.head_dim * torch.empty((), dtype=s.dtype).element_size()
-        else:
-            total += 2 * (block_size * s.kv_heads * s.head_dim + 4 * s.kv_heads)  # 1-byte codes, float32 scales
+            total += 2 * block_size * s.kv_heads * s.head_dim * s.dtype.itemsize
+        else:  # 1-byte codes and a scale per token and head
+            total += 2 * block_size * s.kv_heads * (s.head_dim + SCALE_DTYPE.itemsize)
     return total
 
 
@@ -99,7 +128,7 @@ class BlockPool:
         self.kv_dtype = kv_dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        # quantized pools only: per layer ``[num_blocks, kv_heads]`` float32 scales of K and of V
+        # quantized pools only: per layer ``[kv_heads, num_blocks, block_size]`` scales of K and of V
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
         with _normal_tensors():
@@ -113,8 +142,8 @@ class BlockPool:
             self.keys.append(torch.zeros(shape, device=s.device, dtype=store))
             self.values.append(torch.zeros(shape, device=s.device, dtype=store))
             if kv_dtype is not None:
-                self.key_scales.append(torch.zeros((capacity, s.kv_heads), device=s.device, dtype=torch.float32))
-                self.value_scales.append(torch.zeros((capacity, s.kv_heads), device=s.device, dtype=torch.float32))
+                for scales in (self.key_scales, self.value_scales):
+                    scales.append(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE))
 
     @property
     def capacity(self) -> int:
@@ -133,7 +162,7 @@ class BlockPool:
         with _normal_tensors():
             grown = [
                 [_grown(t, extra, dim) for t in tensors]
-                for tensors, dim in ((self.keys, 1), (self.values, 1), (self.key_scales, 0), (self.value_scales, 0))
+                for tensors, dim in ((self.keys, 1), (self.values, 1), (self.key_scales, 1), (self.value_scales, 1))
             ]
         # all layers at once: a failure half-way leaves the old pool
         self.keys, self.values, self.key_scales, self.value_scales = grown
@@ -159,39 +188,31 @@ class BlockPool:
         _slots(v).index_copy_(1, flat, new_v.transpose(0, 1).to(v.dtype))
 
     def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """Place ``[N, kv_heads, head_dim]`` values at ``flat`` slots, re-quantizing the touched blocks. Mutates."""
-        if flat.numel() == 0:
-            return
-        bs = self.block_size
-        blocks, offsets = flat // bs, flat % bs
-        touched, which = torch.unique(blocks, return_inverse=True)
-        last = torch.full_like(touched, -1).scatter_reduce_(0, which, offsets, "amax")
-        stale = torch.arange(bs, device=flat.device)[None, :] > last[:, None]  # [U, bs]: after the last written slot
+        """Quantize ``[N, kv_heads, head_dim]`` values and place codes and scales at ``flat`` slots. Mutates."""
         for codes, scales, new in ((self.keys, self.key_scales, new_k), (self.values, self.value_scales, new_v)):
-            block = self._dequantize(_take(codes[layer], touched), scales[layer].index_select(0, touched))
-            block[which, offsets] = new.to(torch.float32)
-            block[stale] = 0
-            q, scale = self._quantize(block)
-            _put(codes[layer], touched, q)
-            scales[layer].index_copy_(0, touched, scale)
+            q, scale = self._quantize(new.to(torch.float32))
+            _slots(codes[layer]).index_copy_(1, flat, q.transpose(0, 1))
+            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale.T)
 
-    def _quantize(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes and ``[U, kv_heads]`` scales of float32 blocks ``[U, block_size, kv_heads, head_dim]``."""
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and scales of float32 ``x`` ``[..., kv_heads, head_dim]``: one scale per head, ``[..., kv_heads]``."""
         assert self.kv_dtype is not None
         store, code, top = _CODES[self.kv_dtype]
-        scale = block.abs().amax(dim=(1, 3)) / top
+        x = x @ rotation(x.shape[-1]).to(x.device)
+        scale = (x.abs().amax(dim=-1) / top * _ROUND_UP).to(SCALE_DTYPE)
         # an all-zero head keeps scale 0 (its codes are 0); dividing by 1 there avoids 0/0
-        scaled = block / torch.where(scale > 0, scale, 1.0)[:, None, :, None]
+        scaled = x / torch.where(scale > 0, scale, 1.0).to(torch.float32)[..., None]
         if code == torch.int8:
             return scaled.round_().clamp_(-top, top).to(torch.int8), scale
         return scaled.clamp_(-top, top).to(code).view(store), scale
 
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``codes``: ``[U, block_size, kv_heads, head_dim]``, ``scale``: ``[U, kv_heads]`` -> values in ``dtype``."""
+        """``codes``: ``[..., kv_heads, head_dim]``, ``scale``: ``[..., kv_heads]`` -> values in ``dtype``."""
         assert self.kv_dtype is not None
         code = _CODES[self.kv_dtype][1]
         values = codes.view(code).to(torch.float32) if code != torch.int8 else codes.to(torch.float32)
-        return (values * scale[:, None, :, None]).to(dtype)
+        values = values * scale.to(torch.float32)[..., None]
+        return (values @ rotation(values.shape[-1]).to(values.device).T).to(dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
@@ -202,15 +223,12 @@ class BlockPool:
         keys = _slots(k).index_select(1, flat)  # [H, B*n, D]
         values = _slots(v).index_select(1, flat)
         if self.kv_dtype is not None:
-            dtype, block = self.specs[layer].dtype, flat // self.block_size
-            keys = self._dequantize(keys.transpose(0, 1)[:, None], self.key_scales[layer].index_select(0, block), dtype)
-            values = self._dequantize(
-                values.transpose(0, 1)[:, None], self.value_scales[layer].index_select(0, block), dtype
-            )
-            return (
-                keys.view(b, n, heads, dim).transpose(1, 2),
-                values.view(b, n, heads, dim).transpose(1, 2),
-            )
+            dtype = self.specs[layer].dtype
+            k_scale = self.key_scales[layer].view(heads, -1).index_select(1, flat)  # [H, B*n]
+            v_scale = self.value_scales[layer].view(heads, -1).index_select(1, flat)
+            keys = self._dequantize(keys.transpose(0, 1), k_scale.T, dtype)  # [B*n, H, D]
+            values = self._dequantize(values.transpose(0, 1), v_scale.T, dtype)
+            return keys.view(b, n, heads, dim).transpose(1, 2), values.view(b, n, heads, dim).transpose(1, 2)
         return keys.view(heads, b, n, dim).transpose(0, 1), values.view(heads, b, n, dim).transpose(0, 1)
 
     def gather_blocks(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,8 +241,8 @@ class BlockPool:
         flat = table.reshape(-1)
         if self.kv_dtype is not None:
             dtype = self.specs[layer].dtype
-            keys = self._dequantize(_take(k, flat), self.key_scales[layer].index_select(0, flat), dtype)
-            values = self._dequantize(_take(v, flat), self.value_scales[layer].index_select(0, flat), dtype)
+            keys = self._dequantize(_take(k, flat), _take_scales(self.key_scales[layer], flat), dtype)
+            values = self._dequantize(_take(v, flat), _take_scales(self.value_scales[layer], flat), dtype)
             keys = keys.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
             values = values.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
             return keys, values
@@ -235,11 +253,8 @@ class BlockPool:
     @torch.no_grad()
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer. Mutates."""
-        for k, v in zip(self.keys, self.values):
-            k[:, dst, :n] = k[:, src, :n]
-            v[:, dst, :n] = v[:, src, :n]
-        for scales in (*self.key_scales, *self.value_scales):
-            scales[dst] = scales[src]  # a scale too wide for the first n slots; the next write narrows it
+        for t in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
+            t[:, dst, :n] = t[:, src, :n]
 
     def tensor_names(self) -> list[str]:
         """Names of the per-layer tensors :meth:`read_blocks` returns: ``k.{layer}``, ``v.{layer}`` and, when
@@ -259,11 +274,11 @@ class BlockPool:
     def read_blocks(self, blocks: list[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Copies of whole blocks as stored (codes and scales when quantized), on ``device``, by
         :meth:`tensor_names`: ``[len(blocks), block_size, kv_heads, head_dim]`` K/V, ``[len(blocks),
-        kv_heads]`` scales. Does not mutate."""
+        block_size, kv_heads]`` scales. Does not mutate."""
         out = {}
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            out[name] = (t.index_select(0, index) if "scale" in name else _take(t, index)).to(device)
+            out[name] = (_take_scales(t, index) if "scale" in name else _take(t, index)).to(device)
         return out
 
     @torch.no_grad()
@@ -274,7 +289,7 @@ class BlockPool:
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
             given = tensors[name].to(device=t.device, dtype=t.dtype, non_blocking=True)
             if "scale" in name:
-                t.index_copy_(0, index, given)
+                t.index_copy_(1, index, given.permute(2, 0, 1))
             else:
                 _put(t, index, given)
 
@@ -287,6 +302,11 @@ def _slots(t: torch.Tensor) -> torch.Tensor:
 def _take(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Copies of whole blocks of a layer's K or V in block-major form, ``[n, block_size, kv_heads, head_dim]``."""
     return t.index_select(1, blocks).permute(1, 2, 0, 3)
+
+
+def _take_scales(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Copies of whole blocks of a layer's scales in block-major form, ``[n, block_size, kv_heads]``."""
+    return t.index_select(1, blocks).permute(1, 2, 0)
 
 
 def _put(t: torch.Tensor, blocks: torch.Tensor, values: torch.Tensor) -> None:

@@ -225,7 +225,7 @@ class PrefixStore:
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
 
-    ``kv_dtype="int8"`` (or ``"fp8"``) stores K/V in 8 bits with a scale per block and KV head, read
+    ``kv_dtype="int8"`` (or ``"fp8"``) stores K/V in 8 bits with a scale per token and KV head, read
     back in ``dtype``: about half the memory of bf16 and a quarter of fp32 per token, at a small, measured
     cost in fidelity (``docs/memory.md``). ``offload="cpu"`` or ``"disk"`` (with ``offload_dir``) moves
     blocks evicted from the pool to host memory or files, within ``max_offload_memory``, and brings them
