@@ -746,13 +746,17 @@ class PagedPrefixCache(Cache):
         """Tell this thread's attention where the rows' K/V are (:class:`attention.BlocksForward`), on a model that
         runs ``prefixkv`` attention with its pool on a device of ``attention.READ_DEVICES``. Until a forward of that
         model showed every layer handing the K/V from ``update`` to that attention unchanged, ``update`` hands out
-        whole rows and the forward only checks it (``probe``); a quantized pool is read whole rows at a time too.
-        Mutates."""
+        whole rows and the forward only checks it (``probe``); a quantized pool, or one kept in another dtype than
+        the model computes in (``PrefixStore(dtype=...)``), is read whole rows at a time too, cast. Mutates."""
         model = self.store.hf_model
         specs = self.store.pool.specs
         if not attention.serves(model) or any(s.device.type not in attention.READ_DEVICES for s in specs):
             return
-        probe = not attention.verified(model) or self.store.pool.kv_dtype is not None
+        probe = (
+            not attention.verified(model)
+            or self.store.pool.kv_dtype is not None
+            or any(s.dtype != getattr(model, "dtype", s.dtype) for s in specs)
+        )
         reads, new_from = (
             ([], None)
             if probe
