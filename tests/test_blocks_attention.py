@@ -5,7 +5,9 @@ longer forwards."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -170,6 +172,33 @@ def test_a_batch_is_one_strided_view_and_one_gather_of_the_decode_blocks() -> No
     # a single row that is one run is one view, nothing else
     (one,) = plan_reads([0], [list(range(3, 20))], 60, 1, 4)[0]
     assert one.rows == (0,) and one.first_slot == 12 and one.length == 61
+
+
+def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the store places a batch's rows in one free range with room after each, so every decode block follows its
+    # row's prompt blocks: each row stays one run, the rows evenly spaced, and every decode step is one read
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    steps: list[tuple[int, list[list[int]]]] = []
+    original = prefixkv.cache.plan_reads
+
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest)
+        if q == 1:  # a decode step
+            steps.append((len(planned[0]), [list(t) for t in tables]))
+        return planned
+
+    monkeypatch.setattr(prefixkv.cache, "plan_reads", recording)
+    for seed in (1, 2):  # a fresh store, then one whose pool holds what the first call published
+        steps.clear()
+        ids = torch.stack([random_tokens(18, seed=10 * seed + r) for r in range(3)])
+        result = compare(model, store, ids, max_new_tokens=12)
+        assert result.same_tokens and result.max_diff <= 1e-6
+        assert steps and all(n == 1 for n, _ in steps)
+        tables = steps[-1][1]  # 18 + 11 columns: 8 blocks a row
+        assert all(len(t) == 8 and t == list(range(t[0], t[0] + 8)) for t in tables)
+        assert len({b[0] - a[0] for a, b in itertools.pairwise(tables)}) == 1
+    store.close()
 
 
 @settings(max_examples=200, deadline=None)

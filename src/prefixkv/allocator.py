@@ -57,6 +57,24 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` is an id of the pool that nothing holds. Does not mutate."""
+        return 0 < block < len(self._refcount) and self._refcount[block] == 0
+
+    def free_run(self, n: int) -> int | None:
+        """The first id of the lowest ``n`` consecutive free ids, or ``None``. Does not mutate.
+
+        >>> a = BlockAllocator(capacity=8)
+        >>> a.allocate(2), a.free_run(3), a.free_run(6)
+        ([1, 2], 3, None)
+        """
+        count = 0
+        for b, held in enumerate(self._refcount):
+            count = 0 if held else count + 1
+            if count == n:
+                return b - n + 1
+        return None
+
     def can_allocate(self, n: int) -> bool:
         """Whether ``allocate(n)`` would succeed. Does not mutate."""
         return n <= self._num_free

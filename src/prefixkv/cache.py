@@ -132,17 +132,20 @@ def _column_slots(row: _Row, start: int, stop: int, block_size: int) -> torch.Te
     null block)."""
     table, pad = row.table, row.pad
     if stop - start <= 8:  # the decode step: plain ints beat tensor set-up
-        return torch.tensor(
-            [
-                0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
-                for c in range(start, stop)
-            ],
-            dtype=torch.long,
-        )
+        return torch.tensor(_slot_list(row, start, stop, block_size), dtype=torch.long)
     t = torch.arange(start - pad, stop - pad)
     blocks = torch.tensor(table, dtype=torch.long) if table else torch.zeros(1, dtype=torch.long)
     slots = blocks[t.clamp(min=0) // block_size] * block_size + t.clamp(min=0) % block_size
     return slots.masked_fill_(t < 0, 0)
+
+
+def _slot_list(row: _Row, start: int, stop: int, block_size: int) -> list[int]:
+    """:func:`_column_slots` as plain ints, for a few columns."""
+    table, pad = row.table, row.pad
+    return [
+        0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
+        for c in range(start, stop)
+    ]
 
 
 # runs shorter than this many blocks are gathered (one copy per row) rather than read as views (one call each)
@@ -891,8 +894,14 @@ class PagedPrefixCache(Cache):
         copied = self.store.extend([row.claim for row in self._rows], spans)
         if copied or any(len(row.table) != n for row, n in zip(self._rows, sizes)):
             self._tables_version += 1
-        new = torch.stack([_column_slots(row, start, start + q, bs) for row in self._rows])
-        self._keep = (new.reshape(-1) != 0).nonzero().view(-1) if bool((new == 0).any()) else None
+        if q <= 8:  # the decode step: one tensor from plain ints beats a tensor set-up per row
+            lists = [_slot_list(row, start, start + q, bs) for row in self._rows]
+            new = torch.tensor(lists, dtype=torch.long)
+            pads = any(0 in slots for slots in lists)
+        else:
+            new = torch.stack([_column_slots(row, start, start + q, bs) for row in self._rows])
+            pads = bool((new == 0).any())
+        self._keep = (new.reshape(-1) != 0).nonzero().view(-1) if pads else None
         self._new_slots = new
         self._length = start + q
 

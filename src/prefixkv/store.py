@@ -35,6 +35,8 @@ from .tier import BLOCK_FORMAT, OffloadTier, chunk_keys
 from .trie import Insert, Match, Node, NodeView, RadixTrie
 
 _INITIAL_BLOCKS = 16
+# tokens of room kept free after each row of a batch's prefill, for the blocks its decode steps add
+_RESERVE_TOKENS = 128
 _DTYPE_NAMES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -751,8 +753,13 @@ class PrefixStore:
             return []
         copied: list[tuple[int, int]] = []  # (claim, the block it held before its copy)
         grown: list[int] = []
+        # several rows growing by more than a block (a batch's prefill) are placed in one free range, each
+        # row's run ``stride`` blocks after the previous one's: the blocks its decode steps add later follow it
+        # (each row stays one run, and the rows stay evenly spaced: one strided view in attention)
+        placed = [i for i, n in enumerate(grow) if n > 1]
+        stride = max(grow) + -(-_RESERVE_TOKENS // bs) if len(placed) > 1 else 0
         with self._lock:
-            self._ensure_free(self._copies_needed(claims, spans, cow) + sum(grow))
+            self._ensure_free(self._copies_needed(claims, spans, cow) + sum(grow), spare=stride * len(placed))
             try:
                 for i in cow:
                     table, first = claims[i].table, spans[i][0]
@@ -762,10 +769,15 @@ class PrefixStore:
                     table[first // bs] = self._copy_prefix(old, first % bs)
                     copied.append((i, old))
                     alloc.decref([old])
+                start = self._free_range(stride * len(placed)) if stride else None
+                if start is None and stride:  # no room to spare: the runs back to back
+                    stride = max(grow)
+                    start = alloc.free_run(stride * len(placed))
+                where = {} if start is None else {i: start + k * stride - 1 for k, i in enumerate(placed)}
                 for i, n in enumerate(grow):
                     if n:  # right after the claim's last block where free: a row's blocks stay a run
                         table = claims[i].table
-                        table.extend(alloc.allocate(n, table[-1] if table else None))
+                        table.extend(alloc.allocate(n, where.get(i, table[-1] if table else None)))
                         grown.append(i)
             except BaseException:
                 for i in grown:
@@ -896,15 +908,27 @@ class PrefixStore:
                     self._trie.touch(m.node)
             return matches
 
-    def _ensure_free(self, n: int) -> None:
-        """Make ``n`` blocks free: grow the pool within the budget, then evict LRU unlocked leaves.
-        Mutates; raises :class:`CapacityError` with the numbers when even that is not enough."""
+    def _free_range(self, n: int) -> int | None:
+        """The first of ``n`` consecutive free blocks, growing the pool by ``n`` for them if it has none and the
+        budget allows (never evicting), or ``None``. Mutates (the pool's size)."""
+        alloc = self._allocator
+        start = alloc.free_run(n)
+        if start is None and (self.max_blocks is None or alloc.capacity + n <= self.max_blocks + 1):
+            start = alloc.capacity
+            self.pool.grow(alloc.capacity + n)
+            alloc.grow(alloc.capacity + n)
+        return start
+
+    def _ensure_free(self, n: int, spare: int = 0) -> None:
+        """Make ``n`` blocks free: grow the pool within the budget (when it grows, by ``spare`` blocks at least:
+        a free range for :meth:`_free_range`), then evict LRU unlocked leaves. Mutates; raises
+        :class:`CapacityError` with the numbers when even that is not enough."""
         alloc = self._allocator
         if alloc.can_allocate(n):
             return
         limit = None if self.max_blocks is None else self.max_blocks + 1
         if limit is None or alloc.capacity < limit:
-            want = max(2 * alloc.capacity, alloc.capacity + n - alloc.num_free)
+            want = max(2 * alloc.capacity, alloc.capacity + n - alloc.num_free, alloc.capacity + spare)
             target = want if limit is None else min(want, limit)
             self.pool.grow(target)
             alloc.grow(target)
