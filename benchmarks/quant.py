@@ -6,10 +6,15 @@ Fidelity: every prompt (a shared system prompt and its own question) is generate
 ``new`` tokens from an unquantized store (whose output equals stock ``generate``) and from a quantized
 one. Reported: the share of the quantized store's greedy tokens that are identical, position by position,
 to the reference (free running: after a first difference the two continue from different text), the
-share of prompts whose whole answer is identical, and, teacher-forced (the quantized store reads the
-reference's own tokens, one forward), the share of positions whose argmax is the reference token and the
-largest logit difference. Models: the benchmark model (random weights, random-token prompts) and
-SmolLM2-135M-Instruct (``prefixkv[real]``, real chat prompts) when installed.
+share of prompts whose whole answer is identical, the same share counted only over each answer's own
+tokens (before the first step where the reference's argmax is an end-of-sequence token: ``min_new_tokens``
+bans it there, and what follows is a continuation the model did not want), and, teacher-forced (the
+quantized store reads the reference's own tokens, one forward), the share of positions whose argmax is
+the reference's argmax (both unprocessed logits: the reference's tokens themselves differ from its argmax
+where it wanted to end) and the largest logit difference. A ``bfloat16`` row (an unquantized store kept in
+bfloat16 under the float32 model) is the yardstick: what storage rounded to 8 significant bits costs.
+Models: the benchmark model (random weights, random-token prompts) and SmolLM2-135M-Instruct
+(``prefixkv[real]``, real chat prompts) when installed.
 Run: ``python benchmarks/quant.py [--prompts 50] [--new 32]``.
 """
 
@@ -79,14 +84,27 @@ def _teacher_forced(model: Any, store: prefixkv.PrefixStore, prompt: torch.Tenso
     return logits[0, -new:].double()
 
 
+def _store(model: Any, kind: str) -> prefixkv.PrefixStore:
+    """A store keeping K/V as ``kind``: ``"int8"``/``"fp8"`` (``kv_dtype``), or ``"bfloat16"`` (``dtype``: the
+    unquantized store in half precision, a yardstick for what any 8- or 16-bit storage can reach)."""
+    if kind == "bfloat16":
+        return prefixkv.PrefixStore(model, block_size=BS, dtype=torch.bfloat16)
+    return prefixkv.PrefixStore(model, block_size=BS, kv_dtype=kind)
+
+
 def fidelity(model: Any, prompts: list[torch.Tensor], new: int, kv_dtypes: list[str]) -> dict[str, dict[str, Any]]:
     reference = prefixkv.PrefixStore(model, block_size=BS)
-    stores = {kv: prefixkv.PrefixStore(model, block_size=BS, kv_dtype=kv) for kv in kv_dtypes}
+    stores = {kv: _store(model, kv) for kv in kv_dtypes}
     counts = {kv: {"same": 0, "whole": 0, "forced_same": 0, "max_diff": 0.0, "tokens": 0} for kv in kv_dtypes}
+    for kv in kv_dtypes:
+        counts[kv].update(answer_same=0, answer_tokens=0)
+    eos = torch.tensor(model.generation_config.eos_token_id or []).flatten()
     for ids in prompts:
         ref = _generate(model, reference, ids, new)
         ref_new = ref.sequences[0, ids.shape[1] :]
         ref_logits = torch.cat([x.double() for x in ref.logits])
+        ends = torch.isin(ref_logits.argmax(-1), eos).nonzero()
+        answer = int(ends[0]) if len(ends) else new  # the reference answer's own tokens
         for kv, store in stores.items():
             c = counts[kv]
             out = _generate(model, store, ids, new)
@@ -94,8 +112,10 @@ def fidelity(model: Any, prompts: list[torch.Tensor], new: int, kv_dtypes: list[
             c["same"] += int(same.sum())
             c["whole"] += int(bool(same.all()))
             c["tokens"] += len(ref_new)
+            c["answer_same"] += int(same[:answer].sum())
+            c["answer_tokens"] += answer
             forced = _teacher_forced(model, store, ids, ref.sequences)
-            c["forced_same"] += int((forced.argmax(-1) == ref_new).sum())
+            c["forced_same"] += int((forced.argmax(-1) == ref_logits.argmax(-1)).sum())
             c["max_diff"] = max(c["max_diff"], float((forced - ref_logits).abs().max()))
     for store in (reference, *stores.values()):
         store.close()
@@ -103,6 +123,8 @@ def fidelity(model: Any, prompts: list[torch.Tensor], new: int, kv_dtypes: list[
         kv: {
             "identical": c["same"] / c["tokens"],
             "whole": c["whole"] / len(prompts),
+            "answer": c["answer_same"] / max(c["answer_tokens"], 1),
+            "answer_tokens": c["answer_tokens"],
             "forced": c["forced_same"] / c["tokens"],
             "max_diff": c["max_diff"],
         }
@@ -159,6 +181,7 @@ def report(result: dict[str, Any]) -> str:
             "prompts x new tokens",
             "identical greedy tokens (target >=98%)",
             "identical answers",
+            "identical tokens within the answers",
             "teacher-forced argmax agreement",
             "max logit difference (teacher-forced)",
         ],
@@ -167,8 +190,10 @@ def report(result: dict[str, Any]) -> str:
                 r["model"],
                 r["kind"],
                 f"{r['prompts']} x {r['new']}",
-                f"{100 * r['identical']:.1f}% ({target(r['identical'] >= 0.98)})",
+                f"{100 * r['identical']:.1f}%"
+                + (f" ({target(r['identical'] >= 0.98)})" if r["kind"] in ("int8", "fp8") else " (yardstick)"),
                 f"{100 * r['whole']:.0f}%",
+                f"{100 * r['answer']:.1f}% of {r['answer_tokens']}",
                 f"{100 * r['forced']:.1f}%",
                 f"{r['max_diff']:.3g}",
             ]
@@ -183,7 +208,9 @@ def main() -> None:
     ap.add_argument("--size", default="100m")
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--kv-dtypes", nargs="+", default=["int8", "fp8"])
+    ap.add_argument(
+        "--kv-dtypes", nargs="+", default=["int8", "fp8", "bfloat16"], help="bfloat16: an unquantized store in bf16"
+    )
     ap.add_argument("--no-real", action="store_true", help="skip SmolLM2 even if installed")
     args = ap.parse_args()
     real = not args.no_real
