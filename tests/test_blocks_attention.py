@@ -201,6 +201,68 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     store.close()
 
 
+def test_a_lone_row_reads_its_cached_prefix_and_its_own_blocks_as_views() -> None:
+    # one row: a cached prefix (blocks 3-12), then its own block elsewhere in the pool (others' blocks between):
+    # two views, no gather (no index tensors, no padding mask); with more short runs than that, one gather
+    prefix = list(range(3, 13))
+    reads, _ = plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4)
+    assert [(r.rows, r.first_slot, r.length, r.slots) for r in reads] == [((0,), 12, 40, None), ((0,), 160, 3, None)]
+    reads, _ = plan_reads([0], [[3, 4, 9, 20, 30]], 19, 1, 4)
+    assert len(reads) == 1 and reads[0].slots is not None and reads[0].slots.tolist() == [[
+        12, 13, 14, 15, 16, 17, 18, 19, 36, 37, 38, 39, 80, 81, 82, 83, 120, 121, 122, 123
+    ]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+    # the first call publishes the block holding the prompt's end and its first generated tokens; a second call
+    # on that prompt reuses the prefix and gets a block of its own after it: every decode step reads two views,
+    # merged by their log-sum-exps. Then an ordinary request reuses what that call published
+    model = prefixkv.models.tiny_model("llama", dtype=dtype)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    plans: list[list[tuple]] = []
+    original = prefixkv.cache.plan_reads
+
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest)
+        if q == 1:
+            plans.append([(r.rows, r.slots is None) for r in planned[0]])
+        return planned
+
+    monkeypatch.setattr(prefixkv.cache, "plan_reads", recording)
+    tolerance = 1e-6 if dtype == torch.float64 else 1e-4
+    ids = random_tokens(23, seed=7)[None]
+    for call in range(3):
+        plans.clear()
+        result = compare(model, store, ids, max_new_tokens=12)
+        assert result.same_tokens and result.max_diff <= tolerance, (call, result.max_diff)
+        if call:
+            assert result.cache.stats.cached_tokens >= 20
+            assert any(plan == [((0,), True), ((0,), True)] for plan in plans)
+    result = compare(model, store, torch.cat([ids[0], random_tokens(6, seed=8)])[None], max_new_tokens=6)
+    assert result.same_tokens and result.max_diff <= tolerance
+    store.close()
+
+
+def test_merging_two_parts_is_attention_over_their_union() -> None:
+    # parts over disjoint columns, some queries seeing columns of one part only, one seeing none at all
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64)
+    mask = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    mask[..., 1, :6] = False  # query 1 sees only the second part
+    mask[..., 2, 6:] = False  # query 2 only the first
+    mask[..., 3, :] = False  # query 3 nothing
+    a, lse_a = attention.attend(q, k[..., :6, :], v[..., :6, :], mask[..., :6], None)
+    b, lse_b = attention.attend(q, k[..., 6:, :], v[..., 6:, :], mask[..., 6:], None)
+    merged, total = attention._merge(a, lse_a, b, lse_b)
+    whole, lse = attention.attend(q, k, v, mask, None)
+    assert torch.allclose(merged, whole, atol=1e-12, rtol=0) and not merged[..., 3, :].any()
+    assert torch.equal(total.isinf(), lse.isinf())
+    assert torch.allclose(total[..., :3], lse[..., :3], atol=1e-12, rtol=0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["append", "cow", "cut"]), st.integers(1, 60)), max_size=40))
 def test_the_runs_kept_between_forwards_are_those_of_a_fresh_walk(steps: list[tuple[str, int]]) -> None:

@@ -339,11 +339,12 @@ def _attend_math(
 def _merge(
     out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two attention results over disjoint column sets by their log-sum-exps."""
-    total = torch.logaddexp(lse, other_lse)
-    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    merged = out * (lse - safe).exp()[..., None] + other * (other_lse - safe).exp()[..., None]
-    return merged, total
+    """Combine two attention results over disjoint column sets by their log-sum-exps: the first weighs
+    ``exp(lse) / (exp(lse) + exp(other_lse))``, a sigmoid of the difference (0 where neither saw a column:
+    both outputs are 0 there)."""
+    weight = torch.sigmoid(lse - other_lse).nan_to_num_(0.0)  # float32 or float64, as the log-sum-exps
+    merged = torch.lerp(other.to(weight.dtype), out.to(weight.dtype), weight[..., None])
+    return merged, torch.logaddexp(lse, other_lse)
 
 
 def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:

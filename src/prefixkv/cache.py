@@ -150,6 +150,8 @@ def _slot_list(row: _Row, start: int, stop: int, block_size: int) -> list[int]:
 
 # runs shorter than this many blocks are gathered (one copy per row) rather than read as views (one call each)
 _MIN_RUN = 8
+# ... except for a row read alone, up to this many short runs (more: one gather rather than a call each)
+_LONE_ROW_VIEWS = 2
 
 
 def _table_runs(table: list[int], memo: dict[int, tuple[list[int], int, list[list[int]]]] | None) -> list[list[int]]:
@@ -268,9 +270,11 @@ def plan_reads(
     scattered: dict[int, list[tuple[int, int, int]]] = {}
     for i in rows:
         pieces = [(lo, hi, slot) for lo, hi, slot in runs_of[i] if hi > lo]
+        short = sum(1 for lo, hi, _ in pieces if hi - lo < _MIN_RUN * bs)
         for lo, hi, slot in pieces:
-            # a row that is one run (a single prompt) is one view; in a batch, only long runs are worth a call
-            if hi - lo >= _MIN_RUN * bs or (len(pieces) == 1 and len(runs_of[i]) == 1 and len(rows) == 1):
+            # in a batch, only long runs are worth a call of their own; a lone row's few short runs (a cached
+            # prefix, then its own blocks elsewhere in the pool) are views too: no index tensors, no padding mask
+            if hi - lo >= _MIN_RUN * bs or (len(rows) == 1 and short <= _LONE_ROW_VIEWS):
                 reads.append(attention.Read((i,), (pads[i] + lo,), hi - lo, slot))
             else:
                 scattered.setdefault(i, []).append((lo, hi, slot))
