@@ -29,10 +29,11 @@ def test_ttft_smoke() -> None:
 
 
 def test_decode_smoke() -> None:
-    r = decode.run("tiny", [24], [1, 2], new=4, repeat=1, shared=[(40, 3, 32)])
-    assert [row["shared"] for row in r["rows"]] == [0, 0, 32]
-    assert len(r["rows"]) == 3 and all(row["prefixkv"] > 0 for row in r["rows"])
-    assert "StaticCache" in decode.report(r)
+    r = decode.run("tiny", [24], [1, 2], new=4, repeat=1, shared=[(40, 3, 32)], warm=[40])
+    assert [(row["shared"], row["warm"]) for row in r["rows"]] == [(0, False), (0, False), (32, False), (0, True)]
+    assert all(row["prefixkv"] > 0 for row in r["rows"])
+    assert r["rows"][-1]["reused"] == 40 - 7  # the warm turn reused all of the earlier request's prompt
+    assert "StaticCache" in decode.report(r) and "warm turn" in decode.report(r)
 
 
 def test_memory_smoke_shares_the_prefix() -> None:

@@ -208,9 +208,12 @@ def test_a_lone_row_reads_its_cached_prefix_and_its_own_blocks_as_views() -> Non
     reads, _ = plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4)
     assert [(r.rows, r.first_slot, r.length, r.slots) for r in reads] == [((0,), 12, 40, None), ((0,), 160, 3, None)]
     reads, _ = plan_reads([0], [[3, 4, 9, 20, 30]], 19, 1, 4)
-    assert len(reads) == 1 and reads[0].slots is not None and reads[0].slots.tolist() == [[
-        12, 13, 14, 15, 16, 17, 18, 19, 36, 37, 38, 39, 80, 81, 82, 83, 120, 121, 122, 123
-    ]]
+    assert (
+        len(reads) == 1
+        and reads[0].slots is not None
+        and reads[0].slots.tolist()
+        == [[12, 13, 14, 15, 16, 17, 18, 19, 36, 37, 38, 39, 80, 81, 82, 83, 120, 121, 122, 123]]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
