@@ -115,6 +115,32 @@ def test_blocks_are_released_on_close_and_on_garbage_collection(model: object) -
     store.close()
 
 
+def test_a_cache_finalized_at_interpreter_shutdown_stays_quiet(model: object) -> None:
+    # at shutdown a cache still alive is finalized after the modules' globals were set to None; its __del__
+    # once reached for contextlib there and printed "Exception ignored in ... __del__" at the end of a script
+    import sys
+
+    store = prefixkv.PrefixStore(model, block_size=4)
+    prompt = random_tokens(18, seed=13)[None]
+    cache = prefixkv.PagedPrefixCache(store, prompt)
+    model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+    module = sys.modules["prefixkv.cache"]
+    saved = dict(vars(module))
+    unraisable: list[object] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        for name in saved:
+            if not name.startswith("__"):
+                setattr(module, name, None)
+        cache.__del__()
+    finally:
+        vars(module).update(saved)
+        sys.unraisablehook = hook
+    assert not unraisable
+    del cache
+    store.close()
+
+
 def test_store_switches_attention_and_restores_it(model: object) -> None:
     assert model.config._attn_implementation == "sdpa"
     store = prefixkv.PrefixStore(model)

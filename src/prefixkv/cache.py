@@ -27,7 +27,6 @@ construction is checked against the same facts at the first forward of each ``ge
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 import weakref
@@ -1123,13 +1122,16 @@ class PagedPrefixCache(Cache):
 
     def __del__(self) -> None:
         # at interpreter shutdown, or for a half-built cache, there may be nothing left to give back to; a cache
-        # nobody references has no forward running, so a release still pending happens here
-        with contextlib.suppress(Exception):
+        # nobody references has no forward running, so a release still pending happens here. A plain try: at
+        # shutdown this module's globals (contextlib among them) may already be None
+        try:
             if self._release_pending:
                 self._release_pending = False
                 self._release()
             else:
                 self.close()
+        except Exception:  # a finalizer must not raise, and has no one to report to
+            pass
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedPrefixCache:
         """A second cache holding the same columns, sharing their blocks (copy-on-write), on the same store:
