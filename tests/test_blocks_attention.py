@@ -121,7 +121,9 @@ def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask:
     if not with_mask and not plain:
         with_mask = True  # a None mask means: no padding, no holes, no window
     reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"])
-    forward = attention.BlocksForward(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer: (full_k, full_v))
+    forward = attention.BlocksForward(
+        _Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v)
+    )
     scale = 0.7
     got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -245,6 +247,39 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
     result = compare(model, store, torch.cat([ids[0], random_tokens(6, seed=8)])[None], max_new_tokens=6)
     assert result.same_tokens and result.max_diff <= tolerance
     store.close()
+
+
+def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a 5-token forward after 8 held columns: over the held ones the model's mask is all True (no padding), over
+    # the new ones plain causal; the kernel gets no mask there (it runs faster without one), worked out once for
+    # all the layers that share the mask. Under a sliding window both parts keep their masks
+    layout = dict(
+        bs=4, kv_heads=2, group=2, batch=1, q=5, pads=[0], held=8, share=0, sharers=[False], holes=False,
+        window=None, contiguous=True, seed=5,
+    )  # fmt: skip
+    calls: list[tuple[bool, bool]] = []
+    original = attention.attend
+
+    def recording(query, key, value, mask, scale, *, causal=False):  # type: ignore[no-untyped-def]
+        calls.append((mask is None, causal))
+        return original(query, key, value, mask, scale, causal=causal)
+
+    monkeypatch.setattr(attention, "attend", recording)
+    for window, expected in ((None, [(True, False), (True, True)]), (3, [(False, False), (False, False)])):
+        pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build({**layout, "window": window})
+        pads = layout["pads"]
+        reads, new_from = plan_reads(pads, tables, 8, 5, 4)
+        forward = attention.BlocksForward(
+            _Pool(pool_k, pool_v), reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v)
+        )
+        for layer in range(2):  # two layers sharing the model's mask
+            calls.clear()
+            got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask, None)
+            assert [calls[0], calls[-1]] == expected, (window, layer, calls)  # (grouped heads: one call inside)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                query, full_k, full_v, attn_mask=mask, enable_gqa=True
+            )
+            assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)
 
 
 def test_merging_two_parts_is_attention_over_their_union() -> None:

@@ -187,6 +187,39 @@ class BlocksForward:
         self.probe = probe
         self.handed: dict[int, tuple[int, torch.Tensor]] = {}
         self.served: set[int] = set()
+        # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
+        self._masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
+
+    def part_mask(self, mask: torch.Tensor | None, index: int, q: int) -> torch.Tensor | None:
+        """The mask of read ``index`` (:func:`_read_mask`), or ``None`` where it lets every query see every
+        column (the held columns of a row without padding: the flash kernel runs faster without a mask), worked
+        out once per forward for each mask the model passes. Mutates the memo."""
+        key = (id(mask), index)
+        hit = self._masks.get(key)
+        if hit is not None and hit[0] is mask:
+            return hit[1]  # type: ignore[no-any-return]
+        part = _read_mask(mask, self.reads[index], q)
+        if part is not None and part.dtype == torch.bool and bool(part.all()):
+            part = None
+        self._masks[key] = (mask, part)
+        return part
+
+    def new_mask(self, mask: torch.Tensor | None, q: int) -> tuple[torch.Tensor | None, bool]:
+        """The mask of the new columns (from ``new_from``) and whether it is plain causal (then ``None``, and the
+        kernel's causal flag serves it faster), once per forward for each mask. Mutates the memo."""
+        key = (id(mask), -1)
+        hit = self._masks.get(key)
+        if hit is not None and hit[0] is mask:
+            return hit[1]  # type: ignore[no-any-return]
+        assert self.new_from is not None
+        part = None if mask is None else mask[..., self.new_from :]
+        if part is not None and part.dtype == torch.bool and part.shape[-1] == q:
+            causal = torch.ones(q, q, dtype=torch.bool, device=part.device).tril()
+            if bool((part == causal).all()):
+                part = None
+        result = (part, part is None)
+        self._masks[key] = (mask, result)
+        return result
 
     def hand_out(self, layer: int, key: torch.Tensor) -> None:
         """Note that ``update`` returned ``key`` for ``layer``. Mutates."""
@@ -410,9 +443,9 @@ def blocks_attention(
         mask = mask.expand(batch, *mask.shape[1:])
     everyone = tuple(range(batch))
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
-    for read in forward.reads:
+    for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-        part_mask = _read_mask(mask, read, q)
+        part_mask = forward.part_mask(mask, number, q)
         if len(read.rows) == 1:
             out, lse = attend(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
         else:
@@ -427,8 +460,8 @@ def blocks_attention(
                 out, lse = attend(chosen, k, v, part_mask, scale)
         parts.append((read.rows, out, lse))
     if forward.new_from is not None:
-        new_mask = None if mask is None else mask[..., forward.new_from :]
-        out, lse = attend(query, key, value, new_mask, scale, causal=new_mask is None)
+        new_mask, causal = forward.new_mask(mask, q)
+        out, lse = attend(query, key, value, new_mask, scale, causal=causal)
         parts.append((everyone, out, lse))
     if len(parts) == 1 and parts[0][0] == everyone:
         merged = parts[0][1]
