@@ -86,7 +86,8 @@ def run(
     """Every ``prompts`` x ``batches`` case without sharing, then each ``(prompt, batch, shared)`` case, then a
     warm turn of each ``warm`` prompt length: before prefixkv's timed call, an untimed one on the prompt's first
     ``prompt - 7`` tokens generates 32 tokens and publishes them (the next request's own blocks then lie apart
-    from the ones it reuses)."""
+    from the ones it reuses). Each case's figure is the fastest of ``repeat`` calls per variant, the variants
+    taking turns to go first (a slow spell of the machine then falls on each of them)."""
     model = model_for(size)
     store = prefixkv.PrefixStore(model, block_size=16)
     rows = []
@@ -100,7 +101,8 @@ def run(
             if earlier:
                 with prefixkv.PagedPrefixCache(store, ids[:, :-7]) as cache:
                     model.generate(ids[:, :-7], max_new_tokens=32, do_sample=False, pad_token_id=0, cache=cache)
-            for variant in samples:
+            order = list(samples)
+            for variant in order[i % 3 :] + order[: i % 3]:  # each repeat starts with another variant
                 samples[variant].append(decode_ms(model, ids, new, variant, store, reused))
         store.clear()
         times = {k: min(v) for k, v in samples.items()}
