@@ -1,6 +1,6 @@
 """Run every benchmark and write ``docs/benchmarks.md`` (tables) and ``docs/benchmarks.png`` (plot).
 
-``python benchmarks/run_all.py`` (full: the ~100M model, ~12 min on 2 cores) or ``--quick`` (the small
+``python benchmarks/run_all.py`` (full: the ~100M model, about 25 min on 2 cores) or ``--quick`` (the small
 model and sizes, seconds: prints the tables and writes nothing). Also ``python -m prefixkv bench [--quick]``.
 """
 
