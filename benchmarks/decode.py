@@ -102,7 +102,7 @@ def run(
                 with prefixkv.PagedPrefixCache(store, ids[:, :-7]) as cache:
                     model.generate(ids[:, :-7], max_new_tokens=32, do_sample=False, pad_token_id=0, cache=cache)
             order = list(samples)
-            for variant in order[i % 3 :] + order[: i % 3]:  # each repeat starts with another variant
+            for variant in order[i % len(order) :] + order[: i % len(order)]:  # each repeat starts with another variant
                 samples[variant].append(decode_ms(model, ids, new, variant, store, reused))
         store.clear()
         times = {k: min(v) for k, v in samples.items()}

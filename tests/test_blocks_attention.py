@@ -252,34 +252,45 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
 def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     # a 5-token forward after 8 held columns: over the held ones the model's mask is all True (no padding), over
     # the new ones plain causal; the kernel gets no mask there (it runs faster without one), worked out once for
-    # all the layers that share the mask. Under a sliding window both parts keep their masks
+    # all the layers that share the mask, also when the model's mask has a batch dimension of 1 for 2 rows.
+    # Under a sliding window both parts keep their masks
     layout = dict(
-        bs=4, kv_heads=2, group=2, batch=1, q=5, pads=[0], held=8, share=0, sharers=[False], holes=False,
+        bs=4, kv_heads=2, group=2, batch=2, q=5, pads=[0, 0], held=8, share=0, sharers=[False, False], holes=False,
         window=None, contiguous=True, seed=5,
     )  # fmt: skip
     calls: list[tuple[bool, bool]] = []
     original = attention.attend
+    sliced: list[int] = []
+    original_read_mask = attention._read_mask
 
     def recording(query, key, value, mask, scale, *, causal=False):  # type: ignore[no-untyped-def]
         calls.append((mask is None, causal))
         return original(query, key, value, mask, scale, causal=causal)
 
+    def counting(*args):  # type: ignore[no-untyped-def]
+        sliced.append(1)
+        return original_read_mask(*args)
+
     monkeypatch.setattr(attention, "attend", recording)
+    monkeypatch.setattr(attention, "_read_mask", counting)
     for window, expected in ((None, [(True, False), (True, True)]), (3, [(False, False), (False, False)])):
         pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build({**layout, "window": window})
-        pads = layout["pads"]
-        reads, new_from = plan_reads(pads, tables, 8, 5, 4)
-        forward = attention.BlocksForward(
-            _Pool(pool_k, pool_v), reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v)
-        )
-        for layer in range(2):  # two layers sharing the model's mask
-            calls.clear()
-            got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask, None)
-            assert [calls[0], calls[-1]] == expected, (window, layer, calls)  # (grouped heads: one call inside)
-            want = torch.nn.functional.scaled_dot_product_attention(
-                query, full_k, full_v, attn_mask=mask, enable_gqa=True
-            )
-            assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)
+        assert torch.equal(mask[0], mask[1])
+        reads, new_from = plan_reads(layout["pads"], tables, 8, 5, 4)
+        for model_mask in (mask, mask[:1]):
+            pool = _Pool(pool_k, pool_v)
+            pool.keys, pool.values = pool.keys * 2, pool.values * 2  # two layers (the same tensors)
+            forward = attention.BlocksForward(pool, reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v))
+            sliced.clear()
+            for layer in range(2):  # two layers sharing the model's mask
+                calls.clear()
+                got = attention.blocks_attention(forward, layer, query, new_k, new_v, model_mask, None)
+                assert [calls[0], calls[-1]] == expected, (window, layer, calls)  # (grouped heads: one call inside)
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    query, full_k, full_v, attn_mask=mask, enable_gqa=True
+                )
+                assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)
+            assert len(sliced) == len(reads), (window, model_mask.shape)  # each read's mask sliced once, not per layer
 
 
 def test_merging_two_parts_is_attention_over_their_union() -> None:

@@ -190,21 +190,22 @@ class BlocksForward:
         # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
         self._masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
 
-    def part_mask(self, mask: torch.Tensor | None, index: int, q: int) -> torch.Tensor | None:
-        """The mask of read ``index`` (:func:`_read_mask`), or ``None`` where it lets every query see every
-        column (the held columns of a row without padding: the flash kernel runs faster without a mask), worked
-        out once per forward for each mask the model passes. Mutates the memo."""
+    def part_mask(self, mask: torch.Tensor | None, index: int, q: int, batch: int) -> torch.Tensor | None:
+        """The mask of read ``index`` (:func:`_read_mask`) from the model's ``mask`` (its batch dimension 1 or
+        ``batch``), or ``None`` where it lets every query see every column (the held columns of a row without
+        padding: the flash kernel runs faster without a mask), worked out once per forward for each mask the
+        model passes. Mutates the memo."""
         key = (id(mask), index)
         hit = self._masks.get(key)
         if hit is not None and hit[0] is mask:
             return hit[1]  # type: ignore[no-any-return]
-        part = _read_mask(mask, self.reads[index], q)
+        part = _read_mask(None if mask is None else _batched(mask, batch), self.reads[index], q)
         if part is not None and part.dtype == torch.bool and bool(part.all()):
             part = None
         self._masks[key] = (mask, part)
         return part
 
-    def new_mask(self, mask: torch.Tensor | None, q: int) -> tuple[torch.Tensor | None, bool]:
+    def new_mask(self, mask: torch.Tensor | None, q: int, batch: int) -> tuple[torch.Tensor | None, bool]:
         """The mask of the new columns (from ``new_from``) and whether it is plain causal (then ``None``, and the
         kernel's causal flag serves it faster), once per forward for each mask. Mutates the memo."""
         key = (id(mask), -1)
@@ -212,7 +213,7 @@ class BlocksForward:
         if hit is not None and hit[0] is mask:
             return hit[1]  # type: ignore[no-any-return]
         assert self.new_from is not None
-        part = None if mask is None else mask[..., self.new_from :]
+        part = None if mask is None else _batched(mask, batch)[..., self.new_from :]
         if part is not None and part.dtype == torch.bool and part.shape[-1] == q:
             causal = torch.ones(q, q, dtype=torch.bool, device=part.device).tril()
             if bool((part == causal).all()):
@@ -401,6 +402,11 @@ def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:
     return flat.index_select(1, slots.view(-1)).view(heads, rows, n, dim).transpose(0, 1)
 
 
+def _batched(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """The model's mask with its batch dimension expanded to ``batch`` (a view) where it is 1."""
+    return mask if mask.shape[0] == batch else mask.expand(batch, *mask.shape[1:])
+
+
 def _read_mask(mask: torch.Tensor | None, read: Read, q: int) -> torch.Tensor | None:
     """The mask of a read's queries over its columns: ``[rows, 1, q, n]`` (``[1, 1, rows * q, n]`` for shared
     K/V), from the model's ``mask`` (``None``: every column is seen, except a gather's padding)."""
@@ -439,13 +445,11 @@ def blocks_attention(
     ``[B, q, Hq, D]`` as transformers' attention functions do."""
     batch, heads, q, dim = query.shape
     pool_k, pool_v = forward.pool.keys[layer], forward.pool.values[layer]
-    if mask is not None and mask.shape[0] != batch:
-        mask = mask.expand(batch, *mask.shape[1:])
     everyone = tuple(range(batch))
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-        part_mask = forward.part_mask(mask, number, q)
+        part_mask = forward.part_mask(mask, number, q, batch)
         if len(read.rows) == 1:
             out, lse = attend(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
         else:
@@ -460,7 +464,7 @@ def blocks_attention(
                 out, lse = attend(chosen, k, v, part_mask, scale)
         parts.append((read.rows, out, lse))
     if forward.new_from is not None:
-        new_mask, causal = forward.new_mask(mask, q)
+        new_mask, causal = forward.new_mask(mask, q, batch)
         out, lse = attend(query, key, value, new_mask, scale, causal=causal)
         parts.append((everyone, out, lse))
     if len(parts) == 1 and parts[0][0] == everyone:
