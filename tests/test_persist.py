@@ -13,7 +13,7 @@ from conftest import compare, random_tokens
 
 import prefixkv
 from prefixkv import CacheMisuseError, CapacityError, PersistError
-from prefixkv.persist import fingerprint
+from prefixkv.persist import FORMAT_VERSION, fingerprint
 
 TOL = 1e-6
 BS = 4
@@ -169,7 +169,7 @@ def test_a_tampered_header_is_refused(saved: Path, tmp_path: Path) -> None:
         (b'"dtype":"float64"', b'"dtype":"float32"', "checksum"),
         (b'"dtype":"I64"', b'"dtype":"F64"', "checksum"),  # the first trie tensor reinterpreted
         (b'"format":"prefixkv', b'"format":"prefixKV', "not a prefixkv prefix file"),
-        (b'"format_version":"2"', b'"format_version":"7"', "newer prefixkv"),
+        (f'"format_version":"{FORMAT_VERSION}"'.encode(), b'"format_version":"7"', "newer prefixkv"),
         (b'"__metadata__":{', b'"__metadata__":[', "not a readable safetensors file"),
     ]
     for old, new, message in cases:

@@ -41,7 +41,7 @@ from .pool import KV_DTYPES, SCALE_DTYPE, BlockPool, LayerSpec, check_kv_dtype, 
 from .trie import Node, RadixTrie
 
 FORMAT = "prefixkv.prefixes"
-FORMAT_VERSION = 2  # 2: quantized files keep a scale per token and head (1: per block and head)
+FORMAT_VERSION = 3  # 3: codes of head vectors turned with exact sums (2: turned by a matmul; 1: a scale per block)
 _SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models
 _TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
 
@@ -332,10 +332,12 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
                 f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
                 f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
             )
-    if kv_dtype is not None and _int(meta, "format_version", path) < 2:
+    version = _int(meta, "format_version", path)
+    if kv_dtype is not None and version < FORMAT_VERSION:
+        layout = "one scale per block" if version == 1 else "codes of head vectors turned by another transform"
         raise PersistError(
-            f"{path} holds {kv_dtype} K/V with one scale per block (format version 1, an older prefixkv); this "
-            "prefixkv keeps one scale per token and cannot read them. Save the prefixes again from an "
+            f"{path} holds {kv_dtype} K/V with {layout} (format version {version}, an older prefixkv); this "
+            f"prefixkv (format version {FORMAT_VERSION}) cannot read them. Save the prefixes again from an "
             "unquantized store or with this prefixkv"
         )
     scales = {}

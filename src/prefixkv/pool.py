@@ -18,14 +18,16 @@ Quantized storage (``kv_dtype="int8"`` or ``"fp8"``): K and V are kept in 8 bits
 per token and KV head (per layer, K and V apart), ``[kv_heads, num_blocks, block_size]`` beside the codes.
 Each token is quantized once, when it is written, and never again: appending to a block leaves the tokens
 already there as they are, and copy-on-write copies codes and scales exactly. Each token's head vector is
-first turned by a fixed orthogonal matrix (a normalised Hadamard matrix when ``head_dim`` is a power of two,
-the orthonormal DCT-II otherwise): K has a few channels far larger than the rest, which would set the scale
-of every token and leave the other channels a handful of steps; turned, a token's size is spread evenly
-over its channels. Then ``code = round(x / scale)`` (int8; fp8 rounds to the nearest e4m3), ``scale`` the
-token's absolute maximum over the largest code (127, or 448 for e4m3) rounded up to a bfloat16 (no code
-clips), and a read computes ``code * scale`` turned back. The scales cost ``2 / head_dim`` bytes per code
-byte. Reads dequantize only the gathered slots, into the pool's ``dtype``; the full-precision
-cache never exists as a whole.
+first turned by a fixed orthogonal matrix (:func:`turn`: a normalised Hadamard matrix when ``head_dim`` is a
+power of two, a Hadamard-DCT product otherwise): K has a few channels far larger than the rest, which would
+set the scale of every token and leave the other channels a handful of steps; turned, a token's size is
+spread evenly over its channels. Then ``code = round(x / scale)`` (int8; fp8 rounds to the nearest e4m3),
+``scale`` the token's absolute maximum over the largest code (127, or 448 for e4m3) rounded up to a bfloat16
+(no code clips), and a read computes the codes turned back (:func:`turn_back`) times ``scale``. A token's
+codes, scales and values read back depend on its own values alone, never on how many tokens are written or
+read with it: the turns' sums are exact (:func:`turn`), everything else is elementwise. The scales cost
+``2 / head_dim`` bytes per code byte. Reads dequantize only the gathered slots, into the pool's ``dtype``; the
+full-precision cache never exists as a whole.
 """
 
 from __future__ import annotations
@@ -59,35 +61,92 @@ KV_DTYPES = ("int8", "fp8")
 """The quantized storage modes; ``None`` keeps K/V in the pool's ``dtype``."""
 
 # storage element type (fp8 codes are kept as their bytes: CPU index_copy_ has no float8 kernel), the
-# type codes are computed in, and the largest code
-_CODES: dict[str, tuple[torch.dtype, torch.dtype, float]] = {
-    "int8": (torch.int8, torch.int8, 127.0),
-    "fp8": (torch.uint8, torch.float8_e4m3fn, 448.0),
+# type codes are computed in, the largest code, and a type in which the sums of codes that turning back takes
+# are exact (int8: integers, |sum| <= 127 * head_dim < 2**24; e4m3: multiples of 2**-9 up to 448 * head_dim,
+# which need up to 25 bits for heads of 128)
+_CODES: dict[str, tuple[torch.dtype, torch.dtype, float, torch.dtype]] = {
+    "int8": (torch.int8, torch.int8, 127.0, torch.float32),
+    "fp8": (torch.uint8, torch.float8_e4m3fn, 448.0, torch.float64),
 }
 SCALE_DTYPE = torch.bfloat16
 """What a quantized pool keeps its scales in, one per token and KV head: float32's range in 2 bytes."""
 _ROUND_UP = 1 + 2**-7  # a positive float32 times this, rounded to the nearest bfloat16, is not below it
 
 
-@functools.cache
-def rotation(head_dim: int) -> torch.Tensor:
-    """The orthogonal ``[head_dim, head_dim]`` float32 matrix 8-bit storage turns head vectors by (rows
-    times it): Sylvester's Hadamard matrix over ``sqrt(head_dim)`` when ``head_dim`` is a power of two, else
-    the orthonormal DCT-II. Fixed by ``head_dim`` alone, so saved files need no copy of it.
+def _split(head_dim: int) -> tuple[int, int]:
+    """``head_dim`` as ``(p, m)``: its largest power-of-two factor ``p`` and the odd rest ``m``."""
+    p = head_dim & -head_dim
+    return p, head_dim // p
 
-    >>> r = rotation(64)
-    >>> bool(torch.allclose(r @ r.T, torch.eye(64), atol=1e-6)), float(r.abs().max()) == 1 / 8
+
+@functools.cache
+def _signs(p: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Sylvester's ``[p, p]`` matrix of +1 and -1 (``p`` a power of two)."""
+    h = torch.ones(1, 1, dtype=dtype)
+    while h.shape[0] < p:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(device)
+
+
+@functools.cache
+def _dct(m: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal DCT-II of size ``m`` as ``[m, m]`` float32, ``x @ _dct(m)`` its coefficients."""
+    n = torch.arange(m, dtype=torch.float64)
+    dct = torch.cos(math.pi / m * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / m)
+    dct[0] /= math.sqrt(2)
+    return dct.T.contiguous().float().to(device)
+
+
+def _mix(x: torch.Tensor, dct: torch.Tensor) -> torch.Tensor:
+    """``[N, m, p]`` -> ``out[:, c] = sum_b x[:, b] * dct[b, c]``, summed elementwise in the order ``b = 0, 1, ...``
+    (no matmul: each row's result is its own, whatever rows come with it)."""
+    out = x[:, :1] * dct[0][None, :, None]
+    for b in range(1, dct.shape[0]):
+        out = out + x[:, b : b + 1] * dct[b][None, :, None]
+    return out
+
+
+def turn(x: torch.Tensor) -> torch.Tensor:
+    """Head vectors ``[..., head_dim]`` turned by a fixed orthogonal matrix, in float32. With ``head_dim = p *
+    m`` (``p`` its largest power-of-two factor, ``m`` odd), the matrix is the Kronecker product of the
+    orthonormal DCT-II of size ``m`` and Sylvester's Hadamard matrix over ``sqrt(p)`` (the normalised Hadamard
+    matrix when ``head_dim`` is a power of two). Fixed by ``head_dim`` alone, so saved files need no copy.
+
+    Each vector's result is a function of its own values alone, bit for bit, whatever other vectors are
+    turned with it and whatever kernel the machine picks (docs/memory.md, "A token's codes depend on its own
+    values alone"): each block of ``p`` values is first rounded onto a grid of ``2**-(51 - log2 p)`` times the
+    power of two above its largest value (far finer than any 8-bit code), so the Hadamard sums, taken by a
+    matmul of integers of at most ``2**(51 - log2 p)`` and +-1 in float64, are exact in every order; the rest
+    is elementwise.
+
+    >>> x = torch.randn(5, 64)
+    >>> bool(torch.equal(turn(x)[2:3], turn(x[2:3]))), bool(torch.allclose(turn_back(turn(x)), x, atol=1e-5))
     (True, True)
     """
-    if head_dim & (head_dim - 1) == 0:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < head_dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return (h / math.sqrt(head_dim)).float()
-    n = torch.arange(head_dim, dtype=torch.float64)
-    dct = torch.cos(math.pi / head_dim * (n[None, :] + 0.5) * n[:, None]) * math.sqrt(2 / head_dim)
-    dct[0] /= math.sqrt(2)
-    return dct.T.contiguous().float()  # columns are the basis: x @ dct.T gives the DCT coefficients
+    p, m = _split(x.shape[-1])
+    bits = 51 - (p.bit_length() - 1)  # |integers| <= 2**bits, so p of them sum to at most 2**51: exact in float64
+    rows = x.reshape(-1, m, p).double()
+    top = rows.abs().amax(-1, keepdim=True)
+    mantissa, _ = torch.frexp(top)
+    unit = torch.where(top > 0, top / mantissa, 1.0)  # 2**e just above the block's largest value, exactly
+    ints = (rows * (2.0**bits / unit)).round_()  # scaling by powers of two is exact
+    # + 0.0: an exact zero sum is +0.0 whatever the order (a sum of -0.0 terms may give either sign)
+    turned = ((ints @ _signs(p, torch.float64, x.device) + 0.0) * (unit / 2.0**bits / math.sqrt(p))).float()
+    if m > 1:
+        turned = _mix(turned, _dct(m, x.device))
+    return turned.reshape(x.shape)
+
+
+def turn_back(y: torch.Tensor, exact: torch.dtype = torch.float64) -> torch.Tensor:
+    """The inverse of :func:`turn` (its transpose) for float ``y`` ``[..., head_dim]``, in ``y``'s dtype: a
+    Hadamard matmul whose sums are taken in ``exact`` (the pool passes codes, whose sums are exact in it, so
+    each vector's result is its own bit for bit), then the DCT-II's transpose elementwise, over ``sqrt(p)``."""
+    p, m = _split(y.shape[-1])
+    rows = y.reshape(-1, m, p).to(exact)
+    back = (rows @ _signs(p, exact, y.device) + 0.0).to(y.dtype)
+    if m > 1:
+        back = _mix(back, _dct(m, y.device).T.to(y.dtype))
+    return (back * (1 / math.sqrt(p))).reshape(y.shape)
 
 
 def check_kv_dtype(kv_dtype: str | None) -> None:
@@ -189,16 +248,16 @@ class BlockPool:
 
     def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Quantize ``[N, kv_heads, head_dim]`` values and place codes and scales at ``flat`` slots. Mutates."""
-        for codes, scales, new in ((self.keys, self.key_scales, new_k), (self.values, self.value_scales, new_v)):
-            q, scale = self._quantize(new.to(torch.float32))
-            _slots(codes[layer]).index_copy_(1, flat, q.transpose(0, 1))
-            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale.T)
+        codes, scale = self._quantize(torch.stack((new_k, new_v)).to(torch.float32))  # K and V in one call
+        for i, (stored, scales) in enumerate(((self.keys, self.key_scales), (self.values, self.value_scales))):
+            _slots(stored[layer]).index_copy_(1, flat, codes[i].transpose(0, 1))
+            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale[i].T)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of float32 ``x`` ``[..., kv_heads, head_dim]``: one scale per head, ``[..., kv_heads]``."""
         assert self.kv_dtype is not None
-        store, code, top = _CODES[self.kv_dtype]
-        x = x @ rotation(x.shape[-1]).to(x.device)
+        store, code, top, _ = _CODES[self.kv_dtype]
+        x = turn(x)
         scale = (x.abs().amax(dim=-1) / top * _ROUND_UP).to(SCALE_DTYPE)
         # an all-zero head keeps scale 0 (its codes are 0); dividing by 1 there avoids 0/0
         scaled = x / torch.where(scale > 0, scale, 1.0).to(torch.float32)[..., None]
@@ -209,10 +268,10 @@ class BlockPool:
     def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``codes``: ``[..., kv_heads, head_dim]``, ``scale``: ``[..., kv_heads]`` -> values in ``dtype``."""
         assert self.kv_dtype is not None
-        code = _CODES[self.kv_dtype][1]
+        _, code, _, exact = _CODES[self.kv_dtype]
         values = codes.view(code).to(torch.float32) if code != torch.int8 else codes.to(torch.float32)
-        values = values * scale.to(torch.float32)[..., None]
-        return (values @ rotation(values.shape[-1]).to(values.device).T).to(dtype)
+        # turned back before scaling: the sums are then of codes, exact in ``exact``
+        return (turn_back(values, exact) * scale.to(torch.float32)[..., None]).to(dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
