@@ -1,8 +1,15 @@
-"""Shared test helpers: tiny models, a stock-vs-prefixkv generate comparison, a token counter."""
+"""Shared test helpers: tiny models, a stock-vs-prefixkv generate comparison, a token counter.
+
+Every fidelity reference runs on a model prefixkv has never touched (its attention, hooks and wrapped methods
+would otherwise run in the reference too, and a bug there would cancel out): the first time a store is built on
+a model, :func:`stock_twin` keeps a deep copy of it taken before the store exists, and :func:`compare` runs stock
+``generate`` on that copy, with the model's current weights and adapter state copied over."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 import prefixkv
+from prefixkv.pool import BlockPool, LayerSpec
 
 
 @dataclass
@@ -46,6 +54,84 @@ class FeedCounter:
         self._handle.remove()
 
 
+_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+_store_init = prefixkv.PrefixStore.__init__
+
+
+def _init_keeping_a_twin(self: prefixkv.PrefixStore, model: Any, **kwargs: Any) -> None:
+    if isinstance(model, torch.nn.Module) and model not in _TWINS:
+        twin = copy.deepcopy(model)
+        for m in twin.modules():  # a test's own hooks (feed counters, invariant checks) stay with the original
+            m._forward_pre_hooks.clear()
+            m._forward_hooks.clear()
+        _TWINS[model] = twin
+    _store_init(self, model, **kwargs)
+
+
+prefixkv.PrefixStore.__init__ = _init_keeping_a_twin  # type: ignore[method-assign]
+
+
+def stock_twin(model: Any) -> Any:
+    """The copy of ``model`` taken before the first store on it was built, brought to ``model``'s current
+    weights, buffers and adapter state (PEFT's active and disabled adapters); a model that never had a store
+    is its own twin. Raises if the copy carries anything of prefixkv (then it would be no reference)."""
+    twin = _TWINS.get(model)
+    if twin is None:
+        twin = model
+    else:
+        twin.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():  # non-persistent ones too (rotary inv_freq)
+                twin.get_buffer(name).copy_(buffer)
+        mine = dict(model.named_modules())
+        for name, module in twin.named_modules():
+            if hasattr(module, "_disable_adapters"):  # a PEFT tuner layer
+                module._active_adapter = mine[name]._active_adapter
+                module._disable_adapters = mine[name]._disable_adapters
+    untouched(twin)
+    return twin
+
+
+def untouched(model: Any) -> None:
+    """Raise ``AssertionError`` if ``model`` runs prefixkv's attention or carries a hook or wrapper of it."""
+    inner = getattr(model, "base_model", model)
+    inner = getattr(inner, "model", inner) if hasattr(model, "peft_config") else inner
+    for m in (model, inner):
+        assert getattr(m.config, "_attn_implementation", None) != prefixkv.attention.NAME, "prefixkv attention"
+        assert not m._forward_pre_hooks and not m._forward_hooks, "a forward hook on the reference model"
+        assert not any(k.startswith("_prefixkv") for k in vars(m)), "a prefixkv attribute on the reference model"
+        assert "prepare_inputs_for_generation" not in vars(m) and "generate" not in vars(m), "a wrapped method"
+
+
+def quantized(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """``[B, heads, q, head_dim]`` K or V as an 8-bit pool reads them back: each token quantized by the pool's
+    own quantizer (from its values alone) and dequantized into ``x``'s dtype."""
+    pool = BlockPool([LayerSpec(x.shape[1], x.shape[3], x.device, x.dtype)], 1, 1, kv_dtype)
+    codes, scale = pool._quantize(x.transpose(1, 2).to(torch.float32))
+    return pool._dequantize(codes, scale, x.dtype).transpose(1, 2)
+
+
+class QuantizingCache(DynamicCache):
+    """A ``DynamicCache`` that keeps K/V as an ``int8``/``fp8`` store does (:func:`quantized`): the reference an
+    8-bit store must match exactly, as an unquantized one matches ``DynamicCache``."""
+
+    def __init__(self, config: Any, kv_dtype: str) -> None:
+        super().__init__(config=config)
+        self.kv_dtype = kv_dtype
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        key, value = (quantized(t, self.kv_dtype) for t in (key_states, value_states))
+        return super().update(key, value, layer_idx, *args, **kwargs)
+
+
+def reference_cache(model: Any, kv_dtype: str | None) -> DynamicCache:
+    """The stock cache a store keeping K/V as ``kv_dtype`` must match: ``DynamicCache``, or for 8-bit K/V a
+    :class:`QuantizingCache`."""
+    return DynamicCache(config=model.config) if kv_dtype is None else QuantizingCache(model.config, kv_dtype)
+
+
 def max_logit_diff(a: Any, b: Any) -> float:
     assert len(a) == len(b), f"{len(a)} steps vs {len(b)}"
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
@@ -62,11 +148,12 @@ def compare(
     max_new_tokens: int = 8,
     **kwargs: Any,
 ) -> Comparison:
-    """Run generate with a fresh DynamicCache and with a PagedPrefixCache from ``store``."""
+    """Run generate with a fresh :func:`reference_cache` (``DynamicCache``; for an 8-bit store, one that quantizes
+    as it does) on :func:`stock_twin` ``(model)`` and with a PagedPrefixCache from ``store`` on ``model``."""
 
-    def run(cache: Any) -> Any:
+    def run(cache: Any, on: Any = model) -> Any:
         torch.manual_seed(seed)
-        return model.generate(
+        return on.generate(
             ids,
             attention_mask=mask,
             max_new_tokens=max_new_tokens,
@@ -77,7 +164,8 @@ def compare(
             **kwargs,
         )
 
-    ref = run(DynamicCache(config=model.config))
+    twin = stock_twin(model)
+    ref = run(reference_cache(twin, store.kv_dtype), twin)
     counter = FeedCounter(model)
     cache = prefixkv.PagedPrefixCache(store, ids, mask)
     try:

@@ -197,6 +197,29 @@ def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypat
 WINDOWED = ["mistral", "gemma2", "gemma3_text", "starcoder2", "llama4_text"]
 
 
+def test_compare_catches_a_shim_that_drops_an_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instrument itself: prefixkv's attention dropping the ``scaling`` it forwards (Granite's
+    ``attention_multiplier`` 0.5, not ``1 / sqrt(head_dim)``) must make :func:`compare` report a difference, which
+    it can only because its reference runs on a copy of the model taken before the store. Without the bug it
+    reports none; a reference taken on the model the store is attached to shares the bug and sees nothing."""
+    ids = torch.cat([random_tokens(SHARED, seed=1), random_tokens(6, seed=2)])[None]
+    model = prefixkv.models.tiny_model("granite", dtype=torch.float64)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        assert compare(model, store, ids, max_new_tokens=4, do_sample=False).max_diff <= TOL
+        shim = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+
+        def dropping_scaling(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("scaling", None)
+            return shim(*args, **kwargs)
+
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, dropping_scaling)
+        cold = random_tokens(20, seed=3)[None]  # nothing cached: the whole call runs the broken shim
+        broken = compare(model, store, cold, max_new_tokens=4, do_sample=False)
+        assert broken.max_diff > 100 * TOL, broken.max_diff  # measured 2.6e-3
+        blind = model.generate(cold, cache=transformers.DynamicCache(), **STOCK)  # the old, attached reference
+        assert max_logit_diff(blind.logits, broken.out.logits) <= TOL
+
+
 @pytest.mark.parametrize("family", WINDOWED)
 def test_window_layers_reuse_from_inside_a_long_prefix(family: str) -> None:
     """All blocks of windowed layers are kept: a later prompt may leave a cached prefix at any point,
@@ -235,7 +258,11 @@ def low_precision_tolerance(dtype: torch.dtype, logits: Any) -> float:
 @pytest.mark.parametrize("family", LOW_PRECISION)
 def test_lower_precision_models(family: str, dtype: torch.dtype) -> None:
     model = prefixkv.models.tiny_model(family, dtype=dtype)
-    store = prefixkv.PrefixStore(model, block_size=4)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        _check_lower_precision(model, store, dtype)
+
+
+def _check_lower_precision(model: Any, store: prefixkv.PrefixStore, dtype: torch.dtype) -> None:
     assert store.dtype == dtype and all(k.dtype == dtype for k in store.pool.keys)
     system = random_tokens(SHARED, seed=1)
     compare(model, store, torch.cat([system, random_tokens(6, seed=2)])[None], max_new_tokens=4, do_sample=False)
@@ -256,7 +283,6 @@ def test_lower_precision_models(family: str, dtype: torch.dtype) -> None:
         )
         chosen = warm.out.sequences[row, -len(warm.ref.logits) + steps - 1]
         assert step[row].max() - step[row, chosen] <= 2 * tolerance, "a token differs where stock had no near-tie"
-    store.close()
 
 
 def diverged_at(result: Any) -> int:
