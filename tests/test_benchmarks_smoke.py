@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from transformers import DynamicCache
 
+from prefixkv import kv_bytes_per_token
+from prefixkv.memory import format_bytes
 from prefixkv.models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -22,10 +27,20 @@ import ttft
 import zero_hit
 
 
+def _cells(report: str) -> list[list[str]]:
+    """The body of a Markdown table, row by row, cell by cell."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in report.splitlines()[2:]]
+
+
 def test_ttft_smoke() -> None:
     r = ttft.run("tiny", [48], repeat=1)
-    assert set(r["rows"][0]) >= {"none", "deepcopy", "prefixkv", "bare", "lookup"}
-    assert "prefixkv speedup" in ttft.report(r)
+    row = r["rows"][0]
+    assert all(row[k] > 0 for k in ("none", "deepcopy", "prefixkv", "bare", "lookup")), row
+    assert row["lookup"] < row["prefixkv"]  # the lookup is a small part of a warm call
+    (shown,) = _cells(ttft.report(r))
+    assert shown[:5] == ["48", *(f"{row[k]:.1f}" for k in ("none", "deepcopy", "prefixkv", "bare"))]
+    assert shown[5:8] == [f"{row['none'] / row['deepcopy']:.1f}x", f"{row['none'] / row['prefixkv']:.1f}x", "2x"]
+    assert shown[8].startswith(f"{row['prefixkv'] / row['bare']:.2f} (")
 
 
 def test_decode_smoke() -> None:
@@ -48,6 +63,24 @@ def test_throughput_smoke_gives_the_same_tokens_everywhere() -> None:
     r = throughput.run("tiny", 2, 2, 40, 4, ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
     assert all(r["same_as_plain"].values()), r["same_as_plain"]
     assert "requests/s" in throughput.report(r)
+
+
+def test_throughput_without_plain_still_compares_with_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left out of ``--variants``, the plain loop still runs (untimed) as the reference: a variant that gives
+    other tokens is reported as such, not compared with itself."""
+    r = throughput.run("tiny", 1, 2, 40, 4, ["deepcopy"])
+    assert set(r["seconds"]) == set(r["same_as_plain"]) == {"deepcopy"} and r["same_as_plain"]["deepcopy"]
+    original = throughput.copy.deepcopy
+
+    def wrong_cache(x: Any, *memo: Any) -> Any:  # the recipe's copied caches hold noise for V
+        copied = original(x, *memo)
+        if isinstance(copied, DynamicCache):
+            for layer in copied.layers:
+                layer.values.copy_(torch.randn(layer.values.shape, generator=torch.Generator().manual_seed(0)) * 100)
+        return copied
+
+    monkeypatch.setattr(throughput.copy, "deepcopy", wrong_cache)
+    assert throughput.run("tiny", 1, 2, 40, 4, ["deepcopy"])["same_as_plain"] == {"deepcopy": False}
 
 
 def test_zero_hit_smoke_never_hits() -> None:
@@ -84,8 +117,15 @@ def test_quant_memory_targets_hold_at_the_head_size_of_real_models() -> None:
 
 def test_tiers_smoke_brings_the_prefix_back() -> None:
     r = tiers.run("tiny", [48], repeat=1)  # measure() asserts each timed call reused the whole prefix
-    assert set(r["rows"][0]) >= {"none", "pool", "cpu", "disk", "restore_disk"}
-    assert "disk tier hit" in tiers.report(r)
+    row = r["rows"][0]
+    assert all(row[k] > 0 for k in ("none", "pool", "cpu", "disk", "restore_cpu", "restore_disk")), row
+    config = tiny_model("llama", vocab_size=512).config  # the benchmarks' "tiny" model, float32
+    assert row["bytes"] == 48 * kv_bytes_per_token(config, torch.float32)  # the prefix's 3 blocks of 16 tokens
+    (shown,) = _cells(tiers.report(r))
+    assert shown[0] == "48" and shown[1] == format_bytes(row["bytes"])
+    assert shown[4] == f"{row['cpu']:.1f} ({row['restore_cpu']:.1f})"
+    assert shown[6:8] == [f"{row['none'] / row['pool']:.1f}x", f"{row['none'] / row['cpu']:.1f}x"]
+    assert shown[8].startswith(f"{row['none'] / row['disk']:.1f}x (")
 
 
 def test_lm_eval_smoke_gives_the_answers_of_hf() -> None:

@@ -153,6 +153,8 @@ def test_hf_prefixkv_gives_the_results_of_hf(
 def test_the_launcher_runs_lm_eval_with_hf_prefixkv(
     tasks: pathlib.Path, reference: dict[int, dict[str, Any]], tmp_path: pathlib.Path
 ) -> None:
+    """``python -m prefixkv.lm_eval`` with ``--log_samples``: every sample's log-likelihoods (within 1e-6) and
+    generated text are those of lm-eval's ``hf`` model, and so are the aggregate metrics."""
     model_dir = tmp_path / "model"
     _model().save_pretrained(model_dir)
     prefixkv.models.tiny_tokenizer().save_pretrained(model_dir)
@@ -166,12 +168,27 @@ def test_the_launcher_runs_lm_eval_with_hf_prefixkv(
             "--device", "cpu",
             "--batch_size", "4",
             "--output_path", str(out),
+            "--log_samples",
         ]
     )  # fmt: skip
     (path,) = out.rglob("results_*.json")
     results = json.loads(path.read_text())["results"]
     for task, metric in (("tiny_mc", "acc,none"), ("tiny_gen", "exact_match,none")):
         assert results[task][metric] == pytest.approx(reference[4]["results"][task][metric])
+    for task in ("tiny_mc", "tiny_gen"):
+        (log,) = out.rglob(f"samples_{task}_*.jsonl")
+        samples = [json.loads(line) for line in log.read_text().splitlines()]
+        got = [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+        want = responses(reference[4], task)
+        assert len(got) == len(want) == 9  # every doc of the file (6, and the 3 few-shot ones)
+        if task == "tiny_gen":
+            assert got == want
+            continue
+        for g, w in zip(got, want):
+            assert len(g) == len(w) == 3  # one log-likelihood per choice
+            for (lg, *rest_g), (lw, *rest_w) in zip(_flat(g), _flat(w)):
+                assert abs(float(lg) - lw) < 1e-6, (lg, lw)
+                assert [str(x) for x in rest_g] == [str(x) for x in rest_w]
 
 
 def _flat(resps: list[Any]) -> list[tuple[Any, ...]]:
