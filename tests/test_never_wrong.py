@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_no_leak, compare, max_logit_diff, random_tokens
+from conftest import assert_no_leak, compare, max_logit_diff, random_tokens, stock_twin
 from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
@@ -36,10 +36,11 @@ def model() -> Any:
 
 
 def _stock(model: Any, ids: torch.Tensor, **kwargs: Any) -> Any:
+    """Stock ``generate`` on a copy of ``model`` that prefixkv never touched (``conftest.stock_twin``)."""
     torch.manual_seed(0)
     kwargs.setdefault("max_new_tokens", 6)
     kwargs.setdefault("do_sample", False)
-    return model.generate(
+    return stock_twin(model).generate(
         ids, output_logits=True, return_dict_in_generate=True, pad_token_id=0, cache=DynamicCache(), **kwargs
     )
 
@@ -235,7 +236,7 @@ def test_use_cache_false_publishes_nothing(model: Any, how: str) -> None:
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = _prompt(21)
     reuse_is_exact(model, store, ids, reused=False)  # warm: the call below has a prefix to reuse
-    ref = model.generate(
+    ref = stock_twin(model).generate(
         ids,
         max_new_tokens=6,
         do_sample=False,
@@ -452,7 +453,7 @@ def test_peft_adapters_are_namespaces(model: Any) -> None:
     ids = _prompt(71)
 
     def check(reused: bool) -> None:
-        ref = wrapped.generate(
+        ref = stock_twin(wrapped).generate(
             input_ids=ids,
             max_new_tokens=6,
             do_sample=False,
@@ -637,12 +638,13 @@ def test_continue_from_the_returned_cache_and_deepcopy(model: Any) -> None:
     # the recipe: a prompt's cache computed once, copied for each continuation
     prompt_cache = prefixkv.PagedPrefixCache(store)
     stock_prompt = DynamicCache()
+    twin = stock_twin(model)
     with torch.no_grad():
         model(input_ids=ids, cache=prompt_cache)
-        model(input_ids=ids, cache=stock_prompt)
+        twin(input_ids=ids, cache=stock_prompt)
     for seed in (97, 98):
         longer = torch.cat([ids, random_tokens(5, seed=seed)[None]], dim=1)
-        ref3 = model.generate(longer, cache=copy.deepcopy(stock_prompt), **kw)
+        ref3 = twin.generate(longer, cache=copy.deepcopy(stock_prompt), **kw)
         copied = copy.deepcopy(prompt_cache)
         out3 = model.generate(longer, cache=copied, **kw)
         assert max_logit_diff(out3.logits, ref3.logits) <= TOL
@@ -755,7 +757,7 @@ def test_positional_forward_arguments_are_seen(model: Any) -> None:
         model(ids, None, shifted, cache=cache)
     with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
         out = model(ids, None, None, cache)
-        ref = model(ids, None, None, DynamicCache(config=model.config))
+        ref = stock_twin(model)(ids, None, None, DynamicCache(config=model.config))
     assert (out.logits - ref.logits).abs().max() <= TOL
     reuse_is_exact(model, store, ids)
     assert_no_leak(store)

@@ -44,9 +44,18 @@ pytestmark = pytest.mark.usefixtures("fast_gc")  # drop() collects garbage often
 tokens = st.lists(st.integers(3, 6), min_size=1, max_size=8)  # a small alphabet: shared prefixes are common
 
 
-def prefix_hashes(seq: list[int]) -> list[int]:
-    """K written for position p of a row: a hash of the row's tokens ``[0, p]``."""
-    out, h = [], 0
+ADAPTERS = ("a", "b", "disabled")  # the namespaces AdapterTierStoreMachine switches between
+
+
+def salt(space: object) -> int:
+    """What starts the hashes of K written under a namespace: 0 for none, else the adapter's place + 1."""
+    return 0 if space is None else ADAPTERS.index(str(space)) + 1
+
+
+def prefix_hashes(seq: list[int], start: int = 0) -> list[int]:
+    """K written for position p of a row: a hash of the row's tokens ``[0, p]``, started at ``start``
+    (:func:`salt`: the same tokens have other K/V under another adapter)."""
+    out, h = [], start
     for t in seq:
         h = (h * 1000003 + t + 1) % PRIME
         out.append(h)
@@ -63,11 +72,12 @@ def lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def assert_blocks_hold(store: prefixkv.PrefixStore, seq: list[int], blocks: list[int], n: int) -> None:
-    """The first ``n`` positions of ``seq``, read from ``blocks``, hold its hashes (K) and positions (V)."""
+    """The first ``n`` positions of ``seq``, read from ``blocks``, hold its hashes (K) under the store's current
+    namespace and its positions (V)."""
     if n == 0:
         return
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-    want_k = torch.tensor(prefix_hashes(seq[:n]), dtype=torch.float64)
+    want_k = torch.tensor(prefix_hashes(seq[:n], salt(store.space())), dtype=torch.float64)
     for layer, (k, v) in enumerate(zip(store.pool.keys, store.pool.values)):
         got_k = k.view(k.shape[0], -1, k.shape[3]).index_select(1, slots).transpose(0, 1)  # [n, kv_heads, head_dim]
         got_v = v.view(v.shape[0], -1, v.shape[3]).index_select(1, slots).transpose(0, 1)
@@ -81,7 +91,8 @@ def layer_inputs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The K and V each layer's ``update`` gets for ``q`` new columns after ``start``."""
     spec = cache.store.pool.specs[0]
-    k = torch.tensor([prefix_hashes(r)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
+    h0 = salt(cache.store.space())
+    k = torch.tensor([prefix_hashes(r, h0)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
     k = k[:, None, :, None].expand(-1, spec.kv_heads, -1, spec.head_dim)  # [B, H, q, D]
     pos = torch.arange(start, start + q, dtype=torch.float64)[None, None, :, None].expand_as(k)
     return [(k.contiguous(), (pos + 1000 * layer).contiguous()) for layer in range(len(cache.store.pool.specs))]
@@ -337,7 +348,7 @@ class StoreMachine(RuleBasedStateMachine):
         query = data.draw(tokens)
         if self.ever and data.draw(st.booleans()):
             query = list(data.draw(st.sampled_from(sorted(self.ever)))) + query
-        (m,) = self.store._lookup([query], None)
+        (m,) = self.store._lookup([query], self.store.space())
         best = max((lcp(tuple(query), s) for s in self.ever), default=0)
         surely = max((lcp(tuple(query), s) for s in self.must_hold()), default=0)
         assert surely <= m.length <= best
@@ -402,7 +413,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert s.blocks_pinned <= BUDGET
         assert len(store._trie._heap) <= 2 * s.nodes + 65
         for seq in self.must_hold():
-            m = store._trie.match(seq)
+            m = store._trie.match(seq, store.space())
             assert m.length == len(seq), f"{seq} was dropped while it had to stay"
             assert_blocks_hold(store, list(seq), m.blocks, m.length)
         for live in self.live:
@@ -464,7 +475,8 @@ class TieredStoreMachine(StoreMachine):
         tier = self.store.tier
         assert tier is not None
         for seq in self.kept:
-            assert all(k in tier for k in chunk_keys(list(seq), BLOCK, len(seq) // BLOCK)), f"{seq} left no blocks"
+            keys = chunk_keys(list(seq), BLOCK, len(seq) // BLOCK, self.store.space())
+            assert all(k in tier for k in keys), f"{seq} left no blocks"
         self.recent.clear()
 
     @precondition(lambda self: self.kept and not self.live and not self.pins)
@@ -477,7 +489,7 @@ class TieredStoreMachine(StoreMachine):
         tier = self.store.tier
         assert tier is not None
         restored = tier.stats.restored
-        (m,) = self.store._lookup([query])
+        (m,) = self.store._lookup([query], self.store.space())
         floor = max(whole(lcp(tuple(query), s)) for s in self.kept)
         assert min(floor, BUDGET * BLOCK) <= m.length <= max(lcp(tuple(query), s) for s in self.ever)
         assert_blocks_hold(self.store, query, m.blocks, m.length)
@@ -504,6 +516,36 @@ class DiskTierStoreMachine(StoreMachine):
         self.directory.cleanup()
 
 
+class AdapterTierStoreMachine(TieredStoreMachine):
+    """The tiered moves under a namespace that switches, as a LoRA model's does when an adapter is set or
+    disabled (``store.space()``, which every lookup, publication and tier key takes): K written under one
+    namespace carry its :func:`salt`, and the reference keeps what was published per namespace, so a block
+    published or offloaded under one adapter and served under another shows up as a wrong hash or a match
+    longer than anything published under the active one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapter = ADAPTERS[0]
+        self.store.space = lambda: self.adapter  # type: ignore[method-assign]
+        self.elsewhere: dict[str, tuple[set[tuple[int, ...]], set[tuple[int, ...]]]] = {}  # adapter -> ever, kept
+
+    @precondition(lambda self: not self.live and not self.pins)
+    @rule(adapter=st.sampled_from(ADAPTERS))
+    def switch_adapter(self, adapter: str) -> None:
+        """Set another adapter (or disable them): what was published under the others is not there to reuse."""
+        self.elsewhere[self.adapter] = (self.ever, self.kept)
+        self.ever, self.kept = self.elsewhere.pop(adapter, (set(), set()))
+        self.recent = set()  # what this namespace published may have been evicted meanwhile
+        self.adapter = adapter
+        event(f"adapter {adapter}")
+
+    @rule()
+    def clear(self) -> None:
+        super().clear()
+        for _, kept in self.elsewhere.values():
+            kept.clear()
+
+
 TieredStoreMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -512,6 +554,10 @@ DiskTierStoreMachine.TestCase.settings = settings(
     max_examples=30, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_disk_tier_store_machine = DiskTierStoreMachine.TestCase
+AdapterTierStoreMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_adapter_tier_store_machine = AdapterTierStoreMachine.TestCase
 
 
 def test_unpin_of_unpinned_ids_is_a_clear_error() -> None:

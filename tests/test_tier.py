@@ -4,6 +4,7 @@ when they belong to another model, dtype or quantization."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -177,3 +178,52 @@ def test_a_writer_killed_mid_write_leaves_no_file_that_loads(tmp_path: Path) -> 
         got = tier.get(f"{i:064x}")
         assert got is not None and bool((got["k.0"] == float(i)).all())
     tier.check_invariants()
+
+
+# -- namespaces: adapters ----------------------------------------------------------------------------------------
+
+
+def _adapted() -> Any:
+    """A fresh float64 Llama with two LoRA adapters (random, so that each changes K/V), ``fr`` active."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(prefixkv.models.tiny_model("llama", dtype=torch.float64), config, adapter_name="fr")
+    wrapped.add_adapter("de", peft.LoraConfig(r=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False))
+    wrapped.set_adapter("fr")
+    return wrapped
+
+
+def _under(wrapped: Any, adapter: str) -> Any:
+    """A context in which ``adapter`` is active (``"off"``: adapters disabled)."""
+    if adapter == "off":
+        return wrapped.disable_adapter()
+    wrapped.set_adapter(adapter)
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize(("first", "then"), [("fr", "off"), ("off", "fr"), ("fr", "de")])
+def test_kv_offloaded_under_one_adapter_never_come_back_under_another(
+    kind: str, first: str, then: str, tmp_path: Path
+) -> None:
+    """K/V computed under ``first`` (an adapter, or adapters disabled) and evicted into the tier are never
+    restored under ``then``: that request reuses nothing and gets stock's logits under ``then``; a later
+    ordinary request under ``first`` brings them back from the tier and gets stock's logits too."""
+    wrapped = _adapted()
+    ids = torch.cat([random_tokens(36, seed=41), random_tokens(5, seed=42)])[None]
+    directory = tmp_path if kind == "disk" else None
+    with PrefixStore(wrapped, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
+        with _under(wrapped, first):
+            assert compare(wrapped, store, ids, do_sample=False).max_diff <= 1e-6
+        with store._lock:
+            store._ensure_free(16)  # every cached block evicted into the tier
+        o = store.stats.offload
+        assert store.stats.blocks_used == 0 and o is not None and o.blocks >= 10
+        with _under(wrapped, then):
+            other = compare(wrapped, store, ids, do_sample=False)
+        assert other.cache.stats.cached_tokens == 0 and other.max_diff <= 1e-6 and other.same_tokens
+        assert store.stats.offload is not None and store.stats.offload.restored == 0
+        with _under(wrapped, first):
+            again = compare(wrapped, store, ids, do_sample=False)
+        assert again.cache.stats.cached_tokens == 40 and again.max_diff <= 1e-6 and again.same_tokens
+        assert store.stats.offload is not None and store.stats.offload.restored >= 10
