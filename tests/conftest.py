@@ -55,6 +55,7 @@ class FeedCounter:
 
 
 _TWINS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakSet[prefixkv.PrefixStore] = weakref.WeakSet()  # every store built, for _stores_closed
 _store_init = prefixkv.PrefixStore.__init__
 
 
@@ -66,6 +67,7 @@ def _init_keeping_a_twin(self: prefixkv.PrefixStore, model: Any, **kwargs: Any) 
             m._forward_hooks.clear()
         _TWINS[model] = twin
     _store_init(self, model, **kwargs)
+    _BUILT.add(self)
 
 
 prefixkv.PrefixStore.__init__ = _init_keeping_a_twin  # type: ignore[method-assign]
@@ -210,6 +212,19 @@ def assert_no_leak(store: prefixkv.PrefixStore, pinned: int = 0) -> None:
 def random_tokens(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _stores_closed() -> Iterator[None]:
+    """After each test, failed or not, close the stores it built and left open (and undo the ``enable`` of
+    one): the model fixtures are module-wide, and a store left attached would run in the tests after it."""
+    before = set(_BUILT)
+    yield
+    for store in [s for s in _BUILT if s not in before and not s.closed]:
+        enabled = vars(store.model).get(prefixkv.patch._ENABLED)
+        if enabled is not None and enabled.store is store:
+            prefixkv.disable(store.model)
+        store.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_no_leak, compare, left_pad, random_tokens
+from conftest import assert_no_leak, compare, left_pad, random_tokens, stock_twin
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,10 +16,11 @@ import prefixkv
 
 
 def full_forward(model: Any, context: list[int], continuation: list[int]) -> torch.Tensor:
-    """Log-probabilities of ``continuation`` from one stock forward over context + continuation."""
+    """Log-probabilities of ``continuation`` from one stock forward over context + continuation, on a copy of
+    ``model`` that prefixkv never touched."""
     ids = torch.tensor([context + continuation])
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1 : -1], dim=-1)
+        logprobs = torch.log_softmax(stock_twin(model)(ids).logits[0, len(context) - 1 : -1], dim=-1)
     return logprobs.gather(-1, torch.tensor(continuation)[:, None]).squeeze(-1)
 
 
@@ -116,9 +117,9 @@ def test_in_batch_sharing_computes_a_cold_prefix_once(llama64: Any) -> None:
         finally:
             handle.remove()
         assert result.max_diff < 1e-6 and result.same_tokens
-        # forwards: stock prefill + 2 steps, then the shared prefix (40 tokens, one row), then one batch forward
-        # over the 12 columns after the prefix, then 2 steps
-        assert fed[3:5] == [40, 8 * 12], fed
+        # forwards (the stock reference runs on the model's pristine copy): the shared prefix (40 tokens, one
+        # row), then one batch forward over the 12 columns after the prefix, then 2 steps
+        assert fed == [40, 8 * 12, 8, 8], fed
         stats = result.cache.stats
         # work ~= 1 prefix + 8 tails: each row computes the 12 columns after the prefix (a shorter row, padded
         # on the left, takes the end of the prefix again: one offset per batch), and one row is charged the prefix

@@ -555,7 +555,7 @@ DiskTierStoreMachine.TestCase.settings = settings(
 )
 test_disk_tier_store_machine = DiskTierStoreMachine.TestCase
 AdapterTierStoreMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=30, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_adapter_tier_store_machine = AdapterTierStoreMachine.TestCase
 
