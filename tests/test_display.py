@@ -229,7 +229,8 @@ def test_real_model_missing_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.skipif(os.environ.get("PREFIXKV_REAL_TESTS") != "1", reason="set PREFIXKV_REAL_TESTS=1 (loads SmolLM2)")
 def test_real_chat_reuses_the_system_prompt_and_matches_stock() -> None:
     """SmolLM2 in float32 with its chat template: the second question reuses the system prompt, and both get
-    stock's tokens and logits within float32 rounding (1e-4), the references computed before any store."""
+    stock's tokens and logits within float32 rounding (1e-4; measured 3.8e-5 cold, 4.6e-5 warm), the
+    references computed before any store."""
     from transformers import DynamicCache
 
     model, tok = prefixkv.models.smollm2()
