@@ -73,3 +73,22 @@ def test_chunked_prefill_reuses_exactly() -> None:
     store.check_invariants()
     reused, distance = later_request(model, ref, store, longer)
     assert reused == 59 and distance <= 1e-6
+
+
+# -- item 11: the display of keys of masked tokens -------------------------------------------------------------
+
+
+def test_show_decodes_keys_of_masked_tokens() -> None:
+    tok = prefixkv.models.tiny_tokenizer()
+    model = prefixkv.models.tiny_model("llama")
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.tensor([tok("ba bebo, be kiko. ba bebo, be kiko.").input_ids])
+    mask = torch.ones_like(ids)
+    mask[0, 2] = 0  # a hole: the keys from there on are apart from the plain ids'
+    with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    keys = [n.tokens for n in store.prefix_view()]
+    assert any(k < 0 for edge in keys for k in edge)
+    text = str(store.show(tok))  # OverflowError before the fix
+    assert tok.decode(ids[0, :2]) in text
+    assert "<span" in store.show(tok)._repr_html_()
