@@ -92,3 +92,45 @@ def test_show_decodes_keys_of_masked_tokens() -> None:
     text = str(store.show(tok))  # OverflowError before the fix
     assert tok.decode(ids[0, :2]) in text
     assert "<span" in store.show(tok)._repr_html_()
+
+
+# -- item 8: scoring at the position limit ---------------------------------------------------------------------
+
+
+def test_rolling_loglikelihood_longer_than_max_length_is_that_of_hf() -> None:
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from prefixkv.integrations.lm_eval import PrefixKVLM
+
+    def gpt2() -> Any:
+        return model64("gpt2", max_position_embeddings=64)  # learned positions: feeding 65 tokens raises IndexError
+
+    tok = prefixkv.models.tiny_tokenizer()
+    text = " ".join(["ba bebo, be kiko."] * 20)  # far more than 64 tokens
+    assert len(tok(text).input_ids) > 64
+    request = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(text,), idx=0)]
+    want = HFLM(pretrained=gpt2(), tokenizer=tok, batch_size=2).loglikelihood_rolling(request)
+    model = gpt2()
+    lm = PrefixKVLM(pretrained=model, tokenizer=tok, batch_size=2, prefix_block_size=4)
+    assert lm.max_length == 64
+    got = lm.loglikelihood_rolling(request)  # IndexError before the fix
+    assert abs(got[0] - want[0]) < 1e-6
+    lm.store.check_invariants()
+    prefixkv.disable(model)
+
+
+def test_score_at_the_position_limit_is_a_full_forward() -> None:
+    model = model64("gpt2", max_position_embeddings=64)
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    context, continuation = torch.arange(3, 40).tolist(), torch.arange(40, 68).tolist()  # 65 tokens: 64 are fed
+    (got,) = prefixkv.score(model, store, context, [continuation])  # IndexError before the fix
+    with torch.no_grad():
+        logits = ref(torch.tensor([context + continuation[:-1]])).logits[0, len(context) - 1 :]
+    want = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(continuation)[:, None]).squeeze(-1)
+    assert (got.logprobs - want).abs().max().item() <= 1e-6
+    (again,) = prefixkv.score(model, store, context, [continuation])  # reuses what the first call published
+    assert store.stats.hit_tokens > 0
+    assert (again.logprobs - want).abs().max().item() <= 1e-6
