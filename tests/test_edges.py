@@ -134,3 +134,125 @@ def test_score_at_the_position_limit_is_a_full_forward() -> None:
     (again,) = prefixkv.score(model, store, context, [continuation])  # reuses what the first call published
     assert store.stats.hit_tokens > 0
     assert (again.logprobs - want).abs().max().item() <= 1e-6
+
+
+# -- items 1, 2 and 6, and two suspicions: the disk tier -------------------------------------------------------
+
+
+def prompt(seed: int, n: int = 37) -> torch.Tensor:
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def tier_store(model: Any, folder: Any, block_size: int = 4, **kwargs: Any) -> prefixkv.PrefixStore:
+    """A pool of 48 tokens (one request of 37 + 5) over a disk tier in ``folder``."""
+    return prefixkv.PrefixStore(
+        model, block_size=block_size, num_blocks=48 // block_size, offload="disk", offload_dir=folder, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [dict(seed=1), dict(kv_dtype="int8"), dict(block_size=8)],
+    ids=["other weights", "int8 vs plain", "block size 8 vs 4"],
+)
+def test_two_live_stores_in_one_directory_never_read_each_other(tmp_path: Any, theirs: dict[str, Any]) -> None:
+    """Both stores offload the same prompt (same tokens: before the fix, the same file names), then each brings it
+    back from the disk: its own K/V, exactly (an int8 store: exactly what it computes cold)."""
+    ours_model, their_model = model64(), model64(seed=theirs.pop("seed", 0))
+    ours_ref, their_ref = copy.deepcopy(ours_model), copy.deepcopy(their_model)
+    if theirs.get("kv_dtype"):
+        cold = prefixkv.PrefixStore(their_ref, block_size=4, kv_dtype="int8")
+        their_want, _ = run(their_ref, cold, prompt(0))
+        cold.close()
+    else:
+        their_want = stock(their_ref, prompt(0))
+    ours, their = tier_store(ours_model, tmp_path), tier_store(their_model, tmp_path, **theirs)
+    for model, store in ((ours_model, ours), (their_model, their)):
+        run(model, store, prompt(0))
+        run(model, store, prompt(1))  # evicts prompt 0 to the disk
+    files = sorted(p.name for p in tmp_path.iterdir())
+    for model, store, want in ((ours_model, ours, stock(ours_ref, prompt(0))), (their_model, their, their_want)):
+        out, reused = run(model, store, prompt(0))  # each reads back its own files: 0.77 off, KeyError, RuntimeError
+        tier = store.stats.offload
+        assert tier is not None and tier.restored > 0 and reused == 36 // store.block_size * store.block_size
+        assert diff(out, want) <= 1e-6
+        store.check_invariants()
+    assert set(files) <= {p.name for p in tmp_path.iterdir()}  # nobody deleted the other's files
+    reused, distance = later_request(ours_model, ours_ref, ours, prompt(1))
+    assert reused > 0 and distance <= 1e-6
+
+
+def test_a_store_over_a_directory_of_another_model_misses_and_leaves_its_files(tmp_path: Any) -> None:
+    theirs = tier_store(model64(seed=1), tmp_path)
+    run(theirs.model, theirs, prompt(0))
+    run(theirs.model, theirs, prompt(1))
+    theirs.close()
+    files = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert files
+    model = model64()
+    ref = copy.deepcopy(model)
+    ours = tier_store(model, tmp_path)  # PersistError before: the directory held another model's files
+    tier = ours.stats.offload
+    assert tier is not None and tier.blocks == 0
+    out, reused = run(model, ours, prompt(0))
+    assert reused == 0 and diff(out, stock(ref, prompt(0))) <= 1e-6
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.name in files} == files
+
+
+def test_a_tier_file_of_another_namespace_is_a_miss(tmp_path: Any) -> None:
+    """Every read checks the file's metadata and namespace, not only the scan at construction."""
+    block = {"k.0": torch.ones(1, 4, 2, 8)}
+    tier = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
+    assert tier.put("a", block, "('lora-1',)")
+    assert tier.get("a", "('lora-2',)") is None  # another adapter's K/V under the same key: a miss
+    assert tier.path("a").exists() and "a" not in tier  # the file stays for its namespace
+    again = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
+    got = again.get("a", "('lora-1',)")
+    assert got is not None and bool((got["k.0"] == 1).all())
+    other = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "8"})
+    assert len(other) == 0 and other.get("a", "('lora-1',)") is None  # another store's file: never listed
+    again.check_invariants()
+
+
+def test_two_stores_of_one_model_share_a_directory(tmp_path: Any) -> None:
+    """The suspicion was real: the second store listed the first's files, the first's LRU deleted them, and the
+    second then warned of unreadable files and failed check_invariants. A file gone is a plain miss now."""
+    model = model64()
+    ref = copy.deepcopy(model)
+    first = tier_store(model, tmp_path, max_offload_memory="64KiB")
+    run(model, first, prompt(0))
+    run(model, first, prompt(1))
+    second = tier_store(copy.deepcopy(model), tmp_path)  # lists the first's files of prompt 0
+    assert second.tier is not None and len(second.tier) > 0
+    for seed in range(2, 6):  # the first's tier budget drops prompt 0's files
+        run(model, first, prompt(seed))
+    first.check_invariants()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, reused = run(second.model, second, prompt(0))
+    second.check_invariants()
+    assert diff(out, stock(ref, prompt(0))) <= 1e-6
+    reused, distance = later_request(model, ref, first, prompt(5))
+    assert reused > 0 and distance <= 1e-6
+
+
+def test_a_tier_that_cannot_write_drops_blocks_and_the_request_goes_on(tmp_path: Any) -> None:
+    import shutil
+
+    model = model64()
+    ref = copy.deepcopy(model)
+    folder = tmp_path / "tier"
+    store = tier_store(model, folder)
+    run(model, store, prompt(0))
+    shutil.rmtree(folder)  # a full disk fails the same way: the write raises OSError
+    with pytest.warns(UserWarning, match="cannot keep blocks") as caught:
+        for seed in (1, 2, 3):  # each evicts the one before: FileNotFoundError out of generate before the fix
+            out, _ = run(model, store, prompt(seed))
+            assert diff(out, stock(ref, prompt(seed))) <= 1e-6
+    assert sum("cannot keep blocks" in str(w.message) for w in caught) == 1  # warned once
+    store.check_invariants()  # 8 blocks leaked before the fix
+    assert store.stats.blocks_used <= store.max_blocks
+    reused, distance = later_request(model, ref, store, prompt(3))
+    assert reused == 36 and distance <= 1e-6

@@ -77,7 +77,7 @@ class PrefixFile(NamedTuple):
 # -- model fingerprint -------------------------------------------------------------------------------
 
 
-def fingerprint(model: Any) -> str:
+def fingerprint(model: Any, *, adapters: bool = True) -> str:
     """A sha256 that tells models apart by what shapes their K/V: every parameter's name, dtype,
     shape and a fixed strided sample of its values (all of them for tensors up to 16384 values), the
     rotary settings of the config and the active adapters. Deterministic across processes, devices and
@@ -98,7 +98,8 @@ def fingerprint(model: Any) -> str:
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     rotary = {k: v for k, v in config.to_dict().items() if "rope" in k or "rotary" in k}
     digest.update(json.dumps(rotary, sort_keys=True, default=str).encode())
-    digest.update(_adapter_state(model).encode())
+    if adapters:
+        digest.update(_adapter_state(model).encode())
     return digest.hexdigest()
 
 

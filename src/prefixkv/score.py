@@ -141,8 +141,7 @@ def logprob_rows(
             )
     logits = out.logits[:, -keep:]  # [B, keep, vocab]
     return [
-        torch.log_softmax(logits[i, keep - len(k) :], dim=-1, dtype=softmax_dtype)
-        for i, k in enumerate(continuations)
+        torch.log_softmax(logits[i, keep - len(k) :], dim=-1, dtype=softmax_dtype) for i, k in enumerate(continuations)
     ]
 
 

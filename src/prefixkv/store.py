@@ -281,7 +281,10 @@ class PrefixStore:
         self.tier: OffloadTier | None = None
         if offload is not None:
             limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
-            meta = persist.store_meta(self, persist.fingerprint(model), BLOCK_FORMAT) if offload == "disk" else {}
+            # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
+            # directory serves a model under each of its adapters
+            model_print = persist.fingerprint(model, adapters=False)
+            meta = persist.store_meta(self, model_print, BLOCK_FORMAT) if offload == "disk" else {}
             self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
@@ -944,9 +947,11 @@ class PrefixStore:
                 collected = True
                 continue
             self._evictions += 1
-            if self.tier is not None:
-                self._offload(node)
-            alloc.decref(node.blocks)
+            try:
+                if self.tier is not None:
+                    self._offload(node)
+            finally:
+                alloc.decref(node.blocks)  # the node left the trie: its blocks go back whatever the tier did
 
     # -- the second tier (all under the store lock) ----------------------------------------------
 
@@ -961,7 +966,7 @@ class PrefixStore:
         keys = chunk_keys(self._trie.path_tokens(node), bs, end, space)
         for c in range(first, end):
             if not self.tier.touch(keys[c]):
-                self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]))
+                self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]), repr(space))
 
     def _restore(self, rows: list[list[int]], space: Hashable) -> None:
         """Bring back from the tier the whole blocks that extend each row's match in the trie, and insert
@@ -994,8 +999,8 @@ class PrefixStore:
                     continue  # no room: the row recomputes what the tier holds
                 blocks: list[dict[str, torch.Tensor]] = []
                 for key in keys[c0 : c0 + n]:
-                    block = self.tier.get(key)
-                    if block is None:  # a file that failed its checksum: the rest is recomputed
+                    block = self.tier.get(key, repr(space))
+                    if block is None:  # a file gone, of another store or failing its checksum: the rest is recomputed
                         break
                     blocks.append(block)
                 n = len(blocks)
