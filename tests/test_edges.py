@@ -256,3 +256,94 @@ def test_a_tier_that_cannot_write_drops_blocks_and_the_request_goes_on(tmp_path:
     assert store.stats.blocks_used <= store.max_blocks
     reused, distance = later_request(model, ref, store, prompt(3))
     assert reused == 36 and distance <= 1e-6
+
+
+# -- items 3 and 4: what the namespace and the fingerprint cover -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda p, other: p.data.mul_(1.5),  # an EMA-style update: 1.5e-3 off with 39 tokens reused before the fix
+        lambda p, other: p.data.copy_(other),  # a hand-written optimizer loop: 0.86 off before the fix
+    ],
+    ids=["data.mul_", "data.copy_"],
+)
+def test_weights_written_through_data_start_a_new_namespace(write: Any) -> None:
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 50)[None]
+    run(model, store, ids)
+    other = model64(seed=1)
+    for target in (model, ref):
+        for p, q in zip(target.model.layers[0].self_attn.k_proj.parameters(), other.model.layers[0].parameters()):
+            write(p, q.data[: p.shape[0], : p.shape[1]] if p.dim() == 2 else q.data[: p.shape[0]])
+    out, reused = run(model, store, ids)
+    assert reused == 0
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "before", "after"),
+    [
+        ("mistral", "sliding_window", 24, None),  # 3.3e-2 off before the fix
+        ("llama", "rms_norm_eps", 1e-6, 0.1),  # 6.3e-2 off
+        ("granite", "attention_multiplier", 0.5, 2.0),  # 1.6e-3 off
+    ],
+)
+def test_a_file_saved_under_another_config_is_refused(
+    tmp_path: Any, family: str, field: str, before: Any, after: Any
+) -> None:
+    model = model64(family, **{field: before})
+    store = prefixkv.PrefixStore(model, block_size=4)
+    run(model, store, torch.arange(10, 50)[None])
+    path = tmp_path / "prefixes.safetensors"
+    store.save(path)
+    edited = model64(family, **{field: after})  # the same weights (same seed and shapes), another config
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), edited.parameters()))
+    with pytest.raises(prefixkv.PersistError, match="config"):
+        prefixkv.PrefixStore.load(path, edited)
+    assert prefixkv.PrefixStore.load(path, model64(family, **{field: before})).stats.cached_tokens == 44
+
+
+def test_a_config_edited_at_run_time_starts_a_new_namespace() -> None:
+    model = model64("mistral", sliding_window=24)
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 50)[None]
+    run(model, store, ids)
+    model.config.sliding_window = ref.config.sliding_window = None  # the masks read it at each forward
+    assert diff(stock(ref, ids), stock(model64("mistral", sliding_window=24), ids)) > 1e-3  # it changes K/V
+    out, reused = run(model, store, ids)
+    assert reused == 0
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6
+
+
+# -- item 10: a repeated request at a budget that exactly fits -------------------------------------------------
+
+
+def test_a_cache_hit_needs_no_more_blocks_than_the_cold_call() -> None:
+    ids = torch.arange(10, 20)[None]  # 10 tokens + 5 fed generated ones: 15 columns, 4 blocks of 4
+    small = model64()
+    with pytest.raises(prefixkv.CapacityError):
+        run(small, prefixkv.PrefixStore(small, block_size=4, num_blocks=3), ids)  # 3 blocks do not fit
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=4)
+    cold, reused = run(model, store, ids)
+    assert reused == 0 and diff(cold, stock(ref, ids)) <= 1e-6
+    for _ in range(2):
+        warm, reused = run(model, store, ids)  # CapacityError before the fix: the matched part-block stayed locked
+        assert reused == 9 and diff(warm, stock(ref, ids)) <= 1e-6
+        store.check_invariants()
+    longer = torch.arange(10, 22)[None]  # a reuse that ends mid-block, then more blocks than the pool holds
+    with pytest.raises(prefixkv.CapacityError):
+        run(model, store, torch.arange(10, 40)[None])
+    store.check_invariants()
+    reused, distance = later_request(model, ref, store, longer)
+    assert reused > 0 and distance <= 1e-6

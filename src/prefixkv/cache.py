@@ -932,8 +932,8 @@ class PagedPrefixCache(Cache):
                 full = max(0, self._length - row.pad) // bs
                 if full > row.published:
                     known = row.published * bs  # on the path of the row's trie node: publish continues from it
-                    self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space)
-                    row.published = full
+                    ends = self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space)
+                    row.published = ends // bs  # short of `full` where the trie held those tokens in other blocks
         finally:
             with self._guard:
                 self._owner = None

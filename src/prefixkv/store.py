@@ -171,17 +171,40 @@ def adapter_space(tuners: Sequence[Any]) -> Hashable:
     )
 
 
+# values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
+_SAMPLED = 4
+
+
 def _weights_state(model: Any) -> int:
     """A number that changes when any parameter or buffer of ``model`` is written in place (an optimizer step,
-    ``load_state_dict``) or replaced (``.data =``, a new ``Parameter``, ``load_state_dict(assign=True)``): a hash
-    of every tensor's storage address and version counter (inference tensors have none: 0)."""
+    ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
+    ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
+    every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
+    values (``.data`` writes bump no version), and of :func:`prefixkv.persist.config_state`."""
     state = []
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         version = 0
         with contextlib.suppress(RuntimeError):
             version = t._version
         state.append((t.data_ptr(), version))
-    return hash(tuple(state))
+        if t.device.type != "meta" and t.numel():
+            samples.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():  # one copy per dtype and device, whatever the number of tensors
+        values = tuple(
+            torch.cat([_few_values(t) for t in group]).cpu().view(torch.uint8).numpy().tobytes()
+            for group in samples.values()
+        )
+    return hash((tuple(state), values, persist.config_state(model.config)))
+
+
+def _few_values(t: torch.Tensor) -> torch.Tensor:
+    """``_SAMPLED`` values of ``t`` at evenly spaced places (all of a smaller one), as a view when it is
+    contiguous. Does not mutate."""
+    if not t.is_contiguous():
+        t = t.reshape(-1)
+    n = t.numel()
+    return t.as_strided((min(n, _SAMPLED),), (max(1, n // _SAMPLED),), t.storage_offset())
 
 
 @dataclass(frozen=True)
@@ -721,11 +744,33 @@ class PrefixStore:
                     claim.table = shared
                     if r % bs:
                         shared.append(self._copy_prefix(m.blocks[r // bs], r % bs))
+                for claim, row, r in zip(claims, rows, reused):
+                    if r % bs:
+                        self._lock_whole_blocks(claim, row[: r // bs * bs], space)
             except BaseException:
                 self._drop(claims)
                 raise
             self._claims.update(claims)
             return Claimed(claims, reused)
+
+    def _lock_whole_blocks(self, claim: Claim, tokens: list[int], space: Hashable) -> None:
+        """Move the claim's lock to the node that ends after ``tokens``, the whole blocks it shares (splitting an
+        edge there): the claim holds its own copy of the part-block after them, so the trie's (and what follows)
+        stays evictable, and a repeated request needs no more blocks than the cold one (docs/memory.md). Mutates
+        the trie and locks."""
+        end = self._trie.end_node(tokens, space) if tokens else None
+        if end is not None:
+            self._allocator.incref(end.added)  # empty: a split at a block boundary straddles no block
+        self._move_claim_lock(claim, None if end is None else end.node)
+
+    def _move_claim_lock(self, claim: Claim, node: Node | None) -> None:
+        """Lock ``node`` (``None``: nothing) for the claim instead of what it locked. Mutates locks."""
+        if node is None:
+            if claim.node is not None:
+                self._trie.unlock(claim.node)
+        else:
+            self._trie.move_lock(claim.node, node)
+        claim.node = node
 
     def empty_claims(self, n: int) -> list[Claim]:
         """``n`` claims that hold nothing yet (rows a cache starts from scratch). Mutates (registers them)."""
@@ -801,16 +846,28 @@ class PrefixStore:
         writers = Counter(claims[i].table[spans[i][0] // bs] for i in cow)
         return sum(k if self._allocator.refcount(b) > k else k - 1 for b, k in writers.items())
 
-    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> None:
+    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> int:
         """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
         move the claim's lock to the node that ends them. ``known`` leading tokens are on the claim's node's
         path already (what it published or reused before): the insert continues from there, so publishing a
         block of a long sequence costs that block, not the sequence. Callers publish only K/V proven to be those
-        of ``tokens`` (``PagedPrefixCache._prove``). Mutates the trie, refcounts and locks."""
+        of ``tokens`` (``PagedPrefixCache._prove``). Returns how many leading tokens end at the claim's node now,
+        the ``known`` of its next publish: fewer than ``end`` where the trie held some of them in other blocks
+        already (those stay unlocked, and the next publish offers the claim's blocks again). Mutates the trie,
+        refcounts and locks."""
         with self._lock:
-            node = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
-            self._trie.move_lock(claim.node, node)
-            claim.node = node
+            node: Node | None = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
+            # a node that ends in a block the claim does not hold (another request published those tokens first) is
+            # not locked: the claim has its own copy, and the trie's stays evictable (docs/memory.md)
+            bs = self.block_size
+            while node is not None and node.parent is not None:
+                last = (min(node.end, end) - 1) // bs  # the chunk where the node's part of tokens[:end] ends
+                if node.blocks[last - node.start // bs] == claim.table[last]:
+                    break
+                node = node.parent
+            mine = node if node is not None and node.parent is not None else None
+            self._move_claim_lock(claim, mine)
+            return 0 if mine is None else min(mine.end, end)
 
     def _insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
         """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
