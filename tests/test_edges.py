@@ -40,6 +40,17 @@ def later_request(model: Any, ref: Any, store: prefixkv.PrefixStore, ids: torch.
     return cache.stats.cached_tokens, diff(out, stock(ref, ids))
 
 
+def warmed() -> tuple[Any, Any, prefixkv.PrefixStore, torch.Tensor]:
+    """A float64 llama, a copy of it prefixkv never touches, a store of block size 4 that holds the K/V of a
+    40-token prompt (from one generate call), and that prompt."""
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 50)[None]
+    run(model, store, ids)
+    return model, ref, store, ids
+
+
 def run(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, **kwargs: Any) -> tuple[Any, int]:
     with prefixkv.PagedPrefixCache(store, ids, kwargs.pop("attention_mask", None)) as cache:
         out = model.generate(ids, cache=cache, **RUN, **kwargs)
@@ -50,11 +61,7 @@ def run(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, **kwargs: An
 
 
 def test_chunked_prefill_reuses_exactly() -> None:
-    model = model64()
-    ref = copy.deepcopy(model)
-    store = prefixkv.PrefixStore(model, block_size=4)
-    ids = torch.arange(10, 50)[None]
-    run(model, store, ids)
+    model, ref, store, ids = warmed()
     longer = torch.cat([ids, torch.arange(60, 80)[None]], dim=1)
     out, reused = run(model, store, longer, prefill_chunk_size=8)  # CacheMisuseError before the fix
     assert reused == 40
@@ -270,11 +277,7 @@ def test_a_tier_that_cannot_write_drops_blocks_and_the_request_goes_on(tmp_path:
     ids=["data.mul_", "data.copy_"],
 )
 def test_weights_written_through_data_start_a_new_namespace(write: Any) -> None:
-    model = model64()
-    ref = copy.deepcopy(model)
-    store = prefixkv.PrefixStore(model, block_size=4)
-    ids = torch.arange(10, 50)[None]
-    run(model, store, ids)
+    model, ref, store, ids = warmed()
     other = model64(seed=1)
     for target in (model, ref):
         for p, q in zip(target.model.layers[0].self_attn.k_proj.parameters(), other.model.layers[0].parameters()):
@@ -347,3 +350,66 @@ def test_a_cache_hit_needs_no_more_blocks_than_the_cold_call() -> None:
     store.check_invariants()
     reused, distance = later_request(model, ref, store, longer)
     assert reused > 0 and distance <= 1e-6
+
+
+# -- items 5 and 7: copies of a model --------------------------------------------------------------------------
+
+
+def test_a_deep_copy_refuses_the_original_stores_cache_and_publishes_nothing() -> None:
+    model, ref, store, ids = warmed()
+    twin = copy.deepcopy(model)  # carries the store's hooks
+    with torch.no_grad():
+        twin.model.layers[0].self_attn.k_proj.weight.mul_(2.0)  # the copy's weights change, not the store's model's
+    longer = torch.cat([ids, torch.arange(60, 70)[None]], dim=1)
+    with prefixkv.PagedPrefixCache(store, longer) as cache, pytest.raises(prefixkv.CacheMisuseError, match="copy"):
+        twin.generate(longer, cache=cache, **RUN)  # accepted before, and published the copy's K/V (7.7e-2 off)
+    store.check_invariants()
+    out = twin.generate(longer, cache=DynamicCache(config=twin.config), **RUN)  # the copy works stock
+    assert out.sequences.shape[1] == longer.shape[1] + 5
+    reused, distance = later_request(model, ref, store, longer)
+    assert reused == 40 and distance <= 1e-6
+
+
+def test_a_deep_copy_of_an_enabled_model_generates_stock() -> None:
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.enable(model, block_size=4)
+    ids = torch.arange(10, 50)[None]
+    model.generate(ids, **RUN)
+    twin = copy.deepcopy(model)  # TypeError: cannot pickle '_thread.RLock' before the fix
+    hits = store.stats.hit_tokens
+    assert diff(twin.generate(ids, **RUN), stock(ref, ids)) <= 1e-6
+    assert store.stats.hit_tokens == hits  # the copy ran stock: the store is the original's
+    assert diff(model.generate(ids, **RUN), stock(ref, ids)) <= 1e-6
+    assert store.stats.hit_tokens == hits + 39
+    prefixkv.disable(twin)  # the copy's patch only: the original stays enabled
+    assert "generate" not in twin.__dict__ and not store.closed
+    own = prefixkv.enable(twin, block_size=4)  # a copy can have a store of its own
+    assert own is not store and diff(twin.generate(ids, **RUN), stock(ref, ids)) <= 1e-6
+    prefixkv.disable(twin)
+    prefixkv.disable(model)
+    assert store.closed
+
+
+# -- suspicion: a prepare_inputs_for_generation call of one's own ----------------------------------------------
+
+
+def test_a_manual_prepare_call_does_not_skip_the_next_forwards_checks() -> None:
+    """The suspicion was real: without is_first_iteration, the wrapper took the call for a decode step, so the next
+    forward checked only its new mask columns and published K/V computed under a hole as the plain ids'."""
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(10, 50)[None]
+    mask = torch.ones_like(ids)
+    mask[0, 5] = 0  # a hole in the columns the first forward computed without it
+    cache = prefixkv.PagedPrefixCache(store)
+    with torch.no_grad():
+        for start, stop, m in ((0, 20, torch.ones_like(ids)), (20, 40, mask)):
+            model.prepare_inputs_for_generation(ids[:, :stop], cache=cache, attention_mask=m[:, :stop])
+            model(input_ids=ids[:, start:stop], attention_mask=m[:, :stop], cache=cache, use_cache=True)
+    cache.close()
+    store.check_invariants()
+    reused, distance = later_request(model, ref, store, ids)
+    assert distance <= 1e-6  # 0.64 off before the fix: 39 tokens reused from the second forward
+    assert reused == 20
