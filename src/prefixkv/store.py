@@ -744,24 +744,25 @@ class PrefixStore:
                     claim.table = shared
                     if r % bs:
                         shared.append(self._copy_prefix(m.blocks[r // bs], r % bs))
-                for claim, row, r in zip(claims, rows, reused):
+                for claim, r in zip(claims, reused):
                     if r % bs:
-                        self._lock_whole_blocks(claim, row[: r // bs * bs], space)
+                        self._lock_whole_blocks(claim, r // bs * bs)
             except BaseException:
                 self._drop(claims)
                 raise
             self._claims.update(claims)
             return Claimed(claims, reused)
 
-    def _lock_whole_blocks(self, claim: Claim, tokens: list[int], space: Hashable) -> None:
-        """Move the claim's lock to the node that ends after ``tokens``, the whole blocks it shares (splitting an
-        edge there): the claim holds its own copy of the part-block after them, so the trie's (and what follows)
-        stays evictable, and a repeated request needs no more blocks than the cold one (docs/memory.md). Mutates
-        the trie and locks."""
-        end = self._trie.end_node(tokens, space) if tokens else None
-        if end is not None:
-            self._allocator.incref(end.added)  # empty: a split at a block boundary straddles no block
-        self._move_claim_lock(claim, None if end is None else end.node)
+    def _lock_whole_blocks(self, claim: Claim, boundary: int) -> None:
+        """Move the claim's lock up to the deepest node on its path that ends by ``boundary``, the end of the whole
+        blocks it shares: the claim holds its own copy of the part-block after them, so the trie's (and what
+        follows) stays evictable, and a repeated request needs no more blocks than the cold one (docs/memory.md).
+        The shared blocks stay the claim's (its refcounts); an unlocked node evicted meanwhile is published again
+        from the locked one. Mutates locks."""
+        node = claim.node
+        while node is not None and node.parent is not None and node.end > boundary:
+            node = node.parent
+        self._move_claim_lock(claim, node if node is not None and node.parent is not None else None)
 
     def _move_claim_lock(self, claim: Claim, node: Node | None) -> None:
         """Lock ``node`` (``None``: nothing) for the claim instead of what it locked. Mutates locks."""
