@@ -932,8 +932,10 @@ class PagedPrefixCache(Cache):
                 full = max(0, self._length - row.pad) // bs
                 if full > row.published:
                     known = row.published * bs  # on the path of the row's trie node: publish continues from it
-                    ends = self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space)
-                    row.published = ends // bs  # short of `full` where the trie held those tokens in other blocks
+                    if self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space):
+                        self._tables_version += 1  # the row now reads blocks the trie held those tokens in
+                        self._runs_memo.clear()
+                    row.published = full
         finally:
             with self._guard:
                 self._owner = None

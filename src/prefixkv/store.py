@@ -847,28 +847,40 @@ class PrefixStore:
         writers = Counter(claims[i].table[spans[i][0] // bs] for i in cow)
         return sum(k if self._allocator.refcount(b) > k else k - 1 for b, k in writers.items())
 
-    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> int:
+    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> bool:
         """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
         move the claim's lock to the node that ends them. ``known`` leading tokens are on the claim's node's
         path already (what it published or reused before): the insert continues from there, so publishing a
         block of a long sequence costs that block, not the sequence. Callers publish only K/V proven to be those
-        of ``tokens`` (``PagedPrefixCache._prove``). Returns how many leading tokens end at the claim's node now,
-        the ``known`` of its next publish: fewer than ``end`` where the trie held some of them in other blocks
-        already (those stay unlocked, and the next publish offers the claim's blocks again). Mutates the trie,
-        refcounts and locks."""
+        of ``tokens`` (``PagedPrefixCache._prove``). Where the trie held some of the whole blocks already (another
+        request published those tokens first, or the part-block this claim copied), the claim takes the trie's
+        blocks and gives its own back, so that the lock holds no block the claim does not read (docs/memory.md).
+        Returns whether the claim's table changed so. Mutates the trie, the claim's table, refcounts and locks."""
         with self._lock:
-            node: Node | None = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
-            # a node that ends in a block the claim does not hold (another request published those tokens first) is
-            # not locked: the claim has its own copy, and the trie's stays evictable (docs/memory.md)
-            bs = self.block_size
-            while node is not None and node.parent is not None:
-                last = (min(node.end, end) - 1) // bs  # the chunk where the node's part of tokens[:end] ends
-                if node.blocks[last - node.start // bs] == claim.table[last]:
-                    break
-                node = node.parent
-            mine = node if node is not None and node.parent is not None else None
-            self._move_claim_lock(claim, mine)
-            return 0 if mine is None else min(mine.end, end)
+            node = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
+            adopted = self._adopt_trie_blocks(claim, node, known // self.block_size, end // self.block_size)
+            self._trie.move_lock(claim.node, node)
+            claim.node = node
+            return adopted
+
+    def _adopt_trie_blocks(self, claim: Claim, node: Node, first: int, stop: int) -> bool:
+        """Make the claim's chunks ``first..stop-1`` the blocks the trie holds them in, on the path that ends at
+        ``node``: both hold the proven K/V of the same keys. Returns whether any changed. Mutates the claim's
+        table and refcounts."""
+        bs = self.block_size
+        trie_blocks: dict[int, int] = {}  # chunk -> the block the trie holds it in
+        n: Node | None = node
+        while n is not None and n.parent is not None and n.end > first * bs:
+            for i, block in enumerate(n.blocks):
+                trie_blocks.setdefault(n.start // bs + i, block)
+            n = n.parent
+        table = claim.table
+        swaps = [(c, trie_blocks[c]) for c in range(first, stop) if trie_blocks.get(c, table[c]) != table[c]]
+        for c, block in swaps:
+            self._allocator.incref([block])
+            self._allocator.decref([table[c]])
+            table[c] = block
+        return bool(swaps)
 
     def _insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
         """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
