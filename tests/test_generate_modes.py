@@ -240,10 +240,11 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
         shared = cache._rows[0].table[:8]
         assert all(row.table[:8] == shared for row in cache._rows)
         assert all(store._refcount(b) == 1 + 3 for b in shared)  # the trie and the 3 sequences
-        # each sequence wrote into the shared part-block, so each has its own copy (copy-on-write)
-        assert len({row.table[8] for row in cache._rows}) == 3
-    # per sequence: 37 prompt + 7 fed tokens = 11 blocks, of which 8 are shared: 3 of its own
-    assert probe.blocks_used[-1] == before + 3 * 3
+        # each sequence wrote into the shared part-block (copy-on-write), then published it whole with the same
+        # keys: all three read the first one's copy and gave theirs back
+        assert len({row.table[8] for row in cache._rows}) == 1
+    # per sequence: 37 prompt + 7 fed tokens = 11 blocks, of which 8 are shared and 1 the first's: 2 of its own
+    assert probe.blocks_used[-1] == before + 1 + 3 * 2
     assert probe.blocks_used[-1] < before + 3 * 11  # what a copy of the prefix per sequence would take
     assert out.sequences.shape[0] == 3 and len({tuple(s.tolist()) for s in out.sequences}) > 1
 

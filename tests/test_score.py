@@ -146,8 +146,8 @@ def test_in_batch_sharing_for_score_and_nested_prefixes(llama64: Any) -> None:
         for c, k, s in zip(contexts, continuations, scores):
             assert (s.logprobs - full_forward(llama64, c, k)).abs().max().item() < 1e-6
         # each document (system prompt + its 12 tokens, 28 = 7 whole blocks) once; the second reuses the system
-        # prompt the first computed; then 6 rows of the 4 columns after the documents (2 + 2 continuation)
-        assert fed == [28, 12, 6 * 4], fed
+        # prompt the first computed; then 6 rows of the 3 columns after the documents (2 + the 1 continuation token fed)
+        assert fed == [28, 12, 6 * 3], fed
         check_reuse_is_exact(llama64, store, contexts[0] + continuations[0])
         assert_no_leak(store)
 

@@ -583,7 +583,10 @@ class PagedPrefixCache(Cache):
         others = [name for name in _EMBEDDING_INPUTS if kwargs.get(name) is not None]
         embeds_ids = None if isinstance(embeds, torch.Tensor) else input_ids
         why = self._unproven(embeds_ids, use_cache, others, check_space=False)
-        if why is None:
+        # a chunk of a chunked prefill (``prefill_chunk_size``) feeds only its columns after the held ones, so its
+        # positions start there: _check_new_tokens checks them, and _prove checks the call's mask and positions
+        chunk = self._prompt_ids is not None and input_ids.shape[1] != len(self._prompt_ids[0])
+        if why is None and not chunk:
             why = _custom_positions(input_ids, attention_mask, kwargs.get("position_ids"))
         if why is not None:
             had = self._length
@@ -929,7 +932,9 @@ class PagedPrefixCache(Cache):
                 full = max(0, self._length - row.pad) // bs
                 if full > row.published:
                     known = row.published * bs  # on the path of the row's trie node: publish continues from it
-                    self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space)
+                    if self.store.publish(row.claim, row.tokens, known=known, end=full * bs, space=self._space):
+                        self._tables_version += 1  # the row now reads blocks the trie held those tokens in
+                        self._runs_memo.clear()
                     row.published = full
         finally:
             with self._guard:

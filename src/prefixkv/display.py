@@ -340,11 +340,17 @@ def _label(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
                 break
             tail.insert(0, word)
         return " ".join([*head, "…", *tail])
-    text = str(tokenizer.decode(list(tokens))).replace("\n", "⏎")
+    text = str(tokenizer.decode(_token_ids(tokens))).replace("\n", "⏎")
     if len(text) <= chars:
         return text
     cut = chars // 3
     return text[:cut].rstrip() + " … " + text[len(text) - (chars - cut - 3) :].lstrip()
+
+
+def _token_ids(keys: Sequence[int]) -> list[int]:
+    """The token ids of trie keys: a token that an attention mask hid is keyed ``-1 - id`` (its K/V differ from
+    the shown token's), and its text is still that token's."""
+    return [k if k >= 0 else -1 - k for k in keys]
 
 
 def _prefix_html(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
@@ -372,11 +378,12 @@ def _pieces(tokens: Sequence[int], tokenizer: Any, start: int, stop: int) -> lis
     loses the space in front of it in most tokenizers, so each piece is the growth of a decode that starts
     a few tokens earlier."""
     context = max(0, start - 4)
-    before = str(tokenizer.decode(list(tokens[context:start]))) if start > context else ""
+    ids = _token_ids(tokens)
+    before = str(tokenizer.decode(ids[context:start])) if start > context else ""
     pieces = []
     for k in range(start, stop):
-        text = str(tokenizer.decode(list(tokens[context : k + 1])))
-        pieces.append(text[len(before) :] if text.startswith(before) else str(tokenizer.decode([tokens[k]])))
+        text = str(tokenizer.decode(ids[context : k + 1]))
+        pieces.append(text[len(before) :] if text.startswith(before) else str(tokenizer.decode([ids[k]])))
         before = text
     return pieces
 

@@ -15,6 +15,7 @@ Also the zero-code-change mode, :func:`enable` and :func:`disable`."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import itertools
@@ -76,6 +77,12 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
         cache = _paged_cache(store, inputs)
         if cache is None:
             return
+        if module is not model:
+            # `copy.deepcopy(model)` copies these hooks: the copy's weights are not the store's model's
+            raise CacheMisuseError(
+                "this PagedPrefixCache's PrefixStore was built for another model (this one is a copy.deepcopy of "
+                "it, which carries the store's hooks, not the store): build a PrefixStore for this model"
+            )
         cache.begin_forward(
             inputs.get("input_ids"),
             inputs.get("inputs_embeds"),
@@ -88,7 +95,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         cache = _paged_cache(store, named(args, kwargs))
-        if cache is not None:
+        if cache is not None and module is model:
             cache.end_forward(output is not None)  # torch passes None when the forward raised
 
     return [
@@ -101,7 +108,15 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
 
 # -- instance attributes that wrap a method --------------------------------------------------------
 
-_MISSING = object()
+
+class _Missing:
+    """No instance attribute was there: one object, in a deep copy of the model too."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
+        return self
+
+
+_MISSING = _Missing()
 
 
 class _MethodPatch:
@@ -128,28 +143,33 @@ def _any_paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
     return None
 
 
-def _checking_prepare(original: Callable[..., Any]) -> Callable[..., Any]:
+def _bound_to_copies(function: Callable[..., Any], *model_args: Any) -> Callable[..., Any]:
+    """``function`` with ``model_args`` (the model, the bound method it wraps) first, as an instance attribute
+    that ``copy.deepcopy`` of the model copies rightly: a partial's arguments are deep-copied, so the copy's gets
+    the copy and the method bound to it (a closure would keep the original's)."""
+    return functools.update_wrapper(functools.partial(function, *model_args), model_args[-1])
+
+
+def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, **kwargs: Any) -> Any:
     """``prepare_inputs_for_generation`` that, at the first step of a call, lets a ``PagedPrefixCache``
     check the call's whole ``input_ids`` against what it holds and choose how many columns to feed."""
-
-    @functools.wraps(original)
-    def prepare_inputs_for_generation(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        cache = _any_paged_cache(kwargs)
-        if cache is None or args or not isinstance(input_ids, torch.Tensor):
-            return original(input_ids, *args, **kwargs)
-        if kwargs.get("is_first_iteration"):
-            kwargs["next_sequence_length"] = cache.plan_call(input_ids, kwargs.get("next_sequence_length"), kwargs)
-        inputs = original(input_ids, *args, **kwargs)
-        if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in _CACHE_KWARGS):
-            raise CacheMisuseError(
-                "this model's prepare_inputs_for_generation replaced the PagedPrefixCache (Phi-3 does so with "
-                "rope scaling on long inputs), so prefixkv cannot serve this model: generate without it"
-            )
-        # a decode step of generate: its mask is the one checked at the first step, grown by ones
-        cache.decode_step = not kwargs.get("is_first_iteration")
-        return inputs
-
-    return prepare_inputs_for_generation
+    cache = _any_paged_cache(kwargs)
+    if cache is None or args or not isinstance(input_ids, torch.Tensor):
+        return original(input_ids, *args, **kwargs)
+    if kwargs.get("is_first_iteration"):
+        kwargs["next_sequence_length"] = cache.plan_call(input_ids, kwargs.get("next_sequence_length"), kwargs)
+    inputs = original(input_ids, *args, **kwargs)
+    if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in _CACHE_KWARGS):
+        raise CacheMisuseError(
+            "this model's prepare_inputs_for_generation replaced the PagedPrefixCache (Phi-3 does so with "
+            "rope scaling on long inputs), so prefixkv cannot serve this model: generate without it"
+        )
+    # a decode step of generate, whose mask is the one checked at the first step grown by ones: generate's decode
+    # loops pass one new column and no is_first_iteration, assisted decoding is_first_iteration=False; a call of
+    # one's own without either is checked in full
+    first = kwargs.get("is_first_iteration")
+    cache.decode_step = first is False or (first is None and kwargs.get("next_sequence_length") == 1)
+    return inputs
 
 
 _PREPARE = "prepare_inputs_for_generation"
@@ -162,7 +182,9 @@ class _PrepareUser:
     def __init__(self, model: torch.nn.Module) -> None:
         self._model: torch.nn.Module | None = model
         users: tuple[_MethodPatch, int] | None = model.__dict__.get(_PREPARE_USERS)
-        patch, count = users or (_MethodPatch(model, _PREPARE, _checking_prepare(getattr(model, _PREPARE))), 0)
+        if users is None:
+            users = (_MethodPatch(model, _PREPARE, _bound_to_copies(_checking_prepare, getattr(model, _PREPARE))), 0)
+        patch, count = users
         setattr(model, _PREPARE_USERS, (patch, count + 1))
 
     def remove(self) -> None:
@@ -187,6 +209,11 @@ class _Enabled:
     store: PrefixStore
     owns_store: bool
     patch: _MethodPatch
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Enabled:
+        """What a ``copy.deepcopy`` of the enabled model holds: the same store, not a copy (its lock and pool are
+        not the copy's to share; :func:`_enabled_generate` runs the copy stock), and the patch of the copy."""
+        return _Enabled(self.store, False, copy.deepcopy(self.patch, memo))
 
 
 @dataclass(frozen=True)
@@ -292,6 +319,9 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
     >>> prefixkv.disable(model)
     """
     current: _Enabled | None = model.__dict__.get(_ENABLED)
+    if current is not None and current.store.model is not model:  # a deep copy of an enabled model
+        disable(model)
+        current = None
     if current is not None:
         if store is None and not store_kwargs:
             return current.store
@@ -304,27 +334,31 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         raise ValueError("this PrefixStore was built for another model; build one with PrefixStore(model)")
     owns = store is None
     target = PrefixStore(model, **store_kwargs) if store is None else store
-    original = model.generate
-
-    @functools.wraps(original)
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        plan = _plan_enabled_call(model, target, args, kwargs)
-        if plan.cache is None:
-            return original(*args, **kwargs)
-        rest = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}  # drop an explicit `cache=None`
-        rest.update(plan.extra)
-        if plan.returned:
-            # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
-            try:
-                return original(*args, cache=plan.cache, **rest)
-            except BaseException:
-                plan.cache.close()
-                raise
-        with plan.cache:
-            return original(*args, cache=plan.cache, **rest)
-
+    generate = _bound_to_copies(_enabled_generate, model, model.generate)
     setattr(model, _ENABLED, _Enabled(target, owns, _MethodPatch(model, "generate", generate)))
     return target
+
+
+def _enabled_generate(model: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``generate`` of an enabled ``model`` (``original``: what it was before): with a cache of its store, as
+    :func:`_plan_enabled_call` plans. A ``copy.deepcopy`` of the model runs stock: the store is the original's."""
+    state: _Enabled | None = model.__dict__.get(_ENABLED)
+    if state is None or state.store.model is not model:
+        return original(*args, **kwargs)
+    plan = _plan_enabled_call(model, state.store, args, kwargs)
+    if plan.cache is None:
+        return original(*args, **kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in _CACHE_KWARGS}  # drop an explicit `cache=None`
+    rest.update(plan.extra)
+    if plan.returned:
+        # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
+        try:
+            return original(*args, cache=plan.cache, **rest)
+        except BaseException:
+            plan.cache.close()
+            raise
+    with plan.cache:
+        return original(*args, cache=plan.cache, **rest)
 
 
 def disable(model: Any) -> None:

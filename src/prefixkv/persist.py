@@ -77,11 +77,12 @@ class PrefixFile(NamedTuple):
 # -- model fingerprint -------------------------------------------------------------------------------
 
 
-def fingerprint(model: Any) -> str:
+def fingerprint(model: Any, *, adapters: bool = True) -> str:
     """A sha256 that tells models apart by what shapes their K/V: every parameter's name, dtype,
     shape and a fixed strided sample of its values (all of them for tensors up to 16384 values), the
-    rotary settings of the config and the active adapters. Deterministic across processes, devices and
-    accelerate layouts (offloaded weights are read from accelerate's weights map). Does not mutate.
+    config (:func:`config_state`: every field but those that cannot change K/V) and, with ``adapters``, the
+    active adapters. Deterministic across processes, devices and accelerate layouts (offloaded weights are read
+    from accelerate's weights map). Does not mutate.
 
     >>> import prefixkv
     >>> fingerprint(prefixkv.models.tiny_model(seed=0)) == fingerprint(prefixkv.models.tiny_model(seed=0))
@@ -95,11 +96,87 @@ def fingerprint(model: Any) -> str:
             tensor = _offloaded_tensor(model, name)
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         digest.update(_as_bytes(_sample(tensor.detach())))
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    rotary = {k: v for k, v in config.to_dict().items() if "rope" in k or "rotary" in k}
-    digest.update(json.dumps(rotary, sort_keys=True, default=str).encode())
-    digest.update(_adapter_state(model).encode())
+    digest.update(config_state(model.config).encode())
+    if adapters:
+        digest.update(_adapter_state(model).encode())
     return digest.hexdigest()
+
+
+# config fields that cannot change K/V: names, bookkeeping, token ids, output switches and generation settings
+# (the weights themselves are hashed; ``_``-prefixed fields are private state, such as the attention function)
+_CONFIG_NEUTRAL = frozenset(
+    {
+        "name_or_path",
+        "architectures",
+        "transformers_version",
+        "model_type",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "finetuning_task",
+        "task_specific_params",
+        "tokenizer_class",
+        "prefix",
+        "initializer_range",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "return_dict_in_generate",
+        "tie_word_embeddings",
+        "chunk_size_feed_forward",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+    }
+)
+
+
+def config_state(config: Any) -> str:
+    """The config as JSON, every field but those in ``_CONFIG_NEUTRAL`` and private ones, sub-configs too: what
+    of a config can change K/V (a sliding window, a norm's epsilon, an attention multiplier, rotary settings).
+    Deterministic across processes. Does not mutate.
+
+    >>> import prefixkv
+    >>> a, b = prefixkv.models.tiny_config("llama"), prefixkv.models.tiny_config("llama", rms_norm_eps=0.1)
+    >>> config_state(a) == config_state(prefixkv.models.tiny_config("llama")), config_state(a) == config_state(b)
+    (True, False)
+    """
+
+    def kept(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if k not in _CONFIG_NEUTRAL and not k.startswith("_")}
+        return value
+
+    return json.dumps(kept(config.to_dict()), sort_keys=True, default=str)
 
 
 def _sample(tensor: torch.Tensor) -> torch.Tensor:
@@ -452,9 +529,10 @@ def check_compatible(
     ours = fingerprint(model)
     if meta["model_fingerprint"] != ours:
         raise PersistError(
-            f"{path} was saved from a model with other weights: its K/V would give wrong output with this one "
-            f"(fingerprint {meta['model_fingerprint'][:12]} in the file, {ours[:12]} for this "
-            f"{meta.get('model_type', '?')} model). Load it with the model (weights and adapter) it was saved from"
+            f"{path} was saved from a model with other weights or a config that changes K/V: its K/V would give "
+            f"wrong output with this one (fingerprint {meta['model_fingerprint'][:12]} in the file, {ours[:12]} for "
+            f"this {meta.get('model_type', '?')} model). Load it with the model (weights, config and adapter) it was "
+            "saved from"
         )
 
 

@@ -110,7 +110,9 @@ def logprob_rows(
     the cached part of its context (never of its continuation: the logits of the last context token are
     needed). Mutates the store (publishes what the forward computed)."""
     model = store.model
-    full = [c + k for c, k in zip(contexts, continuations)]
+    # the last continuation token predicts nothing that is scored: it is not fed, so a row of n + 1 tokens runs at
+    # most n positions (a model's position limit, as lm-eval's ``hf`` feeds it)
+    full = [c + k[:-1] for c, k in zip(contexts, continuations)]
     width = max(len(f) for f in full)
     pads = [width - len(f) for f in full]
     ids = torch.zeros((len(full), width), dtype=torch.long)  # [B, W]
@@ -119,7 +121,7 @@ def logprob_rows(
         ids[i, p:] = torch.tensor(f, dtype=torch.long)
         mask[i, p:] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate places left-padded rows
-    keep = max(len(k) for k in continuations) + 1  # the logits needed: the last context token onwards
+    keep = max(len(k) for k in continuations)  # the logits needed: the last context token onwards
     params = inspect.signature(model.forward).parameters
     device = store.pool.specs[0].device  # the first layer's (model.device is `meta` under offloading)
     with PagedPrefixCache(store) as cache:
@@ -139,8 +141,7 @@ def logprob_rows(
             )
     logits = out.logits[:, -keep:]  # [B, keep, vocab]
     return [
-        torch.log_softmax(logits[i, keep - 1 - len(k) : keep - 1], dim=-1, dtype=softmax_dtype)
-        for i, k in enumerate(continuations)
+        torch.log_softmax(logits[i, keep - len(k) :], dim=-1, dtype=softmax_dtype) for i, k in enumerate(continuations)
     ]
 
 

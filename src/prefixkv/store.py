@@ -171,17 +171,40 @@ def adapter_space(tuners: Sequence[Any]) -> Hashable:
     )
 
 
+# values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
+_SAMPLED = 4
+
+
 def _weights_state(model: Any) -> int:
     """A number that changes when any parameter or buffer of ``model`` is written in place (an optimizer step,
-    ``load_state_dict``) or replaced (``.data =``, a new ``Parameter``, ``load_state_dict(assign=True)``): a hash
-    of every tensor's storage address and version counter (inference tensors have none: 0)."""
+    ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
+    ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
+    every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
+    values (``.data`` writes bump no version), and of :func:`prefixkv.persist.config_state`."""
     state = []
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         version = 0
         with contextlib.suppress(RuntimeError):
             version = t._version
         state.append((t.data_ptr(), version))
-    return hash(tuple(state))
+        if t.device.type != "meta" and t.numel():
+            samples.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():  # one copy per dtype and device, whatever the number of tensors
+        values = tuple(
+            torch.cat([_few_values(t) for t in group]).cpu().view(torch.uint8).numpy().tobytes()
+            for group in samples.values()
+        )
+    return hash((tuple(state), values, persist.config_state(model.config)))
+
+
+def _few_values(t: torch.Tensor) -> torch.Tensor:
+    """``_SAMPLED`` values of ``t`` at evenly spaced places (all of a smaller one), as a view when it is
+    contiguous. Does not mutate."""
+    if not t.is_contiguous():
+        t = t.reshape(-1)
+    n = t.numel()
+    return t.as_strided((min(n, _SAMPLED),), (max(1, n // _SAMPLED),), t.storage_offset())
 
 
 @dataclass(frozen=True)
@@ -281,7 +304,10 @@ class PrefixStore:
         self.tier: OffloadTier | None = None
         if offload is not None:
             limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
-            meta = persist.store_meta(self, persist.fingerprint(model), BLOCK_FORMAT) if offload == "disk" else {}
+            # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
+            # directory serves a model under each of its adapters
+            model_print = persist.fingerprint(model, adapters=False)
+            meta = persist.store_meta(self, model_print, BLOCK_FORMAT) if offload == "disk" else {}
             self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
@@ -718,11 +744,34 @@ class PrefixStore:
                     claim.table = shared
                     if r % bs:
                         shared.append(self._copy_prefix(m.blocks[r // bs], r % bs))
+                for claim, r in zip(claims, reused):
+                    if r % bs:
+                        self._lock_whole_blocks(claim, r // bs * bs)
             except BaseException:
                 self._drop(claims)
                 raise
             self._claims.update(claims)
             return Claimed(claims, reused)
+
+    def _lock_whole_blocks(self, claim: Claim, boundary: int) -> None:
+        """Move the claim's lock up to the deepest node on its path that ends by ``boundary``, the end of the whole
+        blocks it shares: the claim holds its own copy of the part-block after them, so the trie's (and what
+        follows) stays evictable, and a repeated request needs no more blocks than the cold one (docs/memory.md).
+        The shared blocks stay the claim's (its refcounts); an unlocked node evicted meanwhile is published again
+        from the locked one. Mutates locks."""
+        node = claim.node
+        while node is not None and node.parent is not None and node.end > boundary:
+            node = node.parent
+        self._move_claim_lock(claim, node if node is not None and node.parent is not None else None)
+
+    def _move_claim_lock(self, claim: Claim, node: Node | None) -> None:
+        """Lock ``node`` (``None``: nothing) for the claim instead of what it locked. Mutates locks."""
+        if node is None:
+            if claim.node is not None:
+                self._trie.unlock(claim.node)
+        else:
+            self._trie.move_lock(claim.node, node)
+        claim.node = node
 
     def empty_claims(self, n: int) -> list[Claim]:
         """``n`` claims that hold nothing yet (rows a cache starts from scratch). Mutates (registers them)."""
@@ -798,16 +847,40 @@ class PrefixStore:
         writers = Counter(claims[i].table[spans[i][0] // bs] for i in cow)
         return sum(k if self._allocator.refcount(b) > k else k - 1 for b, k in writers.items())
 
-    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> None:
+    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> bool:
         """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
         move the claim's lock to the node that ends them. ``known`` leading tokens are on the claim's node's
         path already (what it published or reused before): the insert continues from there, so publishing a
         block of a long sequence costs that block, not the sequence. Callers publish only K/V proven to be those
-        of ``tokens`` (``PagedPrefixCache._prove``). Mutates the trie, refcounts and locks."""
+        of ``tokens`` (``PagedPrefixCache._prove``). Where the trie held some of the whole blocks already (another
+        request published those tokens first, or the part-block this claim copied), the claim takes the trie's
+        blocks and gives its own back, so that the lock holds no block the claim does not read (docs/memory.md).
+        Returns whether the claim's table changed so. Mutates the trie, the claim's table, refcounts and locks."""
         with self._lock:
             node = self._insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
+            adopted = self._adopt_trie_blocks(claim, node, known // self.block_size, end // self.block_size)
             self._trie.move_lock(claim.node, node)
             claim.node = node
+            return adopted
+
+    def _adopt_trie_blocks(self, claim: Claim, node: Node, first: int, stop: int) -> bool:
+        """Make the claim's chunks ``first..stop-1`` the blocks the trie holds them in, on the path that ends at
+        ``node``: both hold the proven K/V of the same keys. Returns whether any changed. Mutates the claim's
+        table and refcounts."""
+        bs = self.block_size
+        trie_blocks: dict[int, int] = {}  # chunk -> the block the trie holds it in
+        n: Node | None = node
+        while n is not None and n.parent is not None and n.end > first * bs:
+            for i, block in enumerate(n.blocks):
+                trie_blocks.setdefault(n.start // bs + i, block)
+            n = n.parent
+        table = claim.table
+        swaps = [(c, trie_blocks[c]) for c in range(first, stop) if trie_blocks.get(c, table[c]) != table[c]]
+        for c, block in swaps:
+            self._allocator.incref([block])
+            self._allocator.decref([table[c]])
+            table[c] = block
+        return bool(swaps)
 
     def _insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
         """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
@@ -944,9 +1017,11 @@ class PrefixStore:
                 collected = True
                 continue
             self._evictions += 1
-            if self.tier is not None:
-                self._offload(node)
-            alloc.decref(node.blocks)
+            try:
+                if self.tier is not None:
+                    self._offload(node)
+            finally:
+                alloc.decref(node.blocks)  # the node left the trie: its blocks go back whatever the tier did
 
     # -- the second tier (all under the store lock) ----------------------------------------------
 
@@ -961,7 +1036,7 @@ class PrefixStore:
         keys = chunk_keys(self._trie.path_tokens(node), bs, end, space)
         for c in range(first, end):
             if not self.tier.touch(keys[c]):
-                self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]))
+                self.tier.put(keys[c], self.pool.read_blocks([node.blocks[c - first]]), repr(space))
 
     def _restore(self, rows: list[list[int]], space: Hashable) -> None:
         """Bring back from the tier the whole blocks that extend each row's match in the trie, and insert
@@ -994,8 +1069,8 @@ class PrefixStore:
                     continue  # no room: the row recomputes what the tier holds
                 blocks: list[dict[str, torch.Tensor]] = []
                 for key in keys[c0 : c0 + n]:
-                    block = self.tier.get(key)
-                    if block is None:  # a file that failed its checksum: the rest is recomputed
+                    block = self.tier.get(key, repr(space))
+                    if block is None:  # a file gone, of another store or failing its checksum: the rest is recomputed
                         break
                     blocks.append(block)
                 n = len(blocks)

@@ -12,13 +12,22 @@ Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a
 runs asynchronously with compute); ``"disk"`` writes one safetensors file per block into a directory and
 reads it back memory-mapped. A disk file is written under a temporary name and renamed when whole, and
 carries the metadata and checksum of :mod:`prefixkv.persist`: a write cut short by a crash leaves only a
-temporary file, which is never read; a file whose checksum fails is dropped with a warning; a directory
-holding files of another model, dtype, block size or quantization is refused with :class:`PersistError`.
+temporary file, which is never read; a file whose checksum fails is dropped with a warning.
+
+A directory may be shared (two workers, two models of one shape, a plain and an int8 store): a file's name
+starts with the store's *identity*, a hash of what its K/V depend on besides the tokens (model fingerprint,
+dtype, quantization, block size), and every read checks the file's metadata and namespace against the reader's,
+so a store never reads another's blocks and leaves their files alone. Stores of one identity share their files:
+one may drop a file another still lists, which is then a miss for that other.
+
+The tier is best-effort (docs/correctness.md, "The second tier"): a write that fails (a full disk, a removed
+directory) warns once and keeps nothing, so the request that evicted the block goes on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import warnings
 from collections import OrderedDict
@@ -30,7 +39,6 @@ import torch
 from safetensors import safe_open
 
 from . import persist
-from .errors import PersistError
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
@@ -76,8 +84,8 @@ class OffloadTier:
     """Blocks keyed by :func:`chunk_keys`, in host memory (``kind="cpu"``) or files (``kind="disk"``),
     within ``max_bytes`` (``None``: unbounded), least recently used first out.
 
-    ``meta`` is the metadata (:func:`prefixkv.persist.store_meta`) every disk file carries and every file
-    already in ``directory`` must match.
+    ``meta`` is the metadata (:func:`prefixkv.persist.store_meta`) every disk file carries; files already in
+    ``directory`` with the same metadata are taken as this tier's, the others are left alone.
 
     >>> tier = OffloadTier("cpu", max_bytes=1000)
     >>> tier.put("a", {"k.0": torch.zeros(1, 4, 2, 8)})
@@ -104,6 +112,10 @@ class OffloadTier:
         self.max_bytes = max_bytes
         self.meta = dict(meta or {})
         self.directory = None if directory is None else Path(directory)
+        # file names start with a hash of the metadata: stores of another model, dtype, quantization or block size
+        # sharing the directory never write or list each other's files (the same tokens give the same key)
+        self._prefix = hashlib.sha256(json.dumps(self.meta, sort_keys=True).encode()).hexdigest()[:16] + "-"
+        self._warned = False
         self._pin = kind == "cpu" and torch.cuda.is_available()
         self._sizes: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
         self._held: dict[str, dict[str, torch.Tensor]] = {}  # kind "cpu" only
@@ -145,9 +157,16 @@ class OffloadTier:
         if self.kind == "cpu" and set(self._held) != set(self._sizes):
             raise AssertionError("the tier's tensors and its LRU disagree")
         if self.directory is not None:
-            on_disk = {p.name[: -len(_SUFFIX)] for p in self.directory.glob(f"*{_SUFFIX}")}
-            if on_disk != set(self._sizes):
-                raise AssertionError(f"{len(on_disk)} files in {self.directory}, {len(self._sizes)} entries")
+            # another store of this identity may add or remove files: only the files an entry names are checked
+            for key, size in self._sizes.items():
+                path = self.path(key)
+                if path.exists() and path.stat().st_size != size:
+                    raise AssertionError(f"{path} has {path.stat().st_size} bytes, its entry {size}")
+
+    def path(self, key: str) -> Path:
+        """The file of the block under ``key`` (``kind="disk"``). Does not mutate."""
+        assert self.directory is not None, "a cpu tier keeps no files"
+        return self.directory / f"{self._prefix}{key}{_SUFFIX}"
 
     # -- mutations -------------------------------------------------------------------------------
 
@@ -158,9 +177,11 @@ class OffloadTier:
         self._sizes.move_to_end(key)
         return True
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> bool:
-        """Keep a block (one ``[1, ...]`` tensor per name) under ``key``, dropping least recently used
-        entries for room; an entry already held is only marked used. Returns whether it is held. Mutates.
+    def put(self, key: str, tensors: dict[str, torch.Tensor], space: str = "") -> bool:
+        """Keep a block (one ``[1, ...]`` tensor per name) of namespace ``space`` (its ``repr``) under ``key``,
+        dropping least recently used entries for room; an entry already held is only marked used. Returns whether
+        it is held: a write that fails (a full disk, a removed directory) keeps nothing, with one warning per tier.
+        Mutates.
 
         A disk entry's size is its file's, header included."""
         if self.touch(key):
@@ -168,13 +189,17 @@ class OffloadTier:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.max_bytes is not None and size > self.max_bytes:
             return False
-        if self.directory is not None:
-            meta = {**self.meta, "key": key}
-            meta["checksum"] = persist.checksum(tensors, meta)
-            persist.write_atomically(self._path(key), tensors, meta)
-            size = self._path(key).stat().st_size
-        else:
-            self._held[key] = {n: t.pin_memory() if self._pin else t for n, t in tensors.items()}
+        try:
+            if self.directory is not None:
+                meta = {**self.meta, "key": key, "namespace": space}
+                meta["checksum"] = persist.checksum(tensors, meta)
+                persist.write_atomically(self.path(key), tensors, meta)
+                size = self.path(key).stat().st_size
+            else:
+                self._held[key] = {n: t.pin_memory() if self._pin else t for n, t in tensors.items()}
+        except Exception as e:  # OSError for a full disk or a removed directory; a pinning failure; any writer's own
+            self._failed(e)
+            return False
         self._sizes[key] = size
         self._bytes += size
         self._offloaded += 1
@@ -187,15 +212,19 @@ class OffloadTier:
             self._drop(next(iter(self._sizes)))
             self._evictions += 1
 
-    def get(self, key: str) -> dict[str, torch.Tensor] | None:
-        """The block under ``key`` (marked used), or ``None`` if it is not held or its file fails its
-        checksum (then it is dropped, with a warning). Mutates the LRU order."""
+    def get(self, key: str, space: str = "") -> dict[str, torch.Tensor] | None:
+        """The block of namespace ``space`` under ``key`` (marked used), or ``None`` if it is not held, its file is
+        gone (another store of this identity dropped it), was written for another store or namespace (then it is
+        left alone), or fails its checksum (then it is dropped, with a warning). Mutates the LRU order."""
         if key not in self._sizes:
             return None
         self._sizes.move_to_end(key)
         if self.directory is None:
             return self._held[key]
-        path = self._path(key)
+        path = self.path(key)
+        if not path.exists():
+            self._bytes -= self._sizes.pop(key)
+            return None
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = dict(f.metadata() or {})
@@ -205,6 +234,9 @@ class OffloadTier:
             return None
         if meta.get("checksum") != persist.checksum(tensors, meta) or meta.get("key") != key:
             self._refuse(key, "fails its checksum")
+            return None
+        if _identity(meta) != self.meta or meta.get("namespace", "") != space:
+            self._bytes -= self._sizes.pop(key)  # not this store's K/V: a miss, and the file stays its writer's
             return None
         return tensors
 
@@ -222,26 +254,37 @@ class OffloadTier:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        assert self.directory is not None
-        return self.directory / f"{key}{_SUFFIX}"
-
     def _drop(self, key: str) -> None:
         self._bytes -= self._sizes.pop(key)
         self._held.pop(key, None)
         if self.directory is not None:
-            self._path(key).unlink(missing_ok=True)
+            self.path(key).unlink(missing_ok=True)
 
     def _refuse(self, key: str, why: str) -> None:
-        warnings.warn(f"prefixkv: offloaded block {self._path(key)} {why}; it is dropped and recomputed", stacklevel=3)
+        warnings.warn(f"prefixkv: offloaded block {self.path(key)} {why}; it is dropped and recomputed", stacklevel=3)
         self._drop(key)
 
+    def _failed(self, error: Exception) -> None:
+        """A write failed: warn the first time (every later failure is the same story). Mutates."""
+        if self._warned:
+            return
+        self._warned = True
+        where = "host memory" if self.directory is None else str(self.directory)
+        warnings.warn(
+            f"prefixkv: the {self.kind} tier cannot keep blocks in {where} ({type(error).__name__}: {error}); blocks "
+            "evicted from the pool are dropped instead, and generate goes on (recomputing them when needed). Free "
+            "room there or give the store another offload_dir",
+            stacklevel=4,
+        )
+
     def _scan(self) -> None:
-        """Index the block files already in the directory (a store's earlier life), oldest first, after
-        checking that they were made for this store. Temporary files of unfinished writes are ignored."""
+        """Index the block files of this store's identity already in the directory (its earlier life, or another
+        live store of the same model, dtype, quantization and block size), oldest first, after checking their
+        metadata. Files of other stores, and temporary files of unfinished writes, are left alone."""
         assert self.directory is not None
-        files = sorted(self.directory.glob(f"*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        files = sorted(self.directory.glob(f"{self._prefix}*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
+            key = path.name[len(self._prefix) : -len(_SUFFIX)]
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     meta = dict(f.metadata() or {})
@@ -249,14 +292,15 @@ class OffloadTier:
                 warnings.warn(f"prefixkv: {path} in offload_dir is unreadable ({e}); it is removed", stacklevel=3)
                 path.unlink(missing_ok=True)
                 continue
-            theirs = {k: v for k, v in meta.items() if k not in ("key", "checksum")}
-            if theirs != self.meta or meta.get("key") != path.name[: -len(_SUFFIX)]:
-                differ = sorted(k for k in {*theirs, *self.meta} if theirs.get(k) != self.meta.get(k))
-                raise PersistError(
-                    f"{path} in offload_dir was written for another store (it differs in {', '.join(differ) or 'key'}:"
-                    f" another model, dtype, block size or quantization); give this store its own offload_dir"
-                )
+            if _identity(meta) != self.meta or meta.get("key") != key:
+                continue  # not this store's (a hash that collides, or a file renamed by hand): never read
             size = path.stat().st_size
-            self._sizes[path.name[: -len(_SUFFIX)]] = size
+            self._sizes[key] = size
             self._bytes += size
         self._fit()
+
+
+def _identity(meta: dict[str, str]) -> dict[str, str]:
+    """What a block file's metadata says about the store that wrote it: all but its own key, namespace and
+    checksum."""
+    return {k: v for k, v in meta.items() if k not in ("key", "namespace", "checksum")}

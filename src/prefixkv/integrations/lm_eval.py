@@ -91,7 +91,8 @@ class PrefixKVLM(HFLM):
                         f"a loglikelihood request needs a context and a continuation of 1..{self.max_length} tokens, "
                         f"got {len(context_enc)} and {len(continuation_enc)}"
                     )
-                # as HFLM: too long a request keeps its last max_length + 1 tokens
+                # as HFLM: too long a request keeps its last max_length + 1 tokens, of which max_length are fed
+                # (logprob_rows never feeds a continuation's last token)
                 whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
                 contexts.append(whole[: len(whole) - len(continuation_enc)])
                 continuations.append(continuation_enc)
