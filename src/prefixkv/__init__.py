@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from . import display, models
+# _compat first: it refuses an unsupported transformers or torch before anything else imports them
+from . import _compat, display, models  # noqa: F401
 from .cache import PagedPrefixCache
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .memory import estimate, kv_bytes_per_token

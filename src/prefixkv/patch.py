@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .cache import PagedPrefixCache
 from .errors import CacheMisuseError
 from .stats import RowStats
@@ -316,12 +317,12 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         if plan.returned:
             # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
             try:
-                return original(*args, cache=plan.cache, **rest)
+                return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
             except BaseException:
                 plan.cache.close()
                 raise
         with plan.cache:
-            return original(*args, cache=plan.cache, **rest)
+            return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
 
     setattr(model, _ENABLED, _Enabled(target, owns, _MethodPatch(model, "generate", generate)))
     return target
