@@ -224,7 +224,7 @@ FIDELITY = {torch.float64: 1e-6, torch.float32: 1e-4}
 def max_logit_diff(result: DemoRun) -> float:
     """The largest difference between a stock and a prefixkv logit over every step of every call."""
     return max(
-        (x.double() - y.double()).abs().max().item()
+        float((x.double() - y.double()).abs().max())
         for a, b in zip(result.stock, result.ours)
         for x, y in zip(a.output.logits, b.output.logits)
     )
