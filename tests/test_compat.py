@@ -209,3 +209,46 @@ def test_score_and_persistence_match_stock(models: tuple[Any, Any], tmp_path: An
         assert _max_diff(got_out, want_out) < TOL
     finally:
         loaded.close()
+
+
+# -- the first hour: errors that say what happened ------------------------------------------------------------
+
+
+def test_a_store_passed_as_the_cache_says_what_to_pass(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
+    with pytest.raises(prefixkv.CacheMisuseError, match=r"a PrefixStore was passed where generate takes a cache"):
+        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: store}, max_new_tokens=2, do_sample=False)
+
+
+def test_reusing_a_closed_cache_says_closed(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    model = models[0]
+    ids = torch.cat([PREFIX, torch.arange(100, 110)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+    with pytest.raises(prefixkv.CacheMisuseError, match=r"this PagedPrefixCache is closed"):
+        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+
+
+def test_loading_into_another_family_names_both(models: tuple[Any, Any], tmp_path: Any) -> None:
+    llama = models[0]
+    store = prefixkv.PrefixStore(llama, block_size=8)
+    try:
+        prefixkv.score(llama, store, [PREFIX.tolist()], [[70]])
+        store.save(tmp_path / "llama")
+    finally:
+        store.close()
+    qwen = prefixkv.models.tiny_model("qwen2", dtype=torch.float64)
+    shape = (qwen.config.num_hidden_layers, qwen.config.num_key_value_heads)
+    assert shape == (llama.config.num_hidden_layers, llama.config.num_key_value_heads)  # only the weights differ
+    with pytest.raises(prefixkv.PersistError, match=r"saved from a llama model; \w+ for this qwen2 model"):
+        prefixkv.PrefixStore.load(tmp_path / "llama", qwen)
+
+
+def test_enable_while_a_store_is_open_refuses(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    with pytest.raises(ValueError, match=r"a PrefixStore is already open on this model.*enable\(model, store=store\)"):
+        prefixkv.enable(models[0])
+    attached = prefixkv.enable(models[0], store=store)
+    try:
+        assert attached is store
+    finally:
+        prefixkv.disable(models[0])

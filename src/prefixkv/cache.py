@@ -544,6 +544,8 @@ class PagedPrefixCache(Cache):
         redone for the call as it is, or dropped. A second call on the same cache must pass the first call's
         output plus new tokens (transformers' "continue generation" pattern); any other sequence would be
         silently attended to the wrong K/V, so it raises :class:`CacheMisuseError`. Mutates."""
+        if self._closed:
+            raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
         refeed = self._refeed_pending
         self._refeed_pending = False
         if input_ids.dim() != 2:

@@ -299,6 +299,11 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         raise ValueError(
             "prefixkv is already enabled on this model; call prefixkv.disable(model) before enabling again"
         )
+    if store is None and transformers_model(model).__dict__.get(_PREPARE_USERS) is not None:
+        raise ValueError(
+            "a PrefixStore is already open on this model, and one store attaches to a model at a time: "
+            "pass it (prefixkv.enable(model, store=store)) or close it first"
+        )
     if store is not None and store_kwargs:
         raise TypeError(f"pass a store or arguments to build one, not both (got {sorted(store_kwargs)})")
     if store is not None and store.model is not model:

@@ -451,8 +451,9 @@ def check_compatible(
     if meta["model_fingerprint"] != ours:
         raise PersistError(
             f"{path} was saved from a model with other weights: its K/V would give wrong output with this one "
-            f"(fingerprint {meta['model_fingerprint'][:12]} in the file, {ours[:12]} for this "
-            f"{meta.get('model_type', '?')} model). Load it with the model (weights and adapter) it was saved from"
+            f"(fingerprint {meta['model_fingerprint'][:12]} in the file, saved from a {meta.get('model_type', '?')} "
+            f"model; {ours[:12]} for this {getattr(model.config, 'model_type', type(model).__name__)} model). "
+            "Load it with the model (weights and adapter) it was saved from"
         )
 
 

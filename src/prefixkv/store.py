@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from . import attention, display, persist
 from .allocator import BlockAllocator
-from .errors import CapacityError, PersistError
+from .errors import CacheMisuseError, CapacityError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
 from .stats import CacheStats, RowStats, StoreStats
@@ -681,6 +681,14 @@ class PrefixStore:
     def closed(self) -> bool:
         """Whether :meth:`close` detached the store from its model. Does not mutate."""
         return self._closed
+
+    @property
+    def is_compileable(self) -> bool:
+        """``generate`` asks a cache this first; a store is not a cache, so say what to pass instead."""
+        raise CacheMisuseError(
+            "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
+            "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
+        )
 
     def ensure_open(self) -> None:
         """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""
