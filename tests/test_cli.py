@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from prefixkv import cli
+from prefixkv import _demo, cli
 
 
 def _reusable(prompts: list[torch.Tensor], sequences: list[torch.Tensor]) -> list[int]:
@@ -31,8 +33,8 @@ def _reusable(prompts: list[torch.Tensor], sequences: list[torch.Tensor]) -> lis
 
 
 def test_demo_reuses_the_system_prompt_and_the_earlier_turn_and_matches_stock(llama64: Any) -> None:
-    workload = cli.synthetic_workload(llama64.config.vocab_size, system_len=40, questions=3, new_tokens=5)
-    result = cli.run(llama64, workload, block_size=4)
+    workload = _demo.synthetic_workload(llama64.config.vocab_size, system_len=40, questions=3, new_tokens=5)
+    result = _demo.run(llama64, workload, block_size=4)
     prompts = [turn([c.output.sequences for c in result.ours[:i]]) for i, turn in enumerate(workload.turns)]
     sequences = [c.output.sequences for c in result.ours]
     assert [c.prompt_tokens for c in result.ours] == [p.shape[1] for p in prompts]
@@ -48,23 +50,23 @@ def test_demo_reuses_the_system_prompt_and_the_earlier_turn_and_matches_stock(ll
         assert max((x - y).abs().max().item() for x, y in zip(a.output.logits, b.output.logits)) < 1e-6
         assert a.output.sequences.shape[1] - a.prompt_tokens == 5
 
-    table = cli.report(llama64, workload, result)
+    table = _demo.report(llama64, workload, result)
     assert f"{sum(reused)} of {sum(p.shape[1] for p in prompts)}" in table
     printed = re.search(r"outputs match stock generate +- +yes \(max logit diff ([\d.e+-]+), bound 1e-06\)", table)
     assert printed is not None, table
     assert float(printed.group(1)) <= 1e-6  # float64: the difference is rounding (1e-15), not 1e-4
-    assert printed.group(1) == f"{cli.max_logit_diff(result):.1e}"
+    assert printed.group(1) == f"{_demo.max_logit_diff(result):.1e}"
 
 
 def test_demo_verdict_compares_logits_not_tokens(llama64: Any) -> None:
     """Same tokens but logits off by more than the float64 bound: the demo must say NO."""
-    workload = cli.synthetic_workload(llama64.config.vocab_size, system_len=12, questions=1, new_tokens=2)
-    result = cli.run(llama64, workload, block_size=4)
+    workload = _demo.synthetic_workload(llama64.config.vocab_size, system_len=12, questions=1, new_tokens=2)
+    result = _demo.run(llama64, workload, block_size=4)
     call = result.ours[-1]
     shifted = tuple(x + 1e-3 for x in call.output.logits)  # a shift keeps every argmax: the tokens stay the same
     output = dataclasses.replace(call, output=type(call.output)(**{**call.output, "logits": shifted}))
     bad = dataclasses.replace(result, ours=[*result.ours[:-1], output])
-    table = cli.report(llama64, workload, bad)
+    table = _demo.report(llama64, workload, bad)
     assert re.search(r"outputs match stock generate +- +NO \(max logit diff 1\.0e-03, bound 1e-06\)", table), table
 
 
@@ -108,3 +110,25 @@ def test_bench_quick_prints_no_verdicts(monkeypatch: Any) -> None:
     assert "n/a" in seen[0] and "MISSED" not in seen[0] and "met" not in seen[0], seen[0]
     monkeypatch.setattr(_common, "SMOKE", False)
     assert "MISSED" in zero_hit.report(_ZERO_HIT)  # the same numbers in a full run
+
+
+def test_help_answers_without_torch() -> None:
+    """``python -m prefixkv --help`` parses its arguments before importing torch (it took 5 s), and its text has no
+    raw reStructuredText backticks; every demo option has help."""
+    code = (
+        "import runpy, sys\n"
+        "for argv in (['--help'], ['demo', '--help']):\n"
+        "    sys.argv = ['prefixkv', *argv]\n"
+        "    try:\n"
+        "        runpy.run_module('prefixkv', run_name='__main__')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.rstrip().endswith("no torch"), run.stdout
+    assert "``" not in run.stdout and "usage: python -m prefixkv demo" in run.stdout
+    options = re.findall(
+        r"^  (--[\w-]+)(?: [A-Z_]+)?\s*(.*)$", run.stdout.split("usage: python -m prefixkv demo")[1], re.M
+    )
+    assert {o for o, _ in options} >= {"--small", "--model", "--real", "--new-tokens", "--block-size"}, options

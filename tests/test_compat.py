@@ -41,8 +41,8 @@ def test_unsupported_names_the_range() -> None:
     assert torch_old is not None and "torch 2.5.1 is installed; prefixkv supports torch>=2.6,<3" in torch_old
 
 
-def test_import_refuses_an_unsupported_transformers() -> None:
-    code = "import transformers; transformers.__version__ = '5.13.0'; import prefixkv"
+def test_first_use_refuses_an_unsupported_transformers() -> None:
+    code = "import transformers; transformers.__version__ = '5.13.0'; import prefixkv; prefixkv.PrefixStore"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "ImportError: transformers 5.13.0 is installed; prefixkv supports transformers>=5.14,<6" in run.stderr

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-# _compat first: it refuses an unsupported transformers or torch before anything else imports them
-from . import _compat, display, models  # noqa: F401
-from .cache import PagedPrefixCache
-from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
-from .memory import estimate, kv_bytes_per_token
-from .patch import disable, enable
-from .persist import PersistStats
-from .score import Score, score
-from .stats import CacheStats, RowStats, StoreStats
-from .store import PrefixStore
-from .tier import TierStats
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import display, models
+    from .cache import PagedPrefixCache
+    from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .memory import estimate, kv_bytes_per_token
+    from .patch import disable, enable
+    from .persist import PersistStats
+    from .score import Score, score
+    from .stats import CacheStats, RowStats, StoreStats
+    from .store import PrefixStore
+    from .tier import TierStats
 
 __version__ = "0.1.0"
 
@@ -39,3 +41,15 @@ __all__ = [
     "models",
     "score",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The public names load on first use, all at once (``prefixkv._api``: torch, transformers, and the check
+    that their releases are supported), so that ``python -m prefixkv --help`` answers without importing torch."""
+    if name not in __all__:
+        raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
+    from . import _api
+
+    exported = {n: getattr(_api, n) for n in __all__ if n != "__version__"}
+    globals().update(exported)
+    return exported[name]
