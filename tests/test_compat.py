@@ -252,3 +252,17 @@ def test_enable_while_a_store_is_open_refuses(models: tuple[Any, Any], store: pr
         assert attached is store
     finally:
         prefixkv.disable(models[0])
+
+
+def test_the_text_trie_view_says_pinned_like_the_html_view(
+    models: tuple[Any, Any], store: prefixkv.PrefixStore
+) -> None:
+    system, other = PREFIX.tolist(), list(range(200, 217))
+    store.warm([[*system, 60], other], progress=False)
+    store.pin(system)
+    text = prefixkv.display.trie_text(store)
+    assert "pinned" in prefixkv.display.store_html(store) and "pinned" in text, text
+    assert "locked" not in text and "evictable" in text  # the unpinned prefix
+    ids = torch.tensor([[*other, 1, 2]])
+    with prefixkv.PagedPrefixCache(store, ids):  # holds the unpinned prefix while it lives
+        assert "in use" in prefixkv.display.trie_text(store)

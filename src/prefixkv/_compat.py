@@ -1,8 +1,9 @@
 """Every difference between the transformers and torch releases prefixkv supports, in this one module.
 
 The rest of prefixkv is written against the newest transformers; this module checks the installed releases
-against the supported range (one ImportError outside it, raised when prefixkv's public names first load) and adapts what older releases name or call
-differently, found by looking at the installed transformers, never by comparing version numbers:
+against the supported range (one ImportError outside it, raised when prefixkv's public names first load) and
+adapts what older releases name or call differently, found by looking at the installed transformers, never by
+comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
