@@ -266,3 +266,23 @@ def test_the_text_trie_view_says_pinned_like_the_html_view(
     ids = torch.tensor([[*other, 1, 2]])
     with prefixkv.PagedPrefixCache(store, ids):  # holds the unpinned prefix while it lives
         assert "in use" in prefixkv.display.trie_text(store)
+
+
+def test_modules_imported_alone_work() -> None:
+    """prefixkv loads its public names on first use; a script that imports only its modules still gets the
+    generate hooks (the store installs them) and reuse."""
+    code = (
+        "import torch\n"
+        "from prefixkv.cache import PagedPrefixCache\n"
+        "from prefixkv.models import tiny_model\n"
+        "from prefixkv.store import PrefixStore\n"
+        "from prefixkv._compat import GENERATE_CACHE_KWARG\n"
+        "model = tiny_model('llama'); store = PrefixStore(model, block_size=8); ids = torch.arange(1, 30)[None]\n"
+        "for _ in range(2):\n"
+        "    with PagedPrefixCache(store, ids) as cache:\n"
+        "        model.generate(ids, **{GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)\n"
+        "print(cache.stats.cached_tokens)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["24"], run.stdout
