@@ -32,9 +32,10 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release that the
-# newest transformers runs on; what prefixkv itself calls (the CPU flash-attention kernel with a mask, grouped K/V
-# heads and its log-sum-exp) is older
+# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
+# transformers runs on (5.14-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel for its
+# log-sum-exp, with a mask and with fewer K/V heads than query heads; that older releases' kernel takes both is not
+# verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
 TRANSFORMERS_RANGE = ((5, 14), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
