@@ -268,16 +268,16 @@ def test_the_text_trie_view_says_pinned_like_the_html_view(
         assert "in use" in prefixkv.display.trie_text(store)
 
 
-def test_modules_imported_alone_work() -> None:
-    """prefixkv loads its public names on first use; a script that imports only its modules still gets the
-    generate hooks (the store installs them) and reuse."""
+def test_names_imported_from_the_package_work() -> None:
+    """prefixkv loads its public names on first use; ``from prefixkv import ...`` loads them all, generate hooks
+    included, and gives reuse."""
     code = (
         "import torch\n"
-        "from prefixkv.cache import PagedPrefixCache\n"
-        "from prefixkv.models import tiny_model\n"
-        "from prefixkv.store import PrefixStore\n"
+        "from prefixkv import PagedPrefixCache, PrefixStore, models\n"
         "from prefixkv._compat import GENERATE_CACHE_KWARG\n"
-        "model = tiny_model('llama'); store = PrefixStore(model, block_size=8); ids = torch.arange(1, 30)[None]\n"
+        "model = models.tiny_model('llama')\n"
+        "store = PrefixStore(model, block_size=8)\n"
+        "ids = torch.arange(1, 30)[None]\n"
         "for _ in range(2):\n"
         "    with PagedPrefixCache(store, ids) as cache:\n"
         "        model.generate(ids, **{GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)\n"

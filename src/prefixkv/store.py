@@ -112,10 +112,10 @@ def set_runner(runner: ModelRunner) -> None:
 
 def _the_runner() -> ModelRunner:
     if _runner is None:
-        # prefixkv loads its modules on first use: the layer above installs the runner when it is imported
-        from . import patch  # noqa: F401
-    if _runner is None:
-        raise RuntimeError("prefixkv.patch did not install the model runner")
+        raise RuntimeError(
+            "prefixkv.patch installs the model runner when prefixkv's names load: use prefixkv.PrefixStore "
+            "(from prefixkv import PrefixStore), not prefixkv.store alone"
+        )
     return _runner
 
 
