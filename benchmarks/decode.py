@@ -135,18 +135,9 @@ def report(result: dict[str, Any]) -> str:
                 goals,
             ]
         )
-    return table(
-        [
-            "prompt",
-            "batch",
-            "shared prefix",
-            "DynamicCache ms/token",
-            "StaticCache ms/token",
-            "prefixkv ms/token",
-            "prefixkv / Dynamic",
-            "prefixkv / Static",
-            "target",
-        ],
+    header = ["prompt", "batch", "shared prefix", "Dynamic", "Static", "prefixkv", "/ Dynamic", "/ Static", "target"]
+    return "Milliseconds per new token with DynamicCache, StaticCache and prefixkv, and prefixkv's ratios:\n\n" + table(
+        header,
         out,
     )
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs prefixkv with everything the demo, the tests and the docs need.
-# torch: the pinned CPU-friendly 2.13.0 unless a torch within the supported range is already there.
+# torch: the pinned CPU-friendly 2.13.0 unless a torch within the supported range (pyproject.toml) is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -10,7 +10,7 @@ if ! .venv/bin/python - <<'PY' 2>/dev/null
 import sys
 import torch
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-sys.exit(0 if (2, 13) <= (major, minor) < (3, 0) else 1)
+sys.exit(0 if (2, 6) <= (major, minor) < (3, 0) else 1)
 PY
 then
   "${PIP[@]}" "torch==2.13.0"

@@ -1,6 +1,7 @@
 """The docs run: every ```python block of every docs page and of the README executes, in order, in one
 namespace per page, and a ```text block marked ``<!-- docs-test: output -->`` must be exactly what the
-python block before it printed. The site builds with warnings as errors, the ``>>>`` examples of the
+python block before it printed; a block that warns fails (on the newest supported transformers every example
+runs without a warning). The site builds with warnings as errors, the ``>>>`` examples of the
 docstrings (shown on the API page) run, and the API page lists every public name.
 
 Markers, an HTML comment on the line before a fence (invisible on the site):
@@ -23,6 +24,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -97,7 +99,8 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
                 printed = None
                 continue
             out = io.StringIO()
-            with contextlib.redirect_stdout(out):
+            with contextlib.redirect_stdout(out), warnings.catch_warnings():
+                warnings.simplefilter("error")
                 exec(compile(b.code, f"{page.name}:{b.line}", "exec"), dict(namespace) if b.marker else namespace)
             printed = out.getvalue()
         elif b.marker == "output" and printed is not None:
@@ -110,7 +113,9 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_docstring_examples_run(module: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ``>>>`` examples of the docstrings, which the API page shows."""
     monkeypatch.chdir(tmp_path)
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) of {module.__name__} failed (details above)"
 
 

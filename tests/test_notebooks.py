@@ -1,5 +1,6 @@
-"""The notebooks run top to bottom on the embedded model (each checks its own results with asserts),
-show the cached prefixes as text, and git keeps them without outputs."""
+"""The notebooks run top to bottom on the embedded model (each checks its own results with asserts), show no
+warning (a user should never have to ignore one: tqdm's "IProgress not found" needs ipywidgets, in the test
+extra), show the cached prefixes as text, and git keeps them without outputs."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def test_notebook_runs_top_to_bottom(path: Path, tmp_path: Path, monkeypatch: py
     # raises CellExecutionError, with the cell and its traceback, when a cell fails
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    warned = [o["text"] for o in outputs if o.get("name") == "stderr" and "Warning" in o.get("text", "")]
+    assert not warned, f"{path.name} shows warnings: {warned}"
     kinds = {kind for o in outputs for kind in o.get("data", {})}
     assert "image/png" in kinds, f"{path.name} drew no figure"
     assert "text/html" in kinds, f"{path.name} displayed no store or cache"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from . import display, models
-from .cache import PagedPrefixCache
-from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
-from .memory import estimate, kv_bytes_per_token
-from .patch import disable, enable
-from .persist import PersistStats
-from .score import Score, score
-from .stats import CacheStats, RowStats, StoreStats
-from .store import PrefixStore
-from .tier import TierStats
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import display, models
+    from .cache import PagedPrefixCache
+    from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .memory import estimate, kv_bytes_per_token
+    from .patch import disable, enable
+    from .persist import PersistStats
+    from .score import Score, score
+    from .stats import CacheStats, RowStats, StoreStats
+    from .store import PrefixStore
+    from .tier import TierStats
 
 __version__ = "0.1.0"
 
@@ -38,3 +42,19 @@ __all__ = [
     "models",
     "score",
 ]
+
+_SUBMODULES = frozenset({"display", "models"})
+
+
+def __getattr__(name: str) -> Any:
+    """The public names load on first use, all at once (``prefixkv._api``: torch, transformers, and the check
+    that their releases are supported), so that ``python -m prefixkv --help`` answers without importing torch."""
+    if name not in __all__:
+        raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
+    if name in _SUBMODULES:  # `from . import display` inside prefixkv asks here too: load only that module
+        return importlib.import_module(f"{__name__}.{name}")
+    from . import _api
+
+    exported = {n: getattr(_api, n) for n in __all__ if n != "__version__"}
+    globals().update(exported)
+    return exported[name]

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import attention, display
+from . import _compat, attention, display
 from .errors import CacheMisuseError
 from .stats import CacheStats, RowStats
 from .store import Claim, PrefixStore
@@ -401,6 +401,7 @@ def _check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[
     return layout(input_ids, mask)
 
 
+@_compat.adapt_cache
 class PagedPrefixCache(Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
 
@@ -414,7 +415,7 @@ class PagedPrefixCache(Cache):
     >>> store = prefixkv.PrefixStore(model, block_size=4)
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-    ...     out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    ...     out = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
     >>> cache.stats.cached_tokens, cache.stats.computed_tokens
     (0, 11)
     """
@@ -543,6 +544,8 @@ class PagedPrefixCache(Cache):
         redone for the call as it is, or dropped. A second call on the same cache must pass the first call's
         output plus new tokens (transformers' "continue generation" pattern); any other sequence would be
         silently attended to the wrong K/V, so it raises :class:`CacheMisuseError`. Mutates."""
+        if self._closed:
+            raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
         refeed = self._refeed_pending
         self._refeed_pending = False
         if input_ids.dim() != 2:

@@ -78,8 +78,8 @@ def top_prefixes(store: StoreLike, n: int = 5) -> list[CachedPrefix]:
 
 def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> str:
     """The trie (its default namespace) as an indented tree, one line per node: its token span, the blocks
-    holding it, whether it is locked, and its first tokens (decoded when a tokenizer is given). Does not
-    mutate."""
+    holding it, whether it is pinned, in use or evictable, and its first tokens (decoded when a tokenizer is
+    given). Does not mutate."""
     nodes = store.prefix_view()
     children = _children(nodes)
     lines = ["root"]
@@ -88,7 +88,7 @@ def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> s
             lines.append(f"… {len(nodes) - shown} more nodes")
             break
         node = nodes[i]
-        state = f"locked x{node.lock}" if node.lock else "evictable"
+        state = "pinned" if node.pinned else ("in use" if node.lock else "evictable")  # the HTML view's words
         lines.append(
             f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
             f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'

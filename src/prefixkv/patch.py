@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .cache import PagedPrefixCache
 from .errors import CacheMisuseError
 from .stats import RowStats
@@ -328,6 +329,11 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         raise ValueError(
             "prefixkv is already enabled on this model; call prefixkv.disable(model) before enabling again"
         )
+    if store is None and transformers_model(model).__dict__.get(_PREPARE_USERS) is not None:
+        raise ValueError(
+            "a PrefixStore is already open on this model, and one store attaches to a model at a time: "
+            "pass it (prefixkv.enable(model, store=store)) or close it first"
+        )
     if store is not None and store_kwargs:
         raise TypeError(f"pass a store or arguments to build one, not both (got {sorted(store_kwargs)})")
     if store is not None and store.model is not model:
@@ -353,12 +359,12 @@ def _enabled_generate(model: Any, original: Callable[..., Any], *args: Any, **kw
     if plan.returned:
         # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
         try:
-            return original(*args, cache=plan.cache, **rest)
+            return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
         except BaseException:
             plan.cache.close()
             raise
     with plan.cache:
-        return original(*args, cache=plan.cache, **rest)
+        return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
 
 
 def disable(model: Any) -> None:

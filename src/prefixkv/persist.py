@@ -530,9 +530,10 @@ def check_compatible(
     if meta["model_fingerprint"] != ours:
         raise PersistError(
             f"{path} was saved from a model with other weights or a config that changes K/V: its K/V would give "
-            f"wrong output with this one (fingerprint {meta['model_fingerprint'][:12]} in the file, {ours[:12]} for "
-            f"this {meta.get('model_type', '?')} model). Load it with the model (weights, config and adapter) it was "
-            "saved from"
+            f"wrong output with this one (fingerprint {meta['model_fingerprint'][:12]} in the file, saved from a "
+            f"{meta.get('model_type', '?')} model; {ours[:12]} for this "
+            f"{getattr(model.config, 'model_type', type(model).__name__)} model). Load it with the model (weights, "
+            "config and adapter) it was saved from"
         )
 
 

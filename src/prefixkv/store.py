@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from . import attention, display, persist
 from .allocator import BlockAllocator
-from .errors import CapacityError, PersistError
+from .errors import CacheMisuseError, CapacityError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
 from .stats import CacheStats, RowStats, StoreStats
@@ -112,7 +112,10 @@ def set_runner(runner: ModelRunner) -> None:
 
 def _the_runner() -> ModelRunner:
     if _runner is None:
-        raise RuntimeError("prefixkv.patch installs the model runner: import prefixkv, not prefixkv.store alone")
+        raise RuntimeError(
+            "prefixkv.patch installs the model runner when prefixkv's names load: use prefixkv.PrefixStore "
+            "(from prefixkv import PrefixStore), not prefixkv.store alone"
+        )
     return _runner
 
 
@@ -261,7 +264,7 @@ class PrefixStore:
     >>> store = prefixkv.PrefixStore(model, block_size=4)
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-    ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
     >>> prefixkv.PagedPrefixCache(store, ids).stats.cached_tokens  # all but the last prompt token
     10
     """
@@ -550,7 +553,7 @@ class PrefixStore:
         >>> store = prefixkv.PrefixStore(model, block_size=4)
         >>> ids = torch.arange(3, 20)[None]
         >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-        ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
         >>> path = os.path.join(tempfile.mkdtemp(), "prefixes.safetensors")
         >>> store.save(path).tokens
         16
@@ -707,6 +710,14 @@ class PrefixStore:
     def closed(self) -> bool:
         """Whether :meth:`close` detached the store from its model. Does not mutate."""
         return self._closed
+
+    @property
+    def is_compileable(self) -> bool:
+        """``generate`` asks a cache this first; a store is not a cache, so say what to pass instead."""
+        raise CacheMisuseError(
+            "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
+            "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
+        )
 
     def ensure_open(self) -> None:
         """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""

@@ -1,0 +1,18 @@
+"""The public names of prefixkv (``prefixkv.__all__``), imported together the first time ``prefixkv.NAME`` is
+asked for: ``prefixkv/__init__.py`` re-exports each of them."""
+
+# ruff: noqa: F401
+
+from __future__ import annotations
+
+# _compat first: it refuses an unsupported transformers or torch before anything else imports them
+from . import _compat, display, models
+from .cache import PagedPrefixCache
+from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+from .memory import estimate, kv_bytes_per_token
+from .patch import disable, enable
+from .persist import PersistStats
+from .score import Score, score
+from .stats import CacheStats, RowStats, StoreStats
+from .store import PrefixStore
+from .tier import TierStats

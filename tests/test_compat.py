@@ -1,0 +1,288 @@
+"""The supported transformers and torch releases: refused outside the range, and every public entry point exact
+against stock ``generate`` on the installed release, whichever keyword it takes the cache by.
+
+CI runs this file on the oldest supported transformers too (.ci/run). Every reference comes from a copy of the model
+made before any store exists, so prefixkv has never touched it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+import prefixkv
+from prefixkv import _compat
+
+TOL = 1e-6  # float64
+PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
+
+
+def test_unsupported_names_the_range() -> None:
+    assert _compat.unsupported(transformers.__version__, torch.__version__) is None
+    assert _compat.unsupported("5.14.0", "2.6.0") is None
+    assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
+    old = _compat.unsupported("5.13.0", "2.13.0")
+    assert old is not None and "transformers 5.13.0 is installed" in old and "transformers>=5.14,<6" in old
+    assert "torch 2.13.0" not in old
+    for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
+        reason = _compat.unsupported(tf, th)
+        assert reason is not None and named in reason and "pip install 'transformers>=5.14,<6'" in reason
+    torch_old = _compat.unsupported("5.24.0", "2.5.1")
+    assert torch_old is not None and "torch 2.5.1 is installed; prefixkv supports torch>=2.6,<3" in torch_old
+
+
+def test_first_use_refuses_an_unsupported_transformers() -> None:
+    code = "import transformers; transformers.__version__ = '5.13.0'; import prefixkv; prefixkv.PrefixStore"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "ImportError: transformers 5.13.0 is installed; prefixkv supports transformers>=5.14,<6" in run.stderr
+
+
+def _generate_takes_cache_keyword() -> bool:
+    """Whether the installed transformers' models take ``cache=`` (read from a model's signature, not from
+    prefixkv)."""
+    return "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+
+
+def test_the_preferred_keyword_is_the_installed_one() -> None:
+    want = "cache" if _generate_takes_cache_keyword() else "past_key_values"
+    assert want == _compat.GENERATE_CACHE_KWARG
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    """A float64 llama and its reference copy, made before any store exists."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    return model, copy.deepcopy(model)
+
+
+@pytest.fixture
+def store(models: tuple[Any, Any]) -> Iterator[prefixkv.PrefixStore]:
+    s = prefixkv.PrefixStore(models[0], block_size=8)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+MODES: dict[str, dict[str, Any]] = {
+    "greedy": {"do_sample": False},
+    "sampling": {"do_sample": True, "top_k": 20},
+    "num_return_sequences": {"do_sample": True, "num_return_sequences": 2},
+    "beams": {"do_sample": False, "num_beams": 2},
+}
+
+
+def _run(model: Any, ids: torch.Tensor, mask: torch.Tensor | None, **kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    assert len(a.logits) == len(b.logits)
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a.logits, b.logits))
+
+
+def _keywords() -> list[str]:
+    return ["past_key_values", "cache"] if _generate_takes_cache_keyword() else ["past_key_values"]
+
+
+@pytest.mark.parametrize("keyword", _keywords())
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_generate_matches_stock(models: tuple[Any, Any], store: prefixkv.PrefixStore, mode: str, keyword: str) -> None:
+    """Cold, then warm on the same prefix, then a left-padded batch: logits of stock generate within 1e-6."""
+    model, ref = models
+    batch = torch.stack(
+        [
+            torch.cat([PREFIX, torch.arange(60, 70)]),
+            torch.cat([torch.zeros(4, dtype=torch.long), PREFIX, torch.arange(80, 86)]),
+        ]
+    )
+    mask = (batch != 0).long()
+    calls = [
+        (torch.cat([PREFIX, torch.arange(100, 108)])[None], None),
+        (torch.cat([PREFIX, torch.arange(120, 126)])[None], None),
+        (batch, mask),
+    ]
+    for n, (ids, attention) in enumerate(calls):
+        want = (
+            _run(ref, ids, attention, cache=DynamicCache(config=ref.config), **MODES[mode])
+            if keyword == "cache"
+            else _run(ref, ids, attention, **MODES[mode])
+        )
+        with warnings.catch_warnings():
+            # transformers 5.24+ deprecates this spelling (a FutureWarning); it must keep working
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
+            with prefixkv.PagedPrefixCache(store, ids, attention) as cache:
+                got = _run(model, ids, attention, **{keyword: cache}, **MODES[mode])
+        assert torch.equal(got.sequences, want.sequences), (mode, n)
+        assert _max_diff(got, want) < TOL, (mode, n)
+        if n > 0:
+            assert cache.stats.cached_tokens >= PREFIX.numel(), (mode, n, cache.stats)
+
+
+def test_enable_uses_the_preferred_keyword(models: tuple[Any, Any]) -> None:
+    """enable() passes the cache as the installed generate prefers (no deprecation warning), reuses, and matches."""
+    model, ref = models
+    store = prefixkv.enable(model, block_size=8)
+    try:
+        for tail in (torch.arange(100, 108), torch.arange(120, 126)):
+            ids = torch.cat([PREFIX, tail])[None]
+            want = _run(ref, ids, None, do_sample=False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                got = _run(model, ids, None, do_sample=False)
+            assert _max_diff(got, want) < TOL
+        assert store.stats.hit_tokens >= PREFIX.numel()
+    finally:
+        prefixkv.disable(model)
+    assert model.config._attn_implementation == ref.config._attn_implementation
+
+
+def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) -> None:
+    model, ref = models
+    store = prefixkv.PrefixStore(model)
+    assert model.config._attn_implementation == "prefixkv"
+    ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+    store.close()
+    assert model.config._attn_implementation == ref.config._attn_implementation == "sdpa"
+
+
+def test_assisted_decoding_crops_and_matches(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    """Prompt-lookup decoding crops the cache after rejected candidates: tokens and logits of stock."""
+    model, ref = models
+    ids = torch.cat([PREFIX, PREFIX[:8], torch.arange(100, 104)])[None]  # repeats, so candidates are proposed
+    for _ in range(2):  # cold, then warm
+        want = _run(ref, ids, None, do_sample=False, prompt_lookup_num_tokens=3)
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            got = _run(
+                model, ids, None, do_sample=False, prompt_lookup_num_tokens=3, **{_compat.GENERATE_CACHE_KWARG: cache}
+            )
+        assert torch.equal(got.sequences, want.sequences)
+        assert _max_diff(got, want) < TOL
+    assert cache.stats.cached_tokens > 0
+
+
+def test_score_and_persistence_match_stock(models: tuple[Any, Any], tmp_path: Any) -> None:
+    """score() over a cached context, and a store saved and loaded, against the reference model's own forward."""
+    model, ref = models
+    context = PREFIX.tolist()
+    continuation = [70, 71, 72]
+    with torch.no_grad():
+        logits = ref(torch.tensor([context + continuation])).logits[0].double().log_softmax(-1)
+    want = sum(logits[len(context) - 1 + i, t].item() for i, t in enumerate(continuation))
+    store = prefixkv.PrefixStore(model, block_size=8)
+    try:
+        for _ in range(2):
+            got = prefixkv.score(model, store, [context], [continuation])[0]
+            assert abs(got.total - want) < TOL
+        store.save(tmp_path / "prefixes")
+    finally:
+        store.close()
+    loaded = prefixkv.PrefixStore.load(tmp_path / "prefixes", model)
+    try:
+        ids = torch.cat([PREFIX, torch.arange(100, 106)])[None]
+        want_out = _run(ref, ids, None, do_sample=False)
+        with prefixkv.PagedPrefixCache(loaded, ids) as cache:
+            got_out = _run(model, ids, None, do_sample=False, **{_compat.GENERATE_CACHE_KWARG: cache})
+        assert cache.stats.cached_tokens >= 40
+        assert _max_diff(got_out, want_out) < TOL
+    finally:
+        loaded.close()
+
+
+# -- the first hour: errors that say what happened ------------------------------------------------------------
+
+
+def test_a_store_passed_as_the_cache_says_what_to_pass(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
+    with pytest.raises(prefixkv.CacheMisuseError, match=r"a PrefixStore was passed where generate takes a cache"):
+        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: store}, max_new_tokens=2, do_sample=False)
+
+
+def test_reusing_a_closed_cache_says_closed(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    model = models[0]
+    ids = torch.cat([PREFIX, torch.arange(100, 110)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+    with pytest.raises(prefixkv.CacheMisuseError, match=r"this PagedPrefixCache is closed"):
+        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+
+
+def test_loading_into_another_family_names_both(models: tuple[Any, Any], tmp_path: Any) -> None:
+    llama = models[0]
+    store = prefixkv.PrefixStore(llama, block_size=8)
+    try:
+        prefixkv.score(llama, store, [PREFIX.tolist()], [[70]])
+        store.save(tmp_path / "llama")
+    finally:
+        store.close()
+    qwen = prefixkv.models.tiny_model("qwen2", dtype=torch.float64)
+    shape = (qwen.config.num_hidden_layers, qwen.config.num_key_value_heads)
+    assert shape == (llama.config.num_hidden_layers, llama.config.num_key_value_heads)  # only the weights differ
+    with pytest.raises(prefixkv.PersistError, match=r"saved from a llama model; \w+ for this qwen2 model"):
+        prefixkv.PrefixStore.load(tmp_path / "llama", qwen)
+
+
+def test_enable_while_a_store_is_open_refuses(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    with pytest.raises(ValueError, match=r"a PrefixStore is already open on this model.*enable\(model, store=store\)"):
+        prefixkv.enable(models[0])
+    attached = prefixkv.enable(models[0], store=store)
+    try:
+        assert attached is store
+    finally:
+        prefixkv.disable(models[0])
+
+
+def test_the_text_trie_view_says_pinned_like_the_html_view(
+    models: tuple[Any, Any], store: prefixkv.PrefixStore
+) -> None:
+    system, other = PREFIX.tolist(), list(range(200, 217))
+    store.warm([[*system, 60], other], progress=False)
+    store.pin(system)
+    text = prefixkv.display.trie_text(store)
+    assert "pinned" in prefixkv.display.store_html(store) and "pinned" in text, text
+    assert "locked" not in text and "evictable" in text  # the unpinned prefix
+    ids = torch.tensor([[*other, 1, 2]])
+    with prefixkv.PagedPrefixCache(store, ids):  # holds the unpinned prefix while it lives
+        assert "in use" in prefixkv.display.trie_text(store)
+
+
+def test_names_imported_from_the_package_work() -> None:
+    """prefixkv loads its public names on first use; ``from prefixkv import ...`` loads them all, generate hooks
+    included, and gives reuse."""
+    code = (
+        "import torch\n"
+        "from prefixkv import PagedPrefixCache, PrefixStore, models\n"
+        "from prefixkv._compat import GENERATE_CACHE_KWARG\n"
+        "model = models.tiny_model('llama')\n"
+        "store = PrefixStore(model, block_size=8)\n"
+        "ids = torch.arange(1, 30)[None]\n"
+        "for _ in range(2):\n"
+        "    with PagedPrefixCache(store, ids) as cache:\n"
+        "        model.generate(ids, **{GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)\n"
+        "print(cache.stats.cached_tokens)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["24"], run.stdout
