@@ -20,6 +20,7 @@ import functools
 import inspect
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -182,22 +183,31 @@ class _PrepareUser:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model: torch.nn.Module | None = model
-        users: tuple[_MethodPatch, int] | None = model.__dict__.get(_PREPARE_USERS)
+        users: tuple[_MethodPatch, int, weakref.ref[torch.nn.Module]] | None = model.__dict__.get(_PREPARE_USERS)
         if users is None:
-            users = (_MethodPatch(model, _PREPARE, _bound_to_copies(_checking_prepare, getattr(model, _PREPARE))), 0)
-        patch, count = users
-        setattr(model, _PREPARE_USERS, (patch, count + 1))
+            patch = _MethodPatch(model, _PREPARE, _bound_to_copies(_checking_prepare, getattr(model, _PREPARE)))
+            users = (patch, 0, weakref.ref(model))
+        patch, count, owner = users
+        if owner() is not model:  # a copy.deepcopy of a model with stores: the wrapper is the copy's, no store yet
+            count = 0
+        setattr(model, _PREPARE_USERS, (patch, count + 1, weakref.ref(model)))
 
     def remove(self) -> None:
         model, self._model = self._model, None
         if model is None:
             return
-        patch, count = model.__dict__[_PREPARE_USERS]
+        patch, count, owner = model.__dict__[_PREPARE_USERS]
         if count > 1:
-            setattr(model, _PREPARE_USERS, (patch, count - 1))
+            setattr(model, _PREPARE_USERS, (patch, count - 1, owner))
             return
         delattr(model, _PREPARE_USERS)
         patch.remove()
+
+
+def _has_open_store(model: torch.nn.Module) -> bool:
+    """Whether a store is attached to ``model`` itself (a deep copy carries the original's record, not a store)."""
+    users = model.__dict__.get(_PREPARE_USERS)
+    return users is not None and users[2]() is model
 
 
 # -- zero-code-change mode -------------------------------------------------------------------------
@@ -329,7 +339,7 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         raise ValueError(
             "prefixkv is already enabled on this model; call prefixkv.disable(model) before enabling again"
         )
-    if store is None and transformers_model(model).__dict__.get(_PREPARE_USERS) is not None:
+    if store is None and _has_open_store(transformers_model(model)):
         raise ValueError(
             "a PrefixStore is already open on this model, and one store attaches to a model at a time: "
             "pass it (prefixkv.enable(model, store=store)) or close it first"
