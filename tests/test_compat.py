@@ -268,12 +268,21 @@ def test_the_text_trie_view_says_pinned_like_the_html_view(
         assert "in use" in prefixkv.display.trie_text(store)
 
 
-def test_names_imported_from_the_package_work() -> None:
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from prefixkv import PagedPrefixCache, PrefixStore, models",
+        "from prefixkv.store import PrefixStore\n"
+        "from prefixkv.cache import PagedPrefixCache\nfrom prefixkv import models",
+    ],
+    ids=["package", "modules"],
+)
+def test_names_imported_from_the_package_work(imports: str) -> None:
     """prefixkv loads its public names on first use; ``from prefixkv import ...`` loads them all, generate hooks
-    included, and gives reuse."""
+    included, and gives reuse; so does importing the modules themselves (the store loads the rest)."""
     code = (
         "import torch\n"
-        "from prefixkv import PagedPrefixCache, PrefixStore, models\n"
+        f"{imports}\n"
         "from prefixkv._compat import GENERATE_CACHE_KWARG\n"
         "model = models.tiny_model('llama')\n"
         "store = PrefixStore(model, block_size=8)\n"

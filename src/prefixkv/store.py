@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import itertools
 import operator
 import os
@@ -112,10 +113,11 @@ def set_runner(runner: ModelRunner) -> None:
 
 def _the_runner() -> ModelRunner:
     if _runner is None:
-        raise RuntimeError(
-            "prefixkv.patch installs the model runner when prefixkv's names load: use prefixkv.PrefixStore "
-            "(from prefixkv import PrefixStore), not prefixkv.store alone"
-        )
+        # `from prefixkv.store import PrefixStore` loads no public name of the package (they load lazily, see
+        # prefixkv/__init__.py): load them now, which installs the runner; by name, as this layer imports no layer above
+        importlib.import_module("prefixkv._api")
+    if _runner is None:
+        raise RuntimeError("prefixkv.patch did not install the model runner: prefixkv is not installed whole")
     return _runner
 
 
