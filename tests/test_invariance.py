@@ -14,6 +14,8 @@ what the guarantee claims."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -375,12 +377,15 @@ def test_the_options_are_checked() -> None:
 
 @pytest.mark.skipif(os.environ.get("PREFIXKV_REAL_TESTS") != "1", reason="set PREFIXKV_REAL_TESTS=1 (loads SmolLM2)")
 def test_smollm2_chat_answers_are_identical_warm_and_cold_in_bfloat16() -> None:
-    """The experiment of docs/correctness.md: 12 questions after one system prompt of about 200 tokens, 32
-    greedy tokens each, bfloat16. Cold: each question on a fresh store; warm: all on one store, in order."""
+    """The experiment of docs/correctness.md (benchmarks/invariance.py's chat): 12 questions after one system
+    prompt of about 200 tokens, 32 greedy tokens each, bfloat16. Cold: each question on a fresh store; warm:
+    all on one store, in order."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import invariance
+
     model, tok = prefixkv.models.smollm2(dtype=torch.bfloat16)
-    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt") for m in CHAT]
-    prompts = [p if isinstance(p, torch.Tensor) else p["input_ids"] for p in prompts]
-    assert 180 <= _common_length(prompts) <= 230
+    prompts = invariance.chat_prompts(tok)
+    assert 180 <= invariance.common_length(prompts) <= 230
     gen = {"do_sample": False}
     warm_store = PrefixStore(model, invariant=True)
     for ids in prompts:
@@ -391,35 +396,3 @@ def test_smollm2_chat_answers_are_identical_warm_and_cold_in_bfloat16() -> None:
         assert_identical(out, ref)
     assert warm_store.stats.hit_tokens >= 11 * 192
     warm_store.close()
-
-
-def _common_length(prompts: list[torch.Tensor]) -> int:
-    first = prompts[0][0]
-    return min(int((p[0, : len(first)] == first[: p.shape[1]]).cumprod(0).sum()) for p in prompts[1:])
-
-
-_SYSTEM = (
-    "You are the help desk assistant of the Riverside Public Library. Answer in one or two short sentences, "
-    "politely and precisely. The library opens at nine in the morning and closes at eight in the evening on "
-    "weekdays, and at five on Saturdays; it is closed on Sundays and public holidays. Members may borrow up to "
-    "twelve items at a time for three weeks, renewable twice online or at the desk unless someone reserved "
-    "them. Late returns cost twenty cents a day per item, capped at five dollars. Membership is free for "
-    "residents with a proof of address; visitors pay ten dollars a year. The first floor holds fiction, "
-    "magazines and the children's corner; the second floor holds non-fiction, study rooms and twelve public "
-    "computers, bookable for two hours a day. Printing costs ten cents a page in black and white."
-)
-_QUESTIONS = (
-    "When do you open on Saturday?",
-    "How many books can I borrow?",
-    "What happens if I return a book late?",
-    "Can I renew a loan online?",
-    "Is membership free?",
-    "Where are the study rooms?",
-    "How much does printing cost?",
-    "Are you open on Sunday?",
-    "How long can I use a computer?",
-    "Where is the children's corner?",
-    "Can a visitor join the library?",
-    "How long is a loan?",
-)
-CHAT = [[{"role": "system", "content": _SYSTEM}, {"role": "user", "content": q}] for q in _QUESTIONS]
