@@ -370,9 +370,24 @@ def test_the_options_are_checked() -> None:
         PrefixStore(model, invariant=True, chunk_size=24)
     with pytest.raises(TypeError, match="True or False"):
         PrefixStore(model, invariant=1)
-    store = PrefixStore(model, invariant=True)
-    assert store.chunk_size == 64 and not PrefixStore(model).invariant
-    store.close()
+    with PrefixStore(model, invariant=True) as store, PrefixStore(model) as default:
+        assert store.invariant and store.chunk_size == 64
+        assert not default.invariant and default.chunk_size is None
+
+
+def test_enable_takes_the_invariant_schedule() -> None:
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    ids = random_tokens(40, seed=24)[None]
+    kw: dict[str, Any] = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "pad_token_id": 0}
+    ref = cold(model, ids, new=4)
+    store = prefixkv.enable(model, invariant=True, chunk_size=CHUNK, block_size=BS)
+    try:
+        model.generate(ids[:, :30], **kw)
+        out = model.generate(ids, return_dict_in_generate=True, **kw)
+        assert store.stats.hit_tokens == 24
+    finally:
+        prefixkv.disable(model)
+    assert_identical(out, ref)
 
 
 @pytest.mark.skipif(os.environ.get("PREFIXKV_REAL_TESTS") != "1", reason="set PREFIXKV_REAL_TESTS=1 (loads SmolLM2)")
