@@ -30,7 +30,9 @@ SYSTEM = (
     "them. Late returns cost twenty cents a day per item, capped at five dollars. Membership is free for "
     "residents with a proof of address; visitors pay ten dollars a year. The first floor holds fiction, "
     "magazines and the children's corner; the second floor holds non-fiction, study rooms and twelve public "
-    "computers, bookable for two hours a day. Printing costs ten cents a page in black and white."
+    "computers, bookable for two hours a day. Printing costs ten cents a page in black and white. Lost cards "
+    "are replaced at the desk for two dollars, and the new card works at once. Wireless internet is free for "
+    "everyone in the building, with no password."
 )
 QUESTIONS = (
     "When do you open on Saturday?",
@@ -164,16 +166,17 @@ def common_length(prompts: list[torch.Tensor]) -> int:
     return min(int((p[0, : len(first)] == first[: p.shape[1]]).cumprod(0).sum()) for p in prompts[1:])
 
 
-def chat_counts(new: int = 32) -> dict[str, Any]:
+def chat_counts(new: int = 32, modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:
     """SmolLM2 in bfloat16, 12 questions after one system prompt (:data:`CHAT`; tests/test_invariance.py runs
-    the same), ``new`` greedy tokens: per mode, answers identical cold vs stock and warm vs cold (tokens; logits
-    bit for bit), and the tokens before the first difference."""
+    the same), ``new`` greedy tokens: per mode of ``modes``, answers identical cold vs stock and warm vs cold
+    (tokens; logits bit for bit), and the tokens before the first difference."""
     model, tok = prefixkv.models.smollm2(dtype=torch.bfloat16)
     prompts = chat_prompts(tok)
     kw: dict[str, Any] = {"output_logits": True, "return_dict_in_generate": True}
     stock = [_generate(model, None, ids, new, **kw) for ids in prompts]
     result: dict[str, Any] = {"questions": len(prompts), "system_tokens": common_length(prompts)}
-    for mode, options in MODES.items():
+    for mode in modes:
+        options = MODES[mode]
         cold = []
         for ids in prompts:
             with prefixkv.PrefixStore(model, block_size=BLOCK, **options) as fresh:
@@ -227,7 +230,7 @@ def report(result: dict[str, Any]) -> str:
     if chat is not None:
         n = chat["questions"]
         lines = []
-        for mode in MODES:
+        for mode in (m for m in MODES if m in chat):
             for what, label in (("cold_vs_stock", "cold vs stock"), ("warm_vs_cold", "warm vs cold")):
                 c = chat[mode][what]
                 same = [f"{c['same_tokens']} / {n}", f"{c['same_logits']} / {n}"]
@@ -246,8 +249,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--system", type=int, default=2048, help="the demo workload's system prompt (the demo's 2048)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--real", action="store_true", help="also SmolLM2's chat experiment (about 3 minutes)")
+    ap.add_argument("--real", action="store_true", help="also SmolLM2's chat experiment (bfloat16: slow on CPUs)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads (1 on a shared machine: small matmuls suffer most)"
+    )
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     result = run(args.size, args.prefix, args.context, args.batches, args.system, args.repeat)
     if args.real:
         result["chat"] = chat_counts()
