@@ -27,6 +27,7 @@ construction is checked against the same facts at the first forward of each ``ge
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -282,6 +283,14 @@ def plan_reads(
     return reads, None if q == 1 else start
 
 
+def _chunk_end(keys: list[int], chunk: int) -> int:
+    """Where the canonical chunks of a prompt row end in an invariant store: after the whole chunks before the
+    one that holds its last token (generate's own forward computes that one, rule 2) and before its first token
+    the mask hides (a prefill without the row's mask would compute other K/V). Does not mutate."""
+    hidden = next((t for t, k in enumerate(keys) if k < 0), len(keys))
+    return min(len(keys) - 1, hidden) // chunk * chunk
+
+
 def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
     """``attention_mask`` as a CPU bool tensor, after checking its shape and that it holds only 0 and 1 (of
     any dtype: a float 0.5 is an error, not padding). Does not mutate."""
@@ -457,6 +466,8 @@ class PagedPrefixCache(Cache):
         self._space: Hashable = store.space()
         # False while the held columns are only what construction reused (a generate call may still redo them)
         self._computed = False
+        # whether a forward publishes the blocks it filled (in an invariant store, only the runner's chunk forwards)
+        self._publishes = store.chunk_size is None
         # set by the prepare_inputs_for_generation wrapper for a decode step of generate, whose mask only
         # appends ones to the one checked in full at the call's first step
         self.decode_step = False
@@ -472,23 +483,44 @@ class PagedPrefixCache(Cache):
 
     # -- construction ----------------------------------------------------------------------------
 
-    def attach_prompt(self, pads: list[int], rows: list[list[int]], *, count: bool = True) -> None:
+    def attach_prompt(
+        self, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
+    ) -> None:
         """Start this cache (built without ``input_ids``) from prompt rows given as keys (token ids; ``-1 - id``
         where a mask hides one) after ``pads`` leading pad columns: match each row, keep the batch to one offset
         (DESIGN.md rule 3), share or copy blocks. Rows that share a prefix the store does not hold yet get it
         computed once, first (in-batch sharing, by the store's runner). With ``count=False`` the lookup stays out
-        of the store's statistics (that inner prefill). For prefixkv's own layers (scoring, prefill). Mutates."""
-        store, bs = self.store, self.block_size
-        prefilled = store.runner.prefill_shared(store, rows) if len(rows) > 1 else []
+        of the store's statistics (that inner prefill). For prefixkv's own layers (scoring, prefill). Mutates.
+
+        In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has
+        its canonical chunks computed (:func:`_chunk_end`, by the store's runner), reuses exactly those, and this
+        cache publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With
+        ``chunks`` this cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses
+        every whole chunk the store holds, and its forwards publish."""
+        store, bs, chunk = self.store, self.block_size, self.store.chunk_size
+        self._publishes = chunk is None or chunks
+        caps = [len(r) - 1 for r in rows]  # one prompt token stays uncached (rule 2)
+        held: list[int] | None = None
         offset = 0
 
         def choose(lengths: list[int]) -> list[int]:
             nonlocal offset
-            matched = [min(n, len(r) - 1) for n, r in zip(lengths, rows)]  # one prompt token stays uncached (rule 2)
+            matched = [min(n, c) for n, c in zip(lengths, caps)]
+            if chunk is not None:
+                matched = [m // chunk * chunk for m in matched]
             offset = min(p + m for p, m in zip(pads, matched))
             return [max(0, offset - p) for p in pads]
 
-        claims, reused = store.claim(rows, self._space, choose)
+        with contextlib.ExitStack() as prefills:
+            if chunk is None:
+                prefilled = store.runner.prefill_shared(store, rows) if len(rows) > 1 else []
+            elif chunks:
+                caps, prefilled = [len(r) for r in rows], []
+            else:
+                caps, prefilled = [_chunk_end(r, chunk) for r in rows], []
+                # what the runner computes stays locked until the rows hold it
+                held = prefills.enter_context(store.runner.prefill_chunks(store, [r[:c] for r, c in zip(rows, caps)]))
+            claims, reused = store.claim(rows, self._space, choose)
         self._rows = [_Row(p, toks, c, r // bs) for p, toks, c, r in zip(pads, rows, claims, reused)]
         for row, r in zip(self._rows, reused):
             row.real = _real_count(row.tokens[:r] if row.tokens is not None else [])
@@ -496,6 +528,8 @@ class PagedPrefixCache(Cache):
         self._seen = [offset] * len(self._seen)
         self._tables_version += 1
         self._runs_memo.clear()  # a table changed other than at its end
+        if held is not None:  # what the canonical prefill computed was computed by this call
+            reused = [min(h, r) for h, r in zip(held, reused)]
         # the shared prefill's tokens were computed by this call: charge them to a row that reused them
         for cost, members in prefilled:
             j = max(members, key=lambda i: reused[i])
@@ -762,6 +796,10 @@ class PagedPrefixCache(Cache):
         the model computes in (``PrefixStore(dtype=...)``), is read whole rows at a time too, cast. Mutates."""
         model = self.store.hf_model
         specs = self.store.pool.specs
+        if self.store.invariant:
+            # the canonical read (docs/correctness.md): every row's K/V gathered whole, in logical order, for
+            # the model's own attention, one kernel call over them, however the blocks lie in the pool
+            return
         if not attention.serves(model) or any(s.device.type not in attention.READ_DEVICES for s in specs):
             return
         probe = (
@@ -927,7 +965,7 @@ class PagedPrefixCache(Cache):
             if ok and forward.probe and forward.every_layer_served():
                 attention.mark_verified(self.store.hf_model)
         try:
-            if not ok or self._closed:
+            if not ok or self._closed or not self._publishes:
                 return
             for row in self._rows:
                 if row.tokens is None:
@@ -1154,6 +1192,7 @@ class PagedPrefixCache(Cache):
         other._length, other._seen = self._length, list(self._seen)
         other._stats, other._space, other._computed = self._stats, self._space, self._computed
         other._prompt_ids = self._prompt_ids
+        other._publishes = self._publishes
         return other
 
     @property

@@ -397,21 +397,57 @@ def disable(model: Any) -> None:
 def prefill(store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool) -> Iterator[RowStats]:
     """Compute the uncached rest of ``tokens`` with the store's model (one forward, whose whole blocks the
     forward hook publishes) and, with ``keep_partial``, publish the last part-filled block too (what
-    ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). Yields the prompt tokens reused and
-    computed; what was published stays locked until the block exits. ``count=False`` keeps the lookup out of
-    the store's statistics. Mutates the store."""
+    ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). In an invariant store only the whole
+    chunks of ``tokens`` are computed and published, each by a forward of its own (:func:`prefill_chunks`).
+    Yields the prompt tokens reused and computed; what was published stays locked until the block exits.
+    ``count=False`` keeps the lookup out of the store's statistics. Mutates the store."""
+    if store.chunk_size is not None:
+        kept = tokens[: len(tokens) // store.chunk_size * store.chunk_size]
+        with prefill_chunks(store, [kept]) as (held,):
+            if count:
+                store.count_query([len(tokens)], [held])
+            yield RowStats(len(tokens), held, len(kept) - held)
+        return
     ids = torch.tensor([tokens], dtype=torch.long) if count else None
     with PagedPrefixCache(store, ids) as cache:
         if not count:
             cache.attach_prompt([0], [tokens], count=False)
-        _forward_rest(cache, tokens)
+        _forward(cache, tokens[cache.get_seq_length() :])
         if keep_partial:
             cache.publish_all()
         yield cache.stats.per_row[0]
 
 
-def _forward_rest(cache: PagedPrefixCache, tokens: list[int]) -> None:
-    """One forward of the store's model over the tokens of a one-row prompt that ``cache`` does not hold."""
+@contextlib.contextmanager
+def prefill_chunks(store: PrefixStore, prefixes: list[list[int]]) -> Iterator[list[int]]:
+    """The canonical prefill of an invariant store (docs/correctness.md, "Outputs that never depend on the
+    cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.chunk_size`` tokens), computing
+    every chunk it lacks with a forward of its own, one row, ``[1, chunk_size]``, after the earlier chunks read
+    from the pool, so that a chunk's K/V are a function of its tokens and those before it alone. A chunk computed
+    for one prefix serves every later one that starts with it. Yields how many tokens of each prefix the store
+    held before (whole chunks); everything the prefixes hold stays locked until the block exits. Mutates the
+    store."""
+    chunk = store.chunk_size
+    if chunk is None:
+        raise ValueError("prefill_chunks is the prefill of an invariant store: PrefixStore(model, invariant=True)")
+    with contextlib.ExitStack() as holds:
+        held = []
+        for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
+            cache = holds.enter_context(PagedPrefixCache(store))
+            if tokens:
+                cache.attach_prompt([0], [tokens], count=False, chunks=True)
+            held.append(cache.get_seq_length())
+        for tokens, before in zip(prefixes, held):
+            if before < len(tokens):
+                cache = holds.enter_context(PagedPrefixCache(store))
+                cache.attach_prompt([0], [tokens], count=False, chunks=True)  # with what earlier prefixes computed
+                for start in range(cache.get_seq_length(), len(tokens), chunk):
+                    _forward(cache, tokens[start : start + chunk])
+        yield held
+
+
+def _forward(cache: PagedPrefixCache, tokens: list[int]) -> None:
+    """One forward of the store's model over ``tokens`` of a one-row prompt, after the columns ``cache`` holds."""
     store = cache.store
     model = store.hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
     params = inspect.signature(model.forward).parameters
@@ -419,7 +455,7 @@ def _forward_rest(cache: PagedPrefixCache, tokens: list[int]) -> None:
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
     # the first layer's device: model.device is `meta` when accelerate offloads the weights
-    ids = torch.tensor([tokens[cache.get_seq_length() :]], device=store.pool.specs[0].device)
+    ids = torch.tensor([tokens], device=store.pool.specs[0].device)
     with torch.no_grad():
         model(input_ids=ids, **kwargs)
 
@@ -476,6 +512,11 @@ class _Runner:
 
     def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
         return _prefill_shared(store, rows)
+
+    def prefill_chunks(
+        self, store: PrefixStore, prefixes: list[list[int]]
+    ) -> contextlib.AbstractContextManager[list[int]]:
+        return prefill_chunks(store, prefixes)
 
 
 set_runner(_Runner())

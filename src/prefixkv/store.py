@@ -99,6 +99,12 @@ class ModelRunner(Protocol):
         prefix computed, the tokens computed and the rows sharing it."""
         ...
 
+    def prefill_chunks(self, store: PrefixStore, prefixes: list[list[int]]) -> AbstractContextManager[list[int]]:
+        """An invariant store's canonical prefill: compute and publish the chunks of ``prefixes`` the store lacks,
+        each with a forward of its own; yield how many tokens of each the store held before. What the prefixes
+        hold stays locked until the context exits."""
+        ...
+
 
 _runner: ModelRunner | None = None
 
@@ -222,6 +228,24 @@ class WeightsChanged:
     state: int
 
 
+def _check_chunk_size(invariant: Any, chunk_size: Any, block_size: int) -> int | None:
+    """The chunk length of an invariant store (``None`` for the default schedule), after checking the options."""
+    if not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be True or False, got {invariant!r}")
+    if not invariant:
+        if chunk_size is not None:
+            raise ValueError(f"chunk_size={chunk_size!r} sets the invariant schedule; pass invariant=True with it")
+        return None
+    if chunk_size is None:
+        return 4 * block_size
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1 or chunk_size % block_size:
+        raise ValueError(
+            f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size!r}; "
+            f"for example {4 * block_size}"
+        )
+    return chunk_size
+
+
 def _check_dtype(dtype: Any) -> torch.dtype | None:
     """``dtype`` as a floating torch dtype (names such as ``"bfloat16"`` too), or ``None``."""
     if dtype is None:
@@ -261,6 +285,11 @@ class PrefixStore:
     blocks evicted from the pool to host memory or files, within ``max_offload_memory``, and brings them
     back when a later prompt starts with them.
 
+    ``invariant=True`` makes every call's logits bit-identical whatever the store holds (docs/correctness.md,
+    "Outputs that never depend on the cache"): prompt K/V are computed in chunks of ``chunk_size`` tokens (a
+    multiple of ``block_size``; ``4 * block_size`` by default) at fixed positions, one row at a time, and only
+    those chunks are cached and reused.
+
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
     >>> store = prefixkv.PrefixStore(model, block_size=4)
@@ -283,9 +312,13 @@ class PrefixStore:
         offload: str | None = None,
         max_offload_memory: int | str | None = None,
         offload_dir: str | os.PathLike[str] | None = None,
+        invariant: bool = False,
+        chunk_size: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        # the canonical prefill schedule's chunk length; None: the default schedule (reuse at any block)
+        self.chunk_size = _check_chunk_size(invariant, chunk_size, block_size)
         if max_memory is not None and num_blocks is not None:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
         store_dtype = _check_dtype(dtype)
@@ -312,7 +345,7 @@ class PrefixStore:
             # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
             # directory serves a model under each of its adapters
             model_print = persist.fingerprint(model, adapters=False)
-            meta = persist.store_meta(self, model_print, BLOCK_FORMAT) if offload == "disk" else {}
+            meta = self._meta(model_print, BLOCK_FORMAT) if offload == "disk" else {}
             self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self._trie = RadixTrie(block_size)
         self._lock = threading.RLock()
@@ -344,6 +377,30 @@ class PrefixStore:
                 f"({self.bytes_per_block} bytes) plus the reserved padding block; raise max_memory or lower block_size"
             )
         return blocks
+
+    @property
+    def invariant(self) -> bool:
+        """Whether the store computes prompt K/V in the canonical schedule (``PrefixStore(invariant=True)``)."""
+        return self.chunk_size is not None
+
+    def _meta(self, model_print: str, format: str = persist.FORMAT) -> dict[str, str]:
+        """The metadata of a file of this store's K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
+        store, its chunk length: K/V computed in another schedule are other K/V (DESIGN.md rule 14)."""
+        meta = persist.store_meta(self, model_print, format)
+        if self.chunk_size is not None:
+            meta["chunk_size"] = str(self.chunk_size)
+        return meta
+
+    def _check_schedule(self, file: persist.PrefixFile, path: str | os.PathLike[str]) -> None:
+        """Refuse a file whose K/V were computed in another prefill schedule. Does not mutate."""
+        theirs = file.meta.get("chunk_size")
+        if theirs != (None if self.chunk_size is None else str(self.chunk_size)):
+            kept = "the default schedule" if theirs is None else f"the invariant schedule (chunk_size={theirs})"
+            ours = "the default schedule" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
+            raise PersistError(
+                f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
+                "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
+            )
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -432,7 +489,9 @@ class PrefixStore:
         The part of ``ids`` not cached yet is computed first with the store's model (one forward; all
         of ``ids`` is kept, a last part-filled block included). Pinned blocks count against the budget:
         a pin that would take more blocks than the budget raises :class:`CapacityError` and pins
-        nothing. Pins nest: each ``pin`` needs its own ``unpin``. Returns ``len(ids)``.
+        nothing. Pins nest: each ``pin`` needs its own ``unpin``. Returns how many tokens it keeps: ``len(ids)``,
+        or in an invariant store its whole chunks (the part a later call reuses; fewer than ``chunk_size`` ids
+        raise ``ValueError``).
 
         >>> import prefixkv, torch
         >>> model = prefixkv.models.tiny_model("llama")
@@ -442,23 +501,37 @@ class PrefixStore:
         >>> store.stats.blocks_pinned
         3
         """
-        tokens = _as_token_list(ids)
-        if not tokens:
+        ids_list = _as_token_list(ids)
+        if not ids_list:
             raise ValueError("pin() needs at least one token id")
+        tokens = self._kept(ids_list)
+        if not tokens:
+            raise ValueError(
+                f"an invariant store caches whole chunks of chunk_size={self.chunk_size} tokens; these "
+                f"{len(ids_list)} ids hold none, so pinning them keeps nothing. Pin a longer prefix, or build the "
+                "store with a smaller chunk_size"
+            )
         space = self.space()
         with self._lock:
             self._check_pin_budget(tokens, space)
             end = self._trie.end_node(tokens, space)
             if end is not None:
-                self._add_pin(tokens, end, space)
+                self._add_pin(ids_list, end, space)
                 return len(tokens)
         # the prefill keeps the published tokens locked until the pin holds them
         with self.runner.prefill(self, tokens, keep_partial=True, count=True), self._lock:
             end = self._trie.end_node(tokens, space)
             if end is None:
                 raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
-            self._add_pin(tokens, end, space)
+            self._add_pin(ids_list, end, space)
         return len(tokens)
+
+    def _kept(self, tokens: list[int]) -> list[int]:
+        """The part of ``tokens`` that :meth:`pin` and :meth:`warm` cache: all of them, or in the invariant
+        schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
+        if self.chunk_size is None:
+            return tokens
+        return tokens[: len(tokens) // self.chunk_size * self.chunk_size]
 
     def _check_pin_budget(self, tokens: list[int], space: Hashable) -> None:
         """Raise :class:`CapacityError` if pinning ``tokens`` surely exceeds the budget. Does not mutate."""
@@ -517,9 +590,10 @@ class PrefixStore:
         them skip its prefill. Mutates (fills and may evict blocks).
 
         ``prompts`` holds token id sequences (lists, 1-D tensors, or the rows of a 2-D tensor). Each
-        costs one forward pass over its part not cached yet, with a ``tqdm.auto`` progress bar unless
-        ``progress=False``. Only whole blocks are cached: the last ``len(prompt) % block_size`` tokens
-        of a prompt are not. Warm-up lookups count in :attr:`stats` like any other. Returns the
+        costs one forward pass over its part not cached yet (in an invariant store, one per chunk), with a
+        ``tqdm.auto`` progress bar unless ``progress=False``. Only whole blocks are cached: the last
+        ``len(prompt) % block_size`` tokens of a prompt are not (in an invariant store, only whole chunks are
+        computed and cached). Warm-up lookups count in :attr:`stats` like any other. Returns the
         prompt tokens reused and computed, per prompt (``per_row``) and in total.
 
         >>> import prefixkv, torch
@@ -575,7 +649,7 @@ class PrefixStore:
             nodes = persist.select_nodes(self._trie, wanted, space)
             tensors, blocks = persist.trie_tensors(nodes, self.block_size)
             tensors.update(self.pool.read_blocks(blocks))
-        return persist.write(path, tensors, persist.store_meta(self, model_print), nodes, blocks)
+        return persist.write(path, tensors, self._meta(model_print), nodes, blocks)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
@@ -586,12 +660,16 @@ class PrefixStore:
         kwargs.setdefault("block_size", file.block_size)
         kwargs["dtype"] = kwargs.get("dtype") or file.dtype
         kwargs.setdefault("kv_dtype", file.kv_dtype)
+        if "chunk_size" in file.meta and "invariant" not in kwargs:
+            kwargs.setdefault("invariant", True)
+            kwargs.setdefault("chunk_size", int(file.meta["chunk_size"]))
         model_dtype = getattr(model, "dtype", torch.float32)
         persist.check_compatible(
             file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
         )
         store = cls(model, **kwargs)
         try:
+            store._check_schedule(file, path)
             store._add_file(file)
         except BaseException:
             store.close()
@@ -613,6 +691,7 @@ class PrefixStore:
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
         file = persist.read(path)
         persist.check_compatible(file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
+        self._check_schedule(file, path)
         return self._add_file(file)
 
     def _add_file(self, file: persist.PrefixFile) -> persist.PersistStats:

@@ -1,0 +1,268 @@
+"""The cost of the invariant schedule (``PrefixStore(invariant=True)``, docs/correctness.md) against the default
+one, on one model, the two modes taking turns in every repeat (medians): warm time to first token after a
+cached prefix, with queries of several lengths (the invariant store recomputes up to a chunk); decode
+milliseconds per token on a warm call; the demo's workload (``prefixkv demo``: questions after one system
+prompt, then a follow-up turn) from an empty store. With ``--real``, SmolLM2's 12-question chat experiment in
+bfloat16: how many answers are identical (tokens, and logits bit for bit) cold vs stock and warm vs cold, in
+both modes. Run: ``python benchmarks/invariance.py [--size 100m] [--real]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from _common import interleaved, machine, model_for, save, table, target, tokens
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+import prefixkv
+from prefixkv.cli import synthetic_workload
+
+SYSTEM = (
+    "You are the help desk assistant of the Riverside Public Library. Answer in one or two short sentences, "
+    "politely and precisely. The library opens at nine in the morning and closes at eight in the evening on "
+    "weekdays, and at five on Saturdays; it is closed on Sundays and public holidays. Members may borrow up to "
+    "twelve items at a time for three weeks, renewable twice online or at the desk unless someone reserved "
+    "them. Late returns cost twenty cents a day per item, capped at five dollars. Membership is free for "
+    "residents with a proof of address; visitors pay ten dollars a year. The first floor holds fiction, "
+    "magazines and the children's corner; the second floor holds non-fiction, study rooms and twelve public "
+    "computers, bookable for two hours a day. Printing costs ten cents a page in black and white. Lost cards "
+    "are replaced at the desk for two dollars, and the new card works at once. Wireless internet is free for "
+    "everyone in the building, with no password."
+)
+QUESTIONS = (
+    "When do you open on Saturday?",
+    "How many books can I borrow?",
+    "What happens if I return a book late?",
+    "Can I renew a loan online?",
+    "Is membership free?",
+    "Where are the study rooms?",
+    "How much does printing cost?",
+    "Are you open on Sunday?",
+    "How long can I use a computer?",
+    "Where is the children's corner?",
+    "Can a visitor join the library?",
+    "How long is a loan?",
+)
+CHAT = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+
+MODES: dict[str, dict[str, Any]] = {"default": {}, "invariant": {"invariant": True}}
+BLOCK = 16
+QUERIES = (8, 24, 40, 56)  # query lengths: the warm prompt ends anywhere in a 64-token chunk
+
+
+class _StepClock(LogitsProcessor):
+    """The time of every decoding step (generate calls its logits processors once a step, any batch size)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _generate(model: Any, store: prefixkv.PrefixStore | None, ids: torch.Tensor, new: int, **kw: Any) -> Any:
+    cache: Any = DynamicCache(config=model.config) if store is None else prefixkv.PagedPrefixCache(store, ids)
+    try:
+        return model.generate(
+            ids, cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **kw
+        )
+    finally:
+        if store is not None:
+            cache.close()
+
+
+def _stores(model: Any) -> dict[str, prefixkv.PrefixStore]:
+    return {mode: prefixkv.PrefixStore(model, block_size=BLOCK, **kw) for mode, kw in MODES.items()}
+
+
+def warm_ttft(model: Any, prefix: int, repeat: int) -> dict[str, float]:
+    """Median ms of a one-token generate call (cache construction included) after a cached ``prefix``, the
+    query length cycling through :data:`QUERIES`, fresh query tokens every call."""
+    vocab = model.config.vocab_size
+    system = tokens(prefix, vocab, seed=prefix)
+    stores = _stores(model)
+    for store in stores.values():
+        _generate(model, store, system[None], 1)
+    lengths = itertools.cycle(QUERIES)
+    fresh = (torch.cat([system, tokens(next(lengths), vocab, seed=1000 + i)])[None] for i in itertools.count())
+
+    def call(store: prefixkv.PrefixStore, queries: Iterator[torch.Tensor]) -> Callable[[], None]:
+        def first_token() -> None:
+            _generate(model, store, next(queries), 1)
+
+        return first_token
+
+    # each mode sees the same query lengths in the same order
+    queries = list(itertools.islice(fresh, len(QUERIES) * (repeat + 1)))
+    try:
+        return interleaved(
+            {mode: call(store, iter(queries)) for mode, store in stores.items()}, len(queries) - 1, warmup=1
+        )
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def decode(model: Any, context: int, batch: int, new: int, repeat: int) -> dict[str, float]:
+    """Median ms per decoding step of a warm call: ``batch`` rows of ``context`` prompt tokens sharing all but
+    their last 16, ``new`` tokens each."""
+    vocab = model.config.vocab_size
+    system = tokens(context - 16, vocab, seed=context)
+    stores = _stores(model)
+    counter = itertools.count()
+
+    def prompt() -> torch.Tensor:
+        return torch.stack([torch.cat([system, tokens(16, vocab, seed=next(counter))]) for _ in range(batch)])
+
+    for store in stores.values():
+        _generate(model, store, prompt(), 1)
+
+    def call(store: prefixkv.PrefixStore) -> Callable[[], float]:
+        def per_step() -> float:
+            clock = _StepClock()
+            _generate(model, store, prompt(), new, logits_processor=LogitsProcessorList([clock]))
+            return 1000 * (clock.times[-1] - clock.times[0]) / (len(clock.times) - 1)
+
+        return per_step
+
+    try:
+        return interleaved({mode: call(store) for mode, store in stores.items()}, repeat)
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def demo(model: Any, system: int, new: int, repeat: int) -> dict[str, float]:
+    """Median ms of the demo's whole workload (every turn, from an empty store) in each mode."""
+    workload = synthetic_workload(model.config.vocab_size, system_len=system, new_tokens=new)
+
+    def call(kw: dict[str, Any]) -> Callable[[], None]:
+        def whole() -> None:
+            outs: list[torch.Tensor] = []
+            with prefixkv.PrefixStore(model, block_size=BLOCK, **kw) as store:
+                for turn in workload.turns:
+                    outs.append(_generate(model, store, turn(outs), new))
+
+        return whole
+
+    return interleaved({mode: call(kw) for mode, kw in MODES.items()}, repeat, warmup=0)
+
+
+def chat_prompts(tokenizer: Any) -> list[torch.Tensor]:
+    """The chat experiment's prompts (:data:`CHAT` through the chat template), ``[1, n]`` each."""
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, return_tensors="pt") for m in CHAT]
+    return [p if isinstance(p, torch.Tensor) else p["input_ids"] for p in prompts]
+
+
+def common_length(prompts: list[torch.Tensor]) -> int:
+    """How many leading tokens every prompt shares with the first."""
+    first = prompts[0][0]
+    return min(int((p[0, : len(first)] == first[: p.shape[1]]).cumprod(0).sum()) for p in prompts[1:])
+
+
+def chat_counts(new: int = 32, modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:
+    """SmolLM2 in bfloat16, 12 questions after one system prompt (:data:`CHAT`; tests/test_invariance.py runs
+    the same), ``new`` greedy tokens: per mode of ``modes``, answers identical cold vs stock and warm vs cold
+    (tokens; logits bit for bit), and the tokens before the first difference."""
+    model, tok = prefixkv.models.smollm2(dtype=torch.bfloat16)
+    prompts = chat_prompts(tok)
+    kw: dict[str, Any] = {"output_logits": True, "return_dict_in_generate": True}
+    stock = [_generate(model, None, ids, new, **kw) for ids in prompts]
+    result: dict[str, Any] = {"questions": len(prompts), "system_tokens": common_length(prompts)}
+    for mode in modes:
+        options = MODES[mode]
+        cold = []
+        for ids in prompts:
+            with prefixkv.PrefixStore(model, block_size=BLOCK, **options) as fresh:
+                cold.append(_generate(model, fresh, ids, new, **kw))
+        with prefixkv.PrefixStore(model, block_size=BLOCK, **options) as shared:
+            warm = [_generate(model, shared, ids, new, **kw) for ids in prompts]
+        result[mode] = {"cold_vs_stock": _agreement(cold, stock), "warm_vs_cold": _agreement(warm, cold)}
+    return result
+
+
+def _agreement(outs: list[Any], refs: list[Any]) -> dict[str, int]:
+    """How many answers have the same tokens, how many bit-identical logits at every step, and the generated
+    tokens before the first difference (summed over answers)."""
+    same_tokens = same_logits = before = 0
+    for out, ref in zip(outs, refs):
+        a, b = out.sequences[0], ref.sequences[0]
+        same_tokens += bool(torch.equal(a, b))
+        same_logits += all(torch.equal(x, y) for x, y in zip(out.logits, ref.logits))
+        new = len(out.logits)
+        differ = (a[-new:] != b[-new:]).nonzero()
+        before += int(differ[0]) if len(differ) else new
+    return {"same_tokens": same_tokens, "same_logits": same_logits, "tokens_before_difference": before}
+
+
+def run(size: str, prefix: int, context: int, batches: list[int], system: int, repeat: int) -> dict[str, Any]:
+    model = model_for(size)
+    result: dict[str, Any] = {"size": size, "machine": machine(), "chunk_size": 4 * BLOCK}
+    result["ttft"] = {"prefix": prefix, **warm_ttft(model, prefix, repeat)}
+    result["decode"] = [{"batch": b, "context": context, **decode(model, context, b, 16, repeat)} for b in batches]
+    result["demo"] = {"system": system, **demo(model, system, 16, max(1, repeat // 2))}
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    def row(label: str, r: dict[str, float], digits: int, budget: float) -> list[str]:
+        ratio = r["invariant"] / r["default"]
+        budgeted = f"{ratio:.2f}x ({target(ratio <= budget)}: <= {budget}x)"
+        return [label, f"{r['default']:.{digits}f}", f"{r['invariant']:.{digits}f}", budgeted]
+
+    t, d = result["ttft"], result["demo"]
+    rows = [
+        row(f"warm TTFT, {t['prefix']}-token prefix + {min(QUERIES)}-{max(QUERIES)}-token query, ms", t, 1, 1.3),
+        *(
+            row(f"decode, batch {r['batch']}, {r['context']}-token context, ms/token", r, 2, 1.05)
+            for r in result["decode"]
+        ),
+        row(f"demo workload, {d['system']}-token system prompt, ms", d, 0, 1.05),
+    ]
+    out = [table(["measure", "default", "invariant", "invariant / default (budget)"], rows)]
+    chat = result.get("chat")
+    if chat is not None:
+        n = chat["questions"]
+        lines = []
+        for mode in (m for m in MODES if m in chat):
+            for what, label in (("cold_vs_stock", "cold vs stock"), ("warm_vs_cold", "warm vs cold")):
+                c = chat[mode][what]
+                same = [f"{c['same_tokens']} / {n}", f"{c['same_logits']} / {n}"]
+                lines.append([mode, label, *same, f"{c['tokens_before_difference']} / {32 * n}"])
+        headers = ["mode", "comparison", "same answers", "bit-identical logits", "tokens before first difference"]
+        out.append(f"SmolLM2 bfloat16, {n} questions after a {chat['system_tokens']}-token system prompt:")
+        out.append(table(headers, lines))
+    return "\n\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", default="100m")
+    ap.add_argument("--prefix", type=int, default=552, help="the cached prefix: 40 tokens into a 64-token chunk")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--system", type=int, default=2048, help="the demo workload's system prompt (the demo's 2048)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--real", action="store_true", help="also SmolLM2's chat experiment (bfloat16: slow on CPUs)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads (1 on a shared machine: small matmuls suffer most)"
+    )
+    args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = run(args.size, args.prefix, args.context, args.batches, args.system, args.repeat)
+    if args.real:
+        result["chat"] = chat_counts()
+    save("invariance", result)
+    print(f"{result['machine']}; chunk_size {result['chunk_size']}, block_size {BLOCK}\n")
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""Outputs that never depend on what the cache holds (docs/correctness.md): in an invariant store
+(``PrefixStore(invariant=True)``) a call's logits are bit-identical (``torch.equal`` at every step) whatever
+the store holds: nothing, a prefix cut at any offset inside or across a chunk (cached by an earlier call of
+another length and batch size), blocks restored from the cpu or disk tier, a store loaded from a file, a
+prefix computed by ``pin``/``warm`` or by an in-batch shared prefill; in float32, bfloat16 and float16;
+greedy, seeded sampling, beams and ``num_return_sequences``; for a representative subset of the families;
+and for ``prefixkv.score``. The default store is shown not to be invariant in bfloat16 (what these tests
+would catch), and an invariant store's cold call stays within 1e-6 of stock ``generate`` in float64.
+
+Every reference (the cold call) runs on a fresh store before the store under test holds anything, or on a
+store of its own: a cold call computes the same K/V however the store it runs on was filled, so this is
+what the guarantee claims."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import compare, left_pad, random_tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import prefixkv
+from prefixkv import PersistError, PrefixStore
+
+BS = 4
+CHUNK = 8  # two blocks: cuts fall inside and across chunks
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GREEDY: dict[str, Any] = {"do_sample": False}
+SETTINGS: dict[str, dict[str, Any]] = {
+    "greedy": GREEDY,
+    "sampling": {"do_sample": True, "top_k": 20, "temperature": 0.9},
+    "beams": {"do_sample": False, "num_beams": 3},
+    "num_return_sequences": {"do_sample": True, "num_return_sequences": 2},
+}
+_MODELS: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def model_of(dtype: torch.dtype, family: str = "llama") -> Any:
+    """One tiny model per family and dtype for the whole module (tiny_model is deterministic by seed)."""
+    key = (family, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = prefixkv.models.tiny_model(family, dtype=dtype)
+    return _MODELS[key]
+
+
+def invariant_store(model: Any, **kw: Any) -> PrefixStore:
+    return PrefixStore(model, block_size=BS, invariant=True, chunk_size=CHUNK, **kw)
+
+
+def run(
+    model: Any,
+    store: PrefixStore,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    new: int = 5,
+    gen: dict[str, Any] = GREEDY,
+) -> tuple[Any, prefixkv.CacheStats]:
+    """One generate call with a PagedPrefixCache of ``store``: its output (sequences, every step's logits) and
+    the cache's statistics; the store's refcounts are checked after it."""
+    torch.manual_seed(0)
+    with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=new,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **gen,
+        )
+    store.check_invariants()
+    return out, cache.stats
+
+
+def cold(model: Any, ids: torch.Tensor, mask: torch.Tensor | None = None, **kw: Any) -> Any:
+    """The reference: the call on a store that holds nothing."""
+    store = invariant_store(model)
+    try:
+        out, stats = run(model, store, ids, mask, **kw)
+    finally:
+        store.close()
+    assert stats.cached_tokens == 0
+    return out
+
+
+def assert_identical(out: Any, ref: Any) -> None:
+    """The same tokens and, at every step, bit-identical logits."""
+    assert torch.equal(out.sequences, ref.sequences), (out.sequences, ref.sequences)
+    assert len(out.logits) == len(ref.logits)
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        assert torch.equal(a, b), f"step {step}: logits differ by up to {(a.double() - b.double()).abs().max():.3g}"
+
+
+def prime(model: Any, store: PrefixStore, rows: list[torch.Tensor]) -> None:
+    """An earlier call of another length and batch size: the rows left-padded into one batch."""
+    ids, mask = left_pad(rows)
+    run(model, store, ids, mask, new=2)
+
+
+# -- cold vs warm, every cut ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_warm_equals_cold_for_a_prefix_cut_at_every_offset(dtype: torch.dtype) -> None:
+    model = model_of(dtype)
+    ids = random_tokens(29, seed=1)[None]
+    ref = cold(model, ids)
+    for cut in range(1, 29):
+        store = invariant_store(model)
+        prime(model, store, [ids[0, :cut], random_tokens(cut + 7, seed=cut)])  # a batch of 2, other lengths
+        out, stats = run(model, store, ids)
+        assert stats.cached_tokens == (cut - 1) // CHUNK * CHUNK  # whole chunks before its last token
+        assert_identical(out, ref)
+        store.close()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    length=st.integers(2, 40),
+    cuts=st.lists(st.integers(1, 48), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+    earlier_batch=st.integers(1, 3),
+)
+def test_warm_equals_cold_after_any_earlier_calls(
+    length: int, cuts: list[int], dtype: torch.dtype, earlier_batch: int
+) -> None:
+    model = model_of(dtype)
+    ids = random_tokens(length + 8, seed=length)[None, :length]
+    ref = cold(model, ids)
+    store = invariant_store(model)
+    for n, cut in enumerate(cuts):  # earlier prompts that share a prefix of any length with this one
+        longer = random_tokens(length + 8, seed=length)[:cut]
+        prime(model, store, [longer] + [random_tokens(cut + 3, seed=100 + n + k) for k in range(earlier_batch - 1)])
+    out, _ = run(model, store, ids)
+    assert_identical(out, ref)
+    again, stats = run(model, store, ids)  # and once more, after everything this store has seen
+    assert_identical(again, ref)
+    assert stats.cached_tokens == (length - 1) // CHUNK * CHUNK
+    store.close()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_warm_equals_cold_in_every_generation_mode(setting: str, dtype: torch.dtype) -> None:
+    model = model_of(dtype)
+    ids = random_tokens(27, seed=2)[None]
+    ref = cold(model, ids, gen=SETTINGS[setting], new=6)
+    store = invariant_store(model)
+    prime(model, store, [ids[0, :21]])
+    out, stats = run(model, store, ids, gen=SETTINGS[setting], new=6)
+    assert stats.cached_tokens == 16
+    assert_identical(out, ref)
+    store.close()
+
+
+def test_a_padded_batch_is_identical_warm_and_cold() -> None:
+    """A row's pads are part of the call's shape: the same padded batch gives the same logits, whatever the
+    store holds for each of its rows."""
+    model = model_of(torch.bfloat16)
+    rows = [random_tokens(30, seed=3), random_tokens(19, seed=4), random_tokens(25, seed=5)]
+    ids, mask = left_pad(rows)
+    ref = cold(model, ids, mask)
+    store = invariant_store(model)
+    prime(model, store, [rows[0][:26]])
+    prime(model, store, [rows[2], rows[1][:10]])
+    out, stats = run(model, store, ids, mask)
+    assert stats.cached_tokens > 0
+    assert_identical(out, ref)
+    store.close()
+
+
+def test_the_default_schedule_is_not_invariant_in_bfloat16() -> None:
+    """What the tests above catch: with the default store a cache hit changes bfloat16 logits (the K/V of a
+    prefix depend on the forward that computed them, and attention merges cached and new columns in parts)."""
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(29, seed=1)[None]
+    fresh = PrefixStore(model, block_size=BS)
+    ref, _ = run(model, fresh, ids)
+    fresh.close()
+    differ = 0
+    for cut in (5, 11, 17, 23, 28):
+        store = PrefixStore(model, block_size=BS)
+        prime(model, store, [ids[0, :cut], random_tokens(cut + 7, seed=cut)])
+        out, stats = run(model, store, ids)
+        assert stats.cached_tokens == cut // BS * BS or stats.cached_tokens == cut
+        differ += any(not torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
+        store.close()
+    assert differ > 0, "the default schedule gave bit-identical bfloat16 logits at every cut"
+
+
+# -- every way K/V come back ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_blocks_restored_from_the_second_tier_give_identical_logits(kind: str, tmp_path: Any) -> None:
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(37, seed=6)[None]
+    ref = cold(model, ids)
+    store = invariant_store(model, num_blocks=12, offload=kind, offload_dir=tmp_path if kind == "disk" else None)
+    prime(model, store, [ids[0, :33]])  # 32 tokens: 8 blocks
+    for seed in range(3):  # other prompts evict them into the tier
+        prime(model, store, [random_tokens(40, seed=200 + seed)])
+    assert store.stats.offload is not None and store.stats.offload.blocks >= 8
+    out, stats = run(model, store, ids)
+    assert stats.cached_tokens == 32
+    assert store.stats.offload.restored > 0
+    assert_identical(out, ref)
+    store.close()
+
+
+def test_a_store_loaded_from_a_file_gives_identical_logits(tmp_path: Any) -> None:
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(35, seed=7)[None]
+    ref = cold(model, ids)
+    store = invariant_store(model)
+    prime(model, store, [ids[0, :34], random_tokens(20, seed=8)])
+    store.save(tmp_path / "p.safetensors")
+    store.close()
+    loaded = PrefixStore.load(tmp_path / "p.safetensors", model)
+    assert loaded.invariant and loaded.chunk_size == CHUNK
+    out, stats = run(model, loaded, ids)
+    assert stats.cached_tokens == 32
+    assert_identical(out, ref)
+    loaded.close()
+
+
+def test_files_of_another_schedule_are_refused(tmp_path: Any) -> None:
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(20, seed=9)[None]
+    default, invariant = PrefixStore(model, block_size=BS), invariant_store(model)
+    for store, name in ((default, "default"), (invariant, "invariant")):
+        run(model, store, ids, new=1)
+        store.save(tmp_path / f"{name}.safetensors")
+    with pytest.raises(PersistError, match="default schedule"):
+        PrefixStore.load(tmp_path / "default.safetensors", model, invariant=True, chunk_size=CHUNK)
+    with pytest.raises(PersistError, match="default schedule"):
+        invariant.merge(tmp_path / "default.safetensors")
+    with pytest.raises(PersistError, match="chunk_size=8"):
+        default.merge(tmp_path / "invariant.safetensors")
+    with pytest.raises(PersistError, match="chunk_size=8"):
+        PrefixStore.load(tmp_path / "invariant.safetensors", model, invariant=True, chunk_size=16)
+    default.close()
+    invariant.close()
+
+
+def test_pinned_and_warmed_prefixes_give_identical_logits() -> None:
+    model = model_of(torch.bfloat16)
+    system = random_tokens(21, seed=10)
+    ids = torch.cat([system, random_tokens(6, seed=11)])[None]
+    ref = cold(model, ids)
+    pinned = invariant_store(model)
+    assert pinned.pin(system) == 16  # its whole chunks
+    out, stats = run(model, pinned, ids)
+    assert stats.cached_tokens == 16
+    assert_identical(out, ref)
+    pinned.unpin(system)
+    pinned.close()
+    warmed = invariant_store(model)
+    row = warmed.warm([system], progress=False).per_row[0]
+    assert (row.cached_tokens, row.computed_tokens) == (0, 16)
+    out, stats = run(model, warmed, ids)
+    assert stats.cached_tokens == 16
+    assert_identical(out, ref)
+    with pytest.raises(ValueError, match="hold none"):
+        warmed.pin(system[:7])
+    warmed.close()
+
+
+def test_an_in_batch_shared_prefill_gives_identical_logits() -> None:
+    """Rows that share a prefix compute it once in the call (cold), or reuse it from an earlier call (warm):
+    the same batch's logits either way, and the cold call reports nothing as cached."""
+    model = model_of(torch.bfloat16)
+    system = random_tokens(24, seed=12)
+    rows = [torch.cat([system, random_tokens(n, seed=13 + n)]) for n in (3, 9, 5)]
+    ids, mask = left_pad(rows)
+    store = invariant_store(model)
+    ref, stats = run(model, store, ids, mask)
+    assert stats.cached_tokens == 0 and stats.computed_tokens == sum(len(r) for r in rows)
+    store.close()
+    store = invariant_store(model)
+    prime(model, store, [torch.cat([system, random_tokens(4, seed=99)])])
+    out, stats = run(model, store, ids, mask)
+    assert stats.cached_tokens > 0
+    assert_identical(out, ref)
+    store.close()
+
+
+def test_an_8_bit_store_gives_identical_logits() -> None:
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(30, seed=14)[None]
+    store = invariant_store(model, kv_dtype="int8")
+    ref, _ = run(model, store, ids)
+    store.close()
+    store = invariant_store(model, kv_dtype="int8")
+    prime(model, store, [ids[0, :19], random_tokens(12, seed=15)])
+    out, stats = run(model, store, ids)
+    assert stats.cached_tokens == 16
+    assert_identical(out, ref)
+    store.close()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt2", "falcon", "phi3"])
+def test_every_family_is_invariant_in_bfloat16(family: str) -> None:
+    model = model_of(torch.bfloat16, family)
+    ids = random_tokens(26, seed=16)[None]
+    ref = cold(model, ids)
+    for cut in (3, 9, 20):
+        store = invariant_store(model)
+        prime(model, store, [ids[0, :cut], random_tokens(cut + 5, seed=17)])
+        out, _ = run(model, store, ids)
+        assert_identical(out, ref)
+        store.close()
+
+
+def test_score_is_identical_warm_and_cold() -> None:
+    model = model_of(torch.bfloat16)
+    context = random_tokens(30, seed=18).tolist()
+    answers = [random_tokens(3, seed=19).tolist(), random_tokens(5, seed=20).tolist()]
+    store = invariant_store(model)
+    ref = prefixkv.score(model, store, context, answers)
+    store.close()
+    store = invariant_store(model)
+    prime(model, store, [torch.tensor(context[:23])])
+    warm = prefixkv.score(model, store, context, answers)
+    assert store.stats.hit_tokens > 0
+    for a, b in zip(warm, ref):
+        assert torch.equal(a.logprobs, b.logprobs)
+    store.close()
+
+
+# -- fidelity to stock, statistics, options --------------------------------------------------------------
+
+
+def test_cold_and_warm_stay_within_1e_6_of_stock_in_float64(llama64: Any) -> None:
+    store = PrefixStore(llama64, block_size=BS, invariant=True, chunk_size=CHUNK)
+    rows = [random_tokens(33, seed=21), random_tokens(18, seed=22)]
+    ids, mask = left_pad(rows)
+    first = compare(llama64, store, ids, mask)
+    assert first.cache.stats.cached_tokens == 0
+    second = compare(llama64, store, ids, mask)
+    assert second.cache.stats.cached_tokens > 0
+    for c in (first, second):
+        assert c.max_diff < 1e-6 and c.same_tokens
+    store.close()
+
+
+def test_only_canonical_chunks_are_published() -> None:
+    """generate's own forward (the last, partial chunk) and its decode steps publish nothing: a later call
+    reuses the whole chunks before the earlier prompt's last token, not the earlier answer."""
+    model = model_of(torch.float32)
+    ids = random_tokens(21, seed=23)[None]
+    store = invariant_store(model)
+    out, _ = run(model, store, ids, new=12)
+    assert store.cached_length(out.sequences[0].tolist()) == 16
+    store.close()
+
+
+def test_the_options_are_checked() -> None:
+    model = model_of(torch.float32)
+    with pytest.raises(ValueError, match="pass invariant=True"):
+        PrefixStore(model, chunk_size=32)
+    with pytest.raises(ValueError, match="multiple of block_size=16"):
+        PrefixStore(model, invariant=True, chunk_size=24)
+    with pytest.raises(TypeError, match="True or False"):
+        PrefixStore(model, invariant=1)
+    with PrefixStore(model, invariant=True) as store, PrefixStore(model) as default:
+        assert store.invariant and store.chunk_size == 64
+        assert not default.invariant and default.chunk_size is None
+
+
+def test_enable_takes_the_invariant_schedule() -> None:
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    ids = random_tokens(40, seed=24)[None]
+    kw: dict[str, Any] = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "pad_token_id": 0}
+    ref = cold(model, ids, new=4)
+    store = prefixkv.enable(model, invariant=True, chunk_size=CHUNK, block_size=BS)
+    try:
+        model.generate(ids[:, :30], **kw)
+        out = model.generate(ids, return_dict_in_generate=True, **kw)
+        assert store.stats.hit_tokens == 24
+    finally:
+        prefixkv.disable(model)
+    assert_identical(out, ref)
+
+
+@pytest.mark.skipif(os.environ.get("PREFIXKV_REAL_TESTS") != "1", reason="set PREFIXKV_REAL_TESTS=1 (loads SmolLM2)")
+def test_smollm2_chat_answers_are_identical_warm_and_cold_in_bfloat16() -> None:
+    """The experiment of docs/correctness.md (benchmarks/invariance.py's chat): 12 questions after one system
+    prompt of about 200 tokens, 32 greedy tokens each, bfloat16. Cold: each question on a fresh store; warm:
+    all on one store, in order."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    import invariance
+
+    model, tok = prefixkv.models.smollm2(dtype=torch.bfloat16)
+    prompts = invariance.chat_prompts(tok)
+    assert 180 <= invariance.common_length(prompts) <= 230
+    gen = {"do_sample": False}
+    warm_store = PrefixStore(model, invariant=True)
+    for ids in prompts:
+        fresh = PrefixStore(model, invariant=True)
+        ref, _ = run(model, fresh, ids, new=32, gen=gen)
+        fresh.close()
+        out, _ = run(model, warm_store, ids, new=32, gen=gen)
+        assert_identical(out, ref)
+    assert warm_store.stats.hit_tokens >= 11 * 192
+    warm_store.close()
