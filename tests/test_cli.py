@@ -79,7 +79,10 @@ def test_demo_small_prints_the_table_and_where_the_time_went(capsys: Any) -> Non
     decode = re.search(r"decode ([\d.]+) s stock, ([\d.]+) s prefixkv \(prefixkv takes ([\d.]+)x the time", out)
     assert decode is not None, out
     stock_s, ours_s, ratio = map(float, decode.groups())
-    assert abs(ratio - ours_s / stock_s) <= 0.02 * ratio + 0.01
+    # the times are printed to 0.005 s and the ratio to 0.005: the ratio must lie in what the printed times allow
+    assert (
+        (ours_s - 0.005) / (stock_s + 0.005) - 0.005 <= ratio <= (ours_s + 0.005) / max(stock_s - 0.005, 1e-9) + 0.005
+    )
     assert re.search(r"where the time went: prefill \(to the first token\) [\d.]+ s -> [\d.]+ s, \d+ prompt", out)
     reused, total = map(int, re.search(r"prompt tokens reused .* (\d+) of (\d+)", out).groups())  # type: ignore[union-attr]
     assert reused >= 8 * 384 and total > reused
