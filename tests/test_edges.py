@@ -1,8 +1,8 @@
 """The edges of issue 25: the disk tier shared between stores, what a fingerprint and a namespace cover, in-place
 weight writes, copies of a model, a failing second tier, chunked prefill, an exactly fitting budget, the display
-of masked keys, and scoring at the position limit. Each test makes the call that failed and, where the failure
-poisoned the store, then runs an ordinary later request and compares its logits with stock ``generate`` in
-float64 on a model prefixkv never touched (a deepcopy made before the store)."""
+of masked keys, scoring at the position limit, and torch.compile of a model with a store. Each test makes the
+call that failed and, where the failure poisoned the store, then runs an ordinary later request and compares its
+logits with stock ``generate`` in float64 on a model prefixkv never touched (a deepcopy made before the store)."""
 
 from __future__ import annotations
 
