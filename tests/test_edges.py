@@ -1,8 +1,8 @@
 """The edges of issue 25: the disk tier shared between stores, what a fingerprint and a namespace cover, in-place
 weight writes, copies of a model, a failing second tier, chunked prefill, an exactly fitting budget, the display
-of masked keys, and scoring at the position limit. Each test makes the call that failed and, where the failure
-poisoned the store, then runs an ordinary later request and compares its logits with stock ``generate`` in
-float64 on a model prefixkv never touched (a deepcopy made before the store)."""
+of masked keys, scoring at the position limit, and torch.compile of a model with a store. Each test makes the
+call that failed and, where the failure poisoned the store, then runs an ordinary later request and compares its
+logits with stock ``generate`` in float64 on a model prefixkv never touched (a deepcopy made before the store)."""
 
 from __future__ import annotations
 
@@ -413,3 +413,39 @@ def test_a_manual_prepare_call_does_not_skip_the_next_forwards_checks() -> None:
     reused, distance = later_request(model, ref, store, ids)
     assert distance <= 1e-6  # 0.64 off before the fix: 39 tokens reused from the second forward
     assert reused == 20
+
+
+# -- suspicion: torch.compile of a model with a store ----------------------------------------------------------
+
+
+def test_a_compiled_model_with_a_store_compiles_once_and_stays_exact() -> None:
+    """The suspicion was real: dynamo traced the store's hooks and the cache's bookkeeping, broke its graphs there
+    (a thread id, a lock, ``.item()``) and recompiled on ints that change every step. prefixkv's Python now runs
+    outside dynamo: the first call's graph breaks are all at those calls, later calls compile nothing."""
+    from torch._dynamo.utils import counters
+
+    model = model64()
+    ref = copy.deepcopy(model)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    torch._dynamo.reset()
+    model.compile(backend="eager")
+    ids = torch.arange(10, 50)[None]
+    calls = [ids, ids, torch.arange(10, 63)[None], torch.stack([torch.arange(10, 40), torch.arange(100, 130)])]
+    try:
+        for n, prompt in enumerate(calls):
+            want = stock(ref, prompt)
+            counters.clear()
+            out, reused = run(model, store, prompt)
+            assert reused == (0, 39, 40, 0)[n]
+            assert diff(out, want) <= 1e-6
+            if n == 0:
+                breaks = list(counters["graph_break"])
+                assert breaks and all("torch.compiler.disable" in reason for reason in breaks), breaks
+            else:  # 9, 8 and 7 frames compiled before the fix, 6, 8 and 3 of them recompiles
+                assert counters["frames"]["total"] == 0, dict(counters["frames"])
+        store.check_invariants()
+        with torch.compiler.set_stance("force_eager"):
+            reused, distance = later_request(model, ref, store, calls[2])
+        assert reused == 52 and distance <= 1e-6
+    finally:
+        torch._dynamo.reset()

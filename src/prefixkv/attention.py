@@ -19,7 +19,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from transformers import AttentionInterface
@@ -31,10 +31,20 @@ _BASE = "_prefixkv_base_attn"
 _USERS = "_prefixkv_attention_users"
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_compile(function: _F) -> _F:
+    """``function`` run eagerly inside a ``torch.compile``d model: prefixkv's bookkeeping (a thread id, a lock, block
+    tables, ints that change every step) would break graphs and recompile there (docs/faq.md, torch.compile)."""
+    return cast(_F, torch.compiler.disable(function))
+
+
 def _base(config: Any) -> str:
     return getattr(config, _BASE, None) or "sdpa"
 
 
+@outside_compile
 def prefixkv_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -986,6 +986,7 @@ class PagedPrefixCache(Cache):
 
     # -- transformers Cache interface ------------------------------------------------------------
 
+    @attention.outside_compile
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:

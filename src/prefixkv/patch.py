@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from . import _compat
+from .attention import outside_compile
 from .cache import PagedPrefixCache
 from .errors import CacheMisuseError
 from .stats import RowStats
@@ -74,6 +75,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
         """The forward's inputs by name, positional ones too (their order differs by family)."""
         return {**dict(zip(positional, args)), **kwargs} if args else kwargs
 
+    @outside_compile
     def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         inputs = named(args, kwargs)
         cache = _paged_cache(store, inputs)
@@ -95,6 +97,7 @@ def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
             positions_matter=positions_matter,
         )
 
+    @outside_compile
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         cache = _paged_cache(store, named(args, kwargs))
         if cache is not None and module is model:
