@@ -20,7 +20,7 @@ from _common import interleaved, machine, model_for, save, table, target, tokens
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
-from prefixkv.cli import synthetic_workload
+from prefixkv._demo import synthetic_workload
 
 SYSTEM = (
     "You are the help desk assistant of the Riverside Public Library. Answer in one or two short sentences, "

@@ -1,11 +1,11 @@
 """lm-evaluation-harness integration: the ``hf-prefixkv`` model, lm-eval's ``hf`` model with prefix caching.
 
 Importing this module registers ``hf-prefixkv`` with lm-eval's model registry (``python -m prefixkv.lm_eval``
-does it for command-line users). It takes the same ``model_args`` as ``hf``, plus ``prefix_block_size`` and
-``prefix_max_memory`` for its :class:`~prefixkv.PrefixStore`. ``loglikelihood`` and
-``loglikelihood_rolling`` score through :func:`prefixkv.score.logprob_rows`, so a few-shot prefix that
-every request shares is computed once; ``generate_until`` calls ``generate`` on the model that
-:func:`prefixkv.enable` patched, with the same store. Needs ``pip install 'prefixkv[eval]'``.
+does it for command-line users). It takes the same ``model_args`` as ``hf``, plus ``prefix_block_size``,
+``prefix_max_memory``, ``invariant`` and ``prefix_chunk_size`` for its :class:`~prefixkv.PrefixStore`.
+``loglikelihood`` and ``loglikelihood_rolling`` score through :func:`prefixkv.score.logprob_rows`, so a
+few-shot prefix that every request shares is computed once; ``generate_until`` calls ``generate`` on the
+model that :func:`prefixkv.enable` patched, with the same store. Needs ``pip install 'prefixkv[eval]'``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,12 @@ Request = tuple[tuple[str, str], list[int], list[int]]
 @register_model("hf-prefixkv")
 class PrefixKVLM(HFLM):
     """lm-eval's ``HFLM`` whose requests reuse cached prefixes: the same arguments as ``hf`` (``pretrained`` is
-    a name, a local folder or a model instance), plus ``prefix_block_size`` (tokens per cached block) and
-    ``prefix_max_memory`` (the store's budget, e.g. ``"2GiB"``; unbounded by default). The store is
-    :attr:`store`. Results are those of ``hf``: the same log-likelihoods (to float rounding) and generations.
+    a name, a local folder or a model instance), plus ``prefix_block_size`` (tokens per cached block),
+    ``prefix_max_memory`` (the store's budget, e.g. ``"2GiB"``; unbounded by default), ``invariant`` (the
+    store's invariant schedule: every sample's log-likelihoods bit-identical whatever the store holds, so in
+    any dtype they do not depend on the order of the documents or on what an earlier run cached) and
+    ``prefix_chunk_size`` (its chunk length). The store is :attr:`store`. Results are those of ``hf``: the same
+    log-likelihoods (to float rounding) and generations.
     """
 
     def __init__(
@@ -44,6 +47,8 @@ class PrefixKVLM(HFLM):
         pretrained: Any,
         prefix_block_size: int = 16,
         prefix_max_memory: int | str | None = None,
+        invariant: bool = False,
+        prefix_chunk_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs.get("mixed_precision_dtype") is not None:
@@ -54,7 +59,13 @@ class PrefixKVLM(HFLM):
         super().__init__(pretrained, **kwargs)
         if self.backend != "causal":
             raise ValueError(f"hf-prefixkv caches decoder-only (causal) models; this one is {self.backend}")
-        self.store = PrefixStore(self.model, block_size=prefix_block_size, max_memory=prefix_max_memory)
+        self.store = PrefixStore(
+            self.model,
+            block_size=prefix_block_size,
+            max_memory=prefix_max_memory,
+            invariant=invariant,
+            chunk_size=prefix_chunk_size,
+        )
         enable(self.model, self.store)  # generate_until: HFLM calls model.generate
 
     def _loglikelihood_tokens(
