@@ -385,7 +385,8 @@ class PrefixStore:
 
     def _meta(self, model_print: str, format: str = persist.FORMAT) -> dict[str, str]:
         """The metadata of a file of this store's K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
-        store, its chunk length: K/V computed in another schedule are other K/V (DESIGN.md rule 14)."""
+        store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
+        tiers carry the schedule")."""
         meta = persist.store_meta(self, model_print, format)
         if self.chunk_size is not None:
             meta["chunk_size"] = str(self.chunk_size)
