@@ -229,7 +229,7 @@ def test_a_compile_failure_raises_and_is_then_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(flex, "_failed", {})
     layout = dict(DECODE_CASES[2], holes=False, window=None, group=1, scale=None, seed=0)
     pool_k, pool_v = pools(0)
-    with pytest.raises(flex.FlexUnavailable, match="did not compile on cpu for torch.float32"):
+    with pytest.raises(flex.FlexUnavailable, match=r"did not compile on cpu for torch\.float32"):
         run(build(layout), pool_k, pool_v, None)
     ok, reason = flex.can_serve("cpu", torch.float32, 16)
     assert not ok and "did not compile" in reason
