@@ -1,50 +1,227 @@
-"""GPU check of the attention that reads the blocks (issue 13), in one short command on a machine with CUDA:
+"""GPU check of the attention that reads the blocks (issues 13 and 22), in one unattended command of a few minutes
+on a machine with CUDA:
 
-1. exactness: generate with a PagedPrefixCache against stock generate with DynamicCache, on a tiny Llama in
-   float64 (every step's logits within 1e-6) and on the ~100M benchmark model in float32 and bfloat16, for a
-   cold batch with left padding, a warm call, and a batch of rows on one shared prefix (cascade);
-2. speed: milliseconds per decoded token for prefixkv, DynamicCache and StaticCache (no torch.compile), at
-   512 and 4096 tokens, batch 1 and 8, and 16 rows on a shared 2048-token prefix.
+1. the FlexAttention kernel (``prefixkv.flex``) against a float64 reference computed on the CPU, on random block
+   layouts (rows sharing leading blocks, padding, holes, grouped-query heads), decode and prefill, block sizes 16
+   and 64, float32 (bound 1e-4) and bfloat16 (beside SDPA's own bfloat16 error on the same inputs);
+2. generate with a ``PagedPrefixCache`` against stock ``generate`` with ``DynamicCache`` (the path that runs on
+   CUDA today, the gather): a tiny Llama in float64 (every step's logits within 1e-6), the ~100M model in float32
+   and bfloat16, cold with left padding, warm, and rows on a shared prefix;
+3. attention per decode step, all layers of a Llama-shaped ~1.5B model (28 layers, 12 query and 2 KV heads of
+   128): the FlexAttention kernel reading the pool in place, against the gather (each row's K/V copied together,
+   then SDPA), ``DynamicCache``'s read (its append, then SDPA) and ``StaticCache``'s (SDPA over the whole
+   allocation with a mask), at 512 and 4096 tokens, batch 1, 8 and 16, block sizes 16 and 64, float32 and
+   bfloat16, and 16 rows on a shared 2048-token prefix; and how long planning one step's reads takes;
+4. milliseconds per new token of ``generate``: ``DynamicCache``, ``StaticCache``, ``StaticCache`` under
+   ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64) on the ~100M model (float32,
+   bfloat16) and the ~1.5B model with random weights (bfloat16);
+5. time to the first token on a warm 2048-token prefix against stock.
 
-Run: ``python benchmarks/gpu_check.py [--dtype bfloat16] [--new-tokens 64]``; writes ``results/gpu_check.json``
-(and ``$OUT/gpu_check.json`` when ``OUT`` is set)."""
+prefixkv's ``generate`` on CUDA runs the gather until the FlexAttention backend is plugged in behind the attention
+seam; section 3 measures the kernel that backend calls.
+
+Run: ``python benchmarks/gpu_check.py --out gpu_check.md``; ``--cpu-smoke`` runs a tiny version of every
+measurement on the CPU (to check the script). Writes ``results/gpu_check.json`` (and ``$OUT/gpu_check.json``,
+``$OUT/gpu_check.md`` when ``OUT`` is set). Without CUDA and without ``--cpu-smoke`` it says so and exits 0."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
+import sys
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import ttft
 from _common import machine, save, table
 from decode import batch_ids, decode_ms
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv import attention
+from prefixkv import flex, models
 
 
-def served_calls() -> dict[str, int]:
-    """Count the attention calls that read the blocks (to show the path really ran)."""
-    counts = {"blocks": 0}
-    original = attention.blocks_attention
+@dataclass(frozen=True)
+class Sizes:
+    """What each section measures; :data:`FULL` on CUDA, :data:`SMOKE` on the CPU."""
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counts["blocks"] += 1
-        return original(*args, **kwargs)
+    block_sizes: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    heads: tuple[int, int, int]  # query heads, KV heads, head size of the attention timings
+    layers: int
+    prompts: tuple[int, ...]
+    batches: tuple[int, ...]
+    shared: tuple[int, int, int]  # prompt, rows, shared prefix
+    new_tokens: int
+    ttft_prefix: int
+    repeat: int
+    big: bool  # the ~1.5B model (else the tiny one stands in for it)
 
-    attention.blocks_attention = counting  # type: ignore[assignment]
-    return counts
+
+KERNEL_POOL = 64  # blocks in the pool of the kernel section
+
+FULL = Sizes(
+    (16, 64),
+    (torch.float32, torch.bfloat16),
+    (12, 2, 128),
+    28,
+    (512, 4096),
+    (1, 8, 16),
+    (2112, 16, 2048),
+    32,
+    2048,
+    5,
+    True,
+)
+SMOKE = Sizes((16,), (torch.float32,), (4, 2, 16), 2, (40,), (4,), (40, 4, 32), 3, 48, 1, False)
 
 
-def logits_diff(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple:
-    """Largest logit difference against stock over the steps up to the first differing token, whether all tokens
-    agree, stock's smallest top-2 margin at the differing step (a near-tie explains a flip), and tokens reused."""
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def big_model(device: str) -> Any:
+    """A Llama-shaped ~1.5B model with random weights in bfloat16, built on ``device`` (28 layers, hidden 1536,
+    12 query and 2 KV heads: where reading K/V, not launching kernels, is what a decode step costs)."""
+    config = models.tiny_config(
+        "llama",
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
+    with torch.device(device):
+        return models.build(config, dtype=torch.bfloat16)
+
+
+# -- 1. the kernel against a float64 reference ---------------------------------------------------------------------
+
+
+def layout(batch: int, length: int, shared: int, bs: int, num_blocks: int, seed: int) -> dict[str, Any]:
+    """Block tables of ``batch`` rows of ``length`` held tokens whose first ``shared`` tokens' blocks are common,
+    the rest scattered over a pool of ``num_blocks``."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    common = [order.pop() for _ in range(shared // bs)]
+    need = -(-length // bs)
+    tables = [common + [order.pop() for _ in range(need - len(common))] for _ in range(batch)]
+    return dict(tables=tables, lengths=[length] * batch)
+
+
+def rows_kv(pool: torch.Tensor, tables: list[list[int]], lengths: list[int]) -> list[torch.Tensor]:
+    """Each row's held K (or V) ``[kv_heads, length, dim]`` in logical order, gathered from a head-major pool."""
+    heads, _, bs, dim = pool.shape
+    flat = pool.reshape(heads, -1, dim)
+    out = []
+    for blocks, n in zip(tables, lengths):
+        slots = (torch.tensor(blocks, device=pool.device)[:, None] * bs + torch.arange(bs, device=pool.device)).view(-1)
+        out.append(flat[:, slots[:n]])
+    return out
+
+
+def masked_sdpa(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], seen: torch.Tensor
+) -> torch.Tensor:
+    """SDPA row by row (``seen`` ``[B, q, columns]``), zeros where a query sees nothing; ``[B, q, Hq, D]``."""
+    out = []
+    for row, (k, v) in enumerate(zip(keys, values)):
+        mask = seen[row, :, : k.shape[1]]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[row : row + 1], k[None], v[None], attn_mask=mask, enable_gqa=True
+        )
+        out.append(torch.where(mask.any(-1)[None, None, :, None], o, 0.0))
+    return torch.cat(out).transpose(1, 2)
+
+
+def reference(tensors: list[torch.Tensor], spec: dict[str, Any], seen: torch.Tensor, prefill: bool) -> torch.Tensor:
+    """SDPA over each row's held K/V (and the new ones for a prefill) of ``tensors`` (pool K, pool V, queries, new
+    K, new V), in their dtype and on their device."""
+    pool_k, pool_v, query, new_k, new_v = tensors
+    keys, values = rows_kv(pool_k, spec["tables"], spec["lengths"]), rows_kv(pool_v, spec["tables"], spec["lengths"])
+    if prefill:
+        keys = [torch.cat([k, new_k[row]], 1) for row, k in enumerate(keys)]
+        values = [torch.cat([v, new_v[row]], 1) for row, v in enumerate(values)]
+    return masked_sdpa(query, keys, values, seen)
+
+
+def kernel_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
+    """flex.attend on ``device`` against float64 SDPA on the CPU over the same values, and SDPA in the same dtype
+    on ``device`` against that reference (a kernel's own rounding, the yardstick for bfloat16)."""
+    heads, kv_heads, dim = sizes.heads
+    rows = []
+    for bs in sizes.block_sizes:
+        for dtype in sizes.dtypes:
+            for prefill in (False, True):
+                num_blocks, q = KERNEL_POOL, 5 if prefill else 1
+                spec = layout(4, 3 * bs + 5, 2 * bs, bs, num_blocks, seed=bs)
+                spec["lengths"] = [3 * bs + 5, 2 * bs + 1, bs, 5]  # ragged rows sharing their leading blocks
+                g = torch.Generator().manual_seed(bs + prefill)
+                pool_k, pool_v = (torch.randn(kv_heads, num_blocks, bs, dim, generator=g) for _ in range(2))
+                query = torch.randn(4, heads, q, dim, generator=g)
+                new_k, new_v = (torch.randn(4, kv_heads, q, dim, generator=g) for _ in range(2))
+                lengths = torch.tensor(spec["lengths"])
+                visible = torch.rand(4, 4 * bs, generator=g) > 0.1  # holes
+                visible[1, :3] = False  # left padding
+                positions = lengths[:, None] + torch.arange(q) if prefill else lengths[:, None] - 1
+                cast = [t.to(dtype) for t in (pool_k, pool_v, query, new_k, new_v)]
+                reads = flex.plan(
+                    spec["tables"],
+                    lengths,
+                    positions,
+                    block_size=bs,
+                    num_blocks=num_blocks,
+                    device=device,
+                    visible=visible,
+                    prefill=prefill,
+                )
+                dev = [t.to(device) for t in cast]
+                extra = dict(key=dev[3], value=dev[4]) if prefill else {}
+                out = flex.attend(reads, dev[2], dev[0], dev[1], **extra).cpu().double()
+                columns = int(lengths.max()) + q
+                seen = torch.zeros(4, q, columns, dtype=torch.bool)
+                for row, n in enumerate(spec["lengths"]):
+                    cols = torch.arange(n)
+                    seen[row, :, :n] = visible[row, :n] & (cols <= positions[row][:, None])
+                    if prefill:
+                        seen[row, :, n : n + q] = torch.ones(q, q, dtype=torch.bool).tril()
+
+                ref = reference([t.double() for t in cast], spec, seen, prefill)
+                own = reference(dev, spec, seen.to(device), prefill).cpu().double()
+                flex_diff, sdpa_diff = (out - ref).abs().max().item(), (own - ref).abs().max().item()
+                if dtype == torch.float32:
+                    verdict = "met" if flex_diff <= 1e-4 else "MISSED"
+                else:
+                    verdict = "met" if flex_diff <= 2 * sdpa_diff + 1e-6 else "MISSED"
+                case = "prefill (merged)" if prefill else "decode"
+                rows.append(
+                    [bs, str(dtype).replace("torch.", ""), case, f"{flex_diff:.2e}", f"{sdpa_diff:.2e}", verdict]
+                )
+    return rows
+
+
+# -- 2. generate against stock (the gather, today's CUDA path) --------------------------------------------------------
+
+
+def logits_diff(
+    model: Any, stock: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, mask: torch.Tensor | None
+) -> tuple:
+    """Largest logit difference against stock (run on ``stock``, a copy of the model taken before any store
+    existed) over the steps up to the first differing token, whether all tokens agree, stock's smallest top-2
+    margin at the differing step (a near-tie explains a flip), and tokens reused."""
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    ref = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config), **kwargs)
+    ref = stock.generate(ids, attention_mask=mask, cache=DynamicCache(config=stock.config), **kwargs)
     with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
         out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
     n = len(ref.logits)
@@ -58,32 +235,37 @@ def logits_diff(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, mask
     return diff, not len(differ), margin, cache.stats.cached_tokens
 
 
-def exactness(device: str, quick: bool) -> list[list[Any]]:
+def generate_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
+    """Three cases per model: cold with left padding, the same warm, rows on a shared prefix (``system`` tokens)."""
     rows = []
     cases = [("tiny llama", prefixkv.models.tiny_model("llama", dtype=torch.float64), torch.float64, 1e-6)]
-    if not quick:
+    system_len, tails, rows_shared = (300, (20, 37), 6) if sizes.big else (40, (5, 9), 2)
+    if sizes.big:
         cases += [
             ("100M", prefixkv.models.bench_model(), torch.float32, 1e-3),
             ("100M", prefixkv.models.bench_model(), torch.bfloat16, None),
         ]
     for name, model, dtype, tol in cases:
         model = model.to(device=device, dtype=dtype)
+        stock = copy.deepcopy(model)  # before the store: the reference never runs prefixkv's code
         vocab = model.config.vocab_size
         store = prefixkv.PrefixStore(model, block_size=16)
-        system = batch_ids(300, 1, 0, vocab, seed=1)[0]
-        a = torch.cat([system, batch_ids(20, 1, 0, vocab, seed=2)[0]])
-        b = torch.cat([system, batch_ids(37, 1, 0, vocab, seed=3)[0]])
+        system = batch_ids(system_len, 1, 0, vocab, seed=1)[0]
+        a = torch.cat([system, batch_ids(tails[0], 1, 0, vocab, seed=2)[0]])
+        b = torch.cat([system, batch_ids(tails[1], 1, 0, vocab, seed=3)[0]])
         ids = torch.full((2, len(b)), 0, dtype=torch.long)
         ids[0, len(b) - len(a) :], ids[1] = a, b
         mask = (ids != 0).long()
         mask[1] = 1
-        shared = batch_ids(340, 6, 300, vocab, seed=4)
+        shared = batch_ids(system_len + 40, rows_shared, system_len, vocab, seed=4)
         for case, x, m in (
             ("cold, left padding", ids, mask),
             ("warm, left padding", ids, mask),
-            ("6 rows, shared prefix", shared, None),
+            (f"{rows_shared} rows, shared prefix", shared, None),
         ):
-            diff, same, margin, cached = logits_diff(model, store, x.to(device), None if m is None else m.to(device))
+            diff, same, margin, cached = logits_diff(
+                model, stock, store, x.to(device), None if m is None else m.to(device)
+            )
             ok = "-" if tol is None else ("met" if diff <= tol and same else "MISSED")
             tie = "-" if margin is None else f"{margin:.2e}"
             rows.append([name, str(dtype).replace("torch.", ""), case, cached, f"{diff:.2e}", same, tie, ok])
@@ -91,100 +273,284 @@ def exactness(device: str, quick: bool) -> list[list[Any]]:
     return rows
 
 
-def speed(device: str, dtype: torch.dtype, new: int, quick: bool) -> list[list[Any]]:
-    model = (prefixkv.models.tiny_model("llama") if quick else prefixkv.models.bench_model()).to(device, dtype)
-    cases = (
-        ((64, 1, 0), (64, 4, 48)) if quick else ((512, 1, 0), (512, 8, 0), (4096, 1, 0), (4096, 8, 0), (2112, 16, 2048))
-    )
-    store = prefixkv.PrefixStore(model, block_size=16)
-    vocab = model.config.vocab_size
+# -- 3. attention per decode step: the kernel against the reads of the other caches -------------------------------
+
+
+def timed(device: str, variants: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+    """Median milliseconds of each variant, taking turns (one untimed warm-up round: compiles, allocations)."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(1 + repeat):
+        for name, fn in variants.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            if i:
+                samples[name].append(1000 * (time.perf_counter() - start))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def attention_case(
+    device: str, sizes: Sizes, pools: list[torch.Tensor], case: tuple[int, int, int], dtype: torch.dtype
+) -> dict[str, float]:
+    """One case of :func:`attention_step`: ``pools`` ``[2, kv_heads, blocks, block_size, dim]`` per layer."""
+    heads, kv_heads, dim = sizes.heads
+    prompt, batch, shared = case
+    bs, num_blocks = pools[0].shape[3], pools[0].shape[2]
+    spec = layout(batch, prompt, shared, bs, num_blocks, seed=prompt + batch)
+    lengths = torch.tensor(spec["lengths"])
+    query = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype)
+    new = torch.randn(batch, kv_heads, 1, dim, device=device, dtype=dtype)
+
+    def plan() -> flex.FlexPlan:
+        positions = lengths[:, None] - 1
+        return flex.plan(spec["tables"], lengths, positions, block_size=bs, num_blocks=num_blocks, device=device)
+
+    reads = plan()
+    # the contiguous caches' K/V (K stands for V too: the same bytes are read)
+    dynamic = [torch.stack(rows_kv(p[0], spec["tables"], spec["lengths"])) for p in pools]  # [B, Hkv, L, D]
+    static = [torch.nn.functional.pad(k, (0, 0, 0, sizes.new_tokens)) for k in dynamic]
+    static_mask = (torch.arange(prompt + sizes.new_tokens, device=device) < prompt).view(1, 1, 1, -1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run_flex() -> None:
+        for p in pools:
+            flex.attend(reads, query, p[0], p[1])
+
+    def run_gather() -> None:
+        for p in pools:
+            k = torch.stack(rows_kv(p[0], spec["tables"], spec["lengths"]))
+            v = torch.stack(rows_kv(p[1], spec["tables"], spec["lengths"]))
+            sdpa(query, k, v, enable_gqa=True)
+
+    def run_dynamic() -> None:
+        for k in dynamic:
+            grown = torch.cat([k, new], 2), torch.cat([k, new], 2)  # DynamicCache appends K and V each step
+            sdpa(query, *grown, enable_gqa=True)
+
+    def run_static() -> None:
+        for k in static:
+            k[:, :, prompt - 1 : prompt] = new
+            sdpa(query, k, k, attn_mask=static_mask, enable_gqa=True)
+
+    def run_plan() -> None:
+        plan()
+
+    variants = {"flex": run_flex, "gather": run_gather, "dynamic": run_dynamic, "static": run_static}
+    return {**timed(device, variants, sizes.repeat), **timed(device, {"plan": run_plan}, sizes.repeat)}
+
+
+def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
+    """Milliseconds of one decode step's attention over every layer (each layer its own pool, as in a model)."""
+    _, kv_heads, dim = sizes.heads
+    cases = [(p, b, 0) for p in sizes.prompts for b in sizes.batches] + [sizes.shared]
+    most = max(p * b for p, b, _ in cases)
     rows = []
-    for prompt, batch, shared in cases:
-        ids = batch_ids(prompt, batch, shared, vocab, seed=7).to(device)
-        times: dict[str, list[float]] = {"dynamic": [], "static": [], "prefixkv": [], "blocks": []}
-        for _ in range(2):
-            for variant in times:
-                # "blocks": the attention reads the pool in place on CUDA too (attention.READ_DEVICES)
-                attention.READ_DEVICES = frozenset({"cpu", "cuda"} if variant == "blocks" else {"cpu"})
-                kind = "prefixkv" if variant == "blocks" else variant
-                times[variant].append(decode_ms(model, ids, new, kind, store, disable_compile=True))
-                store.clear()
-        attention.READ_DEVICES = frozenset({"cpu"})
-        best = {k: min(v) for k, v in times.items()}
-        rows.append(
-            [
-                prompt,
-                batch,
-                shared or "-",
-                f"{best['dynamic']:.2f}",
-                f"{best['static']:.2f}",
-                f"{best['prefixkv']:.2f}",
-                f"{best['blocks']:.2f}",
-                f"{best['prefixkv'] / best['dynamic']:.3f}",
-                f"{best['prefixkv'] / best['static']:.3f}",
-            ]
-        )
-    store.close()
+    for dtype in sizes.dtypes:
+        for bs in sizes.block_sizes:
+            # at least the kernel section's pool: the smoke then compiles one shape for both
+            shape = (2, kv_heads, max(KERNEL_POOL, -(-most // bs) + 1), bs, dim)
+            pools = [torch.randn(shape, device=device, dtype=dtype) for _ in range(sizes.layers)]
+            for case in cases:
+                ms = attention_case(device, sizes, pools, case, dtype)
+                rows.append(
+                    [
+                        str(dtype).replace("torch.", ""),
+                        bs,
+                        case[0],
+                        case[1],
+                        case[2] or "-",
+                        *(f"{ms[k]:.3f}" for k in ("flex", "gather", "dynamic", "static")),
+                        f"{ms['flex'] / ms['dynamic']:.2f}",
+                        f"{ms['flex'] / ms['gather']:.2f}",
+                        f"{ms['plan']:.3f}",
+                    ]
+                )
+            del pools
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--quick", action="store_true", help="tiny model and prompts: check the script itself")
-    args = ap.parse_args()
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_check needs CUDA (the CPU path is checked by the test suite and benchmarks/decode.py)")
-    counts = served_calls()
-    started = time.perf_counter()
-    exact = exactness(device, args.quick)
-    exact_table = table(
-        [
-            "model",
-            "dtype",
-            "case",
-            "cached tokens",
-            "max logit diff (to first differing token)",
-            "same tokens",
-            "stock's top-2 margin there",
-            "1e-6 / 1e-3",
-        ],
-        exact,
+# -- 4. generate: ms per new token -----------------------------------------------------------------------------------
+
+
+def generate_case(
+    model: Any, ids: torch.Tensor, sizes: Sizes, stores: dict[int, prefixkv.PrefixStore], with_compile: bool
+) -> dict[str, float]:
+    """The fastest of ``min(repeat, 2)`` calls per cache, taking turns; ``with_compile``: also ``StaticCache`` under
+    transformers' default ``torch.compile`` (inductor with CUDA graphs)."""
+    new, any_store = sizes.new_tokens, next(iter(stores.values()))
+    variants: dict[str, Callable[[], float]] = {
+        "dynamic": lambda: decode_ms(model, ids, new, "dynamic", any_store, disable_compile=True),
+        "static": lambda: decode_ms(model, ids, new, "static", any_store, disable_compile=True),
+    }
+    if with_compile:
+        variants["static compiled"] = lambda: decode_ms(model, ids, new, "static", any_store)
+    for bs, store in stores.items():
+        variants[f"prefixkv {bs}"] = lambda store=store: decode_ms(
+            model, ids, new, "prefixkv", store, disable_compile=True
+        )  # type: ignore[misc]
+    samples: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(min(sizes.repeat, 2)):
+        for variant, fn in variants.items():
+            samples[variant].append(fn())
+            for store in stores.values():
+                store.clear()  # every prefixkv call starts cold: decode speed, not reuse
+    return {k: min(v) for k, v in samples.items()}
+
+
+def generate_speed(device: str, sizes: Sizes) -> list[list[Any]]:
+    """ms per new token of ``generate`` with each cache, on each model of this device."""
+    if device == "cpu":  # the smoke leaves out StaticCache under torch.compile: compiling takes minutes on a CPU
+        todo: list[tuple[str, Callable[[], Any], bool]] = [("tiny", lambda: models.tiny_model("llama"), False)]
+    else:
+        todo = [
+            ("100M", lambda: models.bench_model().to(device), False),
+            ("100M", lambda: models.bench_model(dtype=torch.bfloat16).to(device), False),
+            ("1.5B", lambda: big_model(device), True),
+        ]
+    cases = [(p, b, 0) for p in sizes.prompts for b in sizes.batches] + [sizes.shared]
+    rows = []
+    for name, make, with_compile in todo:
+        model = make()
+        dtype = str(model.dtype).replace("torch.", "")
+        stores = {bs: prefixkv.PrefixStore(model, block_size=bs) for bs in sizes.block_sizes}
+        for prompt, batch, shared in cases:
+            ids = batch_ids(prompt, batch, shared, model.config.vocab_size, seed=7).to(device)
+            best = generate_case(model, ids, sizes, stores, with_compile)
+            for variant, ms in best.items():
+                ratio = f"{ms / best['dynamic']:.2f}"
+                rows.append([name, dtype, prompt, batch, shared or "-", variant, f"{ms:.2f}", ratio])
+        for store in stores.values():
+            store.close()
+    return rows
+
+
+# -- 5. time to the first token on a warm prefix ----------------------------------------------------------------------
+
+
+def first_token(device: str, sizes: Sizes) -> list[list[Any]]:
+    """``benchmarks/ttft.py``'s measurement (medians, variants taking turns) on ``device``."""
+    todo = (
+        [("tiny", models.tiny_model("llama"))]
+        if device == "cpu"
+        else [
+            ("100M", models.bench_model(dtype=torch.bfloat16).to(device)),
+            ("1.5B", big_model(device)),
+        ]
     )
-    print(exact_table, flush=True)
-    fast = speed(device, getattr(torch, args.dtype), args.new_tokens, args.quick)
-    speed_table = table(
+    rows = []
+    for name, model in todo:
+        ms = ttft.measure(model, sizes.ttft_prefix, sizes.repeat)
+        ratio = ms["none"] / ms["prefixkv"]
+        verdict = "met" if ratio >= 10 else "MISSED"
+        rows.append(
+            [
+                name,
+                sizes.ttft_prefix,
+                f"{ms['none']:.1f}",
+                f"{ms['deepcopy']:.1f}",
+                f"{ms['prefixkv']:.1f}",
+                f"{ms['bare']:.1f}",
+                f"{ratio:.1f}x",
+                verdict if device != "cpu" else "n/a",
+            ]
+        )
+        del model
+    return rows
+
+
+SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]]]] = [
+    (
+        "kernel",
+        "The FlexAttention kernel against float64 SDPA on the CPU (max abs difference; bfloat16 beside SDPA's own)",
+        ["block size", "dtype", "case", "flex diff", "SDPA in this dtype", "1e-4 / <= 2x SDPA"],
+        kernel_exactness,
+    ),
+    (
+        "generate exactness",
+        "generate with a PagedPrefixCache (the gather) against stock DynamicCache, to the first differing token",
+        ["model", "dtype", "case", "cached", "max logit diff", "same tokens", "stock's top-2 margin", "1e-6 / 1e-3"],
+        generate_exactness,
+    ),
+    (
+        "attention",
+        "Attention of one decode step over every layer, ms (the kernel reading the pool in place; the gather; "
+        "DynamicCache's append and read; StaticCache's masked read), and planning the step's reads",
         [
+            "dtype",
+            "block",
             "prompt",
             "batch",
             "shared",
-            "Dynamic ms/token",
-            "Static ms/token",
-            "prefixkv ms/token",
-            "prefixkv reading blocks in place",
-            "prefixkv / Dynamic",
-            "prefixkv / Static",
+            "flex",
+            "gather",
+            "Dynamic",
+            "Static",
+            "flex / Dynamic",
+            "flex / gather",
+            "plan",
         ],
-        fast,
+        attention_step,
+    ),
+    (
+        "generate speed",
+        "ms per new token of generate (prefixkv on CUDA runs the gather until the flex backend is plugged in)",
+        ["model", "dtype", "prompt", "batch", "shared", "cache", "ms/token", "/ Dynamic"],
+        generate_speed,
+    ),
+    (
+        "ttft",
+        "Time to first token on a warm prefix, ms: no reuse, the deepcopy recipe, prefixkv, the bare forward "
+        "(target: prefixkv >= 10x faster than no reuse)",
+        ["model", "prefix", "no reuse", "deepcopy", "prefixkv", "bare", "no reuse / prefixkv", "target"],
+        first_token,
+    ),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="write the tables as Markdown to this file")
+    ap.add_argument("--cpu-smoke", action="store_true", help="a tiny version of every measurement on the CPU")
+    args = ap.parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a GPU machine, or --cpu-smoke")
+        return 0
+    device, sizes = ("cpu", SMOKE) if args.cpu_smoke else ("cuda", FULL)
+    started = time.perf_counter()
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke"
+    report = [f"# gpu_check: {where}; {machine()}", ""]
+    result: dict[str, Any] = {"machine": report[0][2:], "tables": {}}
+    failed = []
+    for key, title, header, section in SECTIONS:
+        begun = time.perf_counter()
+        # an unattended run records a section's failure and goes on: one broken measurement keeps the others
+        try:
+            body = table(header, section(device, sizes))
+        except Exception as error:
+            failed.append(key)
+            body = f"FAILED: {type(error).__name__}: {error}\n\n```\n{traceback.format_exc(limit=4)}```"
+        text = f"## {title}\n\n{body}\n\n({time.perf_counter() - begun:.0f} s)"
+        print(text + "\n", flush=True)
+        report.append(text + "\n")
+        result["tables"][key] = body
+    seconds = time.perf_counter() - started
+    tail = f"flex compiles: {flex.compiles()}; {seconds:.0f} s in all" + (
+        f"; FAILED: {', '.join(failed)}" if failed else ""
     )
-    print(speed_table, flush=True)
-    result = {
-        "machine": f"{torch.cuda.get_device_name() if device == 'cuda' else device}; {machine()}",
-        "dtype": args.dtype,
-        "new_tokens": args.new_tokens,
-        "attention_calls_reading_blocks": counts["blocks"],
-        "exactness": exact_table,
-        "speed": speed_table,
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    print(f"attention calls that read the blocks: {counts['blocks']}; {result['seconds']} s; {result['machine']}")
-    save("gpu_check", result)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(result, indent=2))
+    print(tail)
+    report.append(tail)
+    result["summary"] = tail
+    markdown = "\n".join(report) + "\n"
+    if args.out:
+        args.out.write_text(markdown)
+    if not args.cpu_smoke:
+        save("gpu_check", result)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(result, indent=2))
+            Path(os.environ["OUT"], "gpu_check.md").write_text(markdown)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

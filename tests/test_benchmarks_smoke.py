@@ -18,6 +18,7 @@ from prefixkv.models import tiny_model
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 import decode
+import gpu_check
 import memory
 import quant
 import throughput
@@ -142,3 +143,28 @@ def test_lm_eval_smoke_gives_the_answers_of_hf() -> None:
     assert len(r["rows"]) == 4 and all(row["same_answers"] for row in r["rows"]), r["rows"]
     assert all(row["hit_rate"] > 0.5 for row in r["rows"]), r["rows"]
     assert "hf-prefixkv s" in lm_eval_bench.report(r)
+
+
+def test_gpu_check_cpu_smoke_runs_every_measurement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gpu_check.py --cpu-smoke``: every section's table, none failed, the kernel exact in float32."""
+    out = tmp_path / "gpu.md"
+    assert gpu_check.main(["--cpu-smoke", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "FAILED" not in report
+    for _, title, header, _ in gpu_check.SECTIONS:  # every section printed its table, with rows
+        assert f"## {title}" in report
+        body = report.split(f"## {title}")[1].split("\n## ")[0]
+        assert header[0] in body and len(_cells(body)) >= 1, body
+    kernel = _cells(report.split("## ")[1])
+    assert {row[2] for row in kernel} == {"decode", "prefill (merged)"} and all(row[-1] == "met" for row in kernel)
+    assert all(float(row[3]) <= 1e-4 for row in kernel)  # float32 against the float64 reference
+    assert report.splitlines()[-1] in capsys.readouterr().out  # printed as well as written
+
+
+def test_gpu_check_without_cuda_says_so_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith("gpu_check: no CUDA device here")

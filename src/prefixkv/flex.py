@@ -13,11 +13,12 @@ lies (docs/correctness.md, "A result must not depend on how it was computed"). A
   merged by their log-sum-exps (:func:`prefixkv.attention._merge`).
 
 A block shared by several rows (a system prompt, ``num_return_sequences``) is listed once in each row's table.
-Compiled kernels are specialised on shapes, so the batch (and on CUDA the table width and the query count) are
-padded to powers of two: a run that decodes at one batch size compiles once per pool size (:func:`compiles`).
-On the CPU the compiled kernel neither returns the log-sum-exp (prefill runs torch's eager FlexAttention there,
-which materialises the scores: a reference, not a fast path) nor accepts a block index list narrower than the
-pool's block count, and it compiles only when the full-block lists are given (empty ones serve).
+Compiled kernels are specialised on shapes, so the batch and the query count are padded to powers of two and every
+row's block list is as wide as the pool: a run that decodes at one batch size compiles once (:func:`compiles`),
+again only when the pool grows or the batch crosses a power of two.
+On the CPU the compiled kernel does not return the log-sum-exp (prefill runs torch's eager FlexAttention there,
+which materialises the scores: a reference, not a fast path), and it compiles only when the full-block lists are
+given (empty ones serve).
 
 :func:`can_serve` says, in one line, why FlexAttention cannot serve a configuration; the caller then reads the
 pool another way.
@@ -176,13 +177,13 @@ def plan(
             f"but the tables list only {width}; pass every block of every row"
         )
     padded_batch, padded_q = _power_of_two(batch), _power_of_two(q)
-    cpu = device.type == "cpu"
-    # the CPU kernel wants a block list as wide as the pool; on CUDA the width is bucketed
-    padded_width = num_blocks if cpu else _power_of_two(max(width, 1))
+    # every row's block list as wide as the pool: the CPU kernel needs it, and rows that grow then never recompile
+    padded_width = num_blocks
     columns = padded_width * block_size
 
     logical = torch.zeros(padded_batch, padded_width, dtype=torch.int64, device=device)
-    logical[:batch, :width] = tables
+    kept = min(width, num_blocks)  # a row never holds more blocks than the pool has
+    logical[:batch, :kept] = tables[:, :kept]
     held = torch.zeros(padded_batch, dtype=torch.int64, device=device)
     held[:batch] = lengths
     pos = torch.full((padded_batch, padded_q), -1, dtype=torch.int64, device=device)  # padded queries see nothing
@@ -255,7 +256,7 @@ def plan(
         if window is not None:
             new_mask &= positions[:, :, None] - positions[:, None, :] < window
         new_mask = new_mask[:, None]
-    key = (device.type, padded_batch, padded_q, padded_width, num_blocks, block_size, window)
+    key = (device.type, padded_batch, padded_q, num_blocks, block_size, window)
     return FlexPlan(block_mask, batch, q, padded_batch, padded_q, new_mask, key)
 
 
