@@ -196,6 +196,26 @@ def test_the_compiled_buckets_stay_few() -> None:
     assert flex.compiles() - before <= 1  # 0 when the test above ran first in this process
 
 
+def test_a_shape_past_dynamos_recompile_limit_still_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bucket compiles on flex_attention's one frame; past ``recompile_limit`` dynamo would run the next
+    shape eagerly (unfused, materialising the scores of the whole pool) unless the backend raises the limit."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    eager: list[str] = []
+    monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    pool_k, pool_v = pools(5)
+    for batch, lengths in ((3, [70, 40, 9]), (1, [33])):  # buckets of 4 rows and of 1: two graphs
+        layout = dict(
+            DECODE_CASES[0], batch=batch, lengths=lengths, pads=[0] * batch, sharers=[True] * batch,
+            holes=False, window=None, group=2, scale=None, seed=batch,
+        )  # fmt: skip
+        case = build(layout)
+        out = run(case, pool_k, pool_v, None)
+        assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
+    assert "flex_attention_performance" not in eager  # torch's warning that it ran the unfused eager version
+
+
 def test_a_query_that_sees_no_held_column_takes_only_the_new_ones() -> None:
     layout = dict(DECODE_CASES[0], prefill=True, q=3, holes=False, window=None, group=1, scale=None, seed=3)
     case = build(layout)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -279,10 +280,15 @@ def _flex(
                 query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
             )
     else:
+        bucket = (*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse)
+        # every shape's graph hangs on flex_attention's one frame, where dynamo compiles at most
+        # config.recompile_limit (8) and runs the rest eagerly: a new shape raises that limit for its compile
+        limit = max(torch._dynamo.config.recompile_limit, len(_buckets) + 1)
         try:
-            result = _compiled(
-                query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
-            )
+            with torch._dynamo.config.patch(recompile_limit=limit) if bucket not in _buckets else nullcontext():
+                result = _compiled(
+                    query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
+                )
         except torch._dynamo.exc.BackendCompilerFailed as error:
             reason = (
                 f"FlexAttention did not compile on {query.device.type} for {query.dtype}: {str(error).splitlines()[0]}"
@@ -291,7 +297,7 @@ def _flex(
                 _failed[(query.device.type, query.dtype)] = reason
             raise FlexUnavailable(reason) from error
         with _lock:
-            _buckets.add((*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse))
+            _buckets.add(bucket)
     if lse:
         out, extra = result
         return out, extra.lse
