@@ -158,6 +158,8 @@ def test_gpu_check_cpu_smoke_runs_every_measurement(tmp_path: Path, capsys: pyte
     kernel = _cells(report.split("## ")[1])
     assert {row[2] for row in kernel} == {"decode", "prefill (merged)"} and all(row[-1] == "met" for row in kernel)
     assert all(float(row[3]) <= 1e-4 for row in kernel)  # float32 against the float64 reference
+    timed = _cells(report.split("## ")[3])  # the attention step: what was timed computed what the gather does
+    assert timed and all(float(row[-1]) <= 1e-4 for row in timed)
     assert report.splitlines()[-1] in capsys.readouterr().out  # printed as well as written
 
 
