@@ -5,8 +5,10 @@ head_dim]`` (no copy) is what the kernel reads; a ``BlockMask`` built from the r
 (``BlockMask.from_kv_blocks``) lists, per row, which physical blocks to visit, in logical order, and a ``mask_mod``
 maps each physical column back to the row's logical column to decide what a query sees: the row's length, its
 visibility (padding, masked holes), causality and a sliding window, all by logical column, never by where a block
-lies (docs/correctness.md, "A result must not depend on how it was computed"). A forward plans its reads once
-(:func:`plan`); every layer with the same window executes them (:func:`attend`):
+lies, and each row's blocks are visited in logical order. It splits a prefill into parts merged by their
+log-sum-exps, so it is not the canonical read of an invariant store (docs/correctness.md, "Outputs that never
+depend on the cache"), which gathers each row whole. A forward plans its reads once (:func:`plan`); every layer
+with the same window executes them (:func:`attend`):
 
 - decode (one query per row, its K/V already written to the pool): every row in one compiled call per layer;
 - prefill: the held blocks through FlexAttention, the new columns causally through :func:`prefixkv.attention.attend`,
@@ -331,8 +333,10 @@ def attend(
     padded = query.new_zeros(reads.padded_batch, heads, reads.padded_queries, dim)
     padded[:batch, :, :q] = query
     kv_heads = pool_k.shape[0]
-    k_view = pool_k.view(1, kv_heads, -1, dim)  # [1, Hkv, blocks * block_size, D], the pool itself
-    v_view = pool_v.view(1, kv_heads, -1, dim)
+    # [B, Hkv, blocks * block_size, D]: the pool itself, its batch a stride-0 dimension (every kernel takes K/V
+    # with the queries' batch; not every one broadcasts a batch of 1)
+    k_view = pool_k.view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
+    v_view = pool_v.view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
     on_cpu = query.device.type == "cpu"
     out, lse = _flex(
         reads,
