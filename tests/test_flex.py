@@ -137,7 +137,7 @@ def run(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.Tensor, window
     return flex.attend(reads, case["query"], pool_k, pool_v, **extra, **kw)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(layouts())
 def test_eager_flex_reads_what_sdpa_reads(layout: dict[str, Any]) -> None:
     pool_k, pool_v = pools(layout["seed"])
