@@ -188,7 +188,12 @@ def kernel_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
                 )
                 dev = [t.to(device) for t in cast]
                 extra = dict(key=dev[3], value=dev[4]) if prefill else {}
-                out = flex.attend(reads, dev[2], dev[0], dev[1], **extra).cpu().double()
+                case = "prefill (merged)" if prefill else "decode"
+                try:
+                    out = flex.attend(reads, dev[2], dev[0], dev[1], **extra).cpu().double()
+                except flex.FlexUnavailable as error:  # recorded; the other cases still run
+                    rows.append([bs, str(dtype).replace("torch.", ""), case, f"unavailable: {error}", "-", "MISSED"])
+                    continue
                 columns = int(lengths.max()) + q
                 seen = torch.zeros(4, q, columns, dtype=torch.bool)
                 for row, n in enumerate(spec["lengths"]):
@@ -204,7 +209,6 @@ def kernel_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
                     verdict = "met" if flex_diff <= 1e-4 else "MISSED"
                 else:
                     verdict = "met" if flex_diff <= 2 * sdpa_diff + 1e-6 else "MISSED"
-                case = "prefill (merged)" if prefill else "decode"
                 rows.append(
                     [bs, str(dtype).replace("torch.", ""), case, f"{flex_diff:.2e}", f"{sdpa_diff:.2e}", verdict]
                 )
@@ -360,14 +364,15 @@ def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
             shape = (2, kv_heads, max(KERNEL_POOL, -(-most // bs) + 1), bs, dim)
             pools = [torch.randn(shape, device=device, dtype=dtype) for _ in range(sizes.layers)]
             for case in cases:
-                ms = attention_case(device, sizes, pools, case, dtype)
+                shown = [str(dtype).replace("torch.", ""), bs, case[0], case[1], case[2] or "-"]
+                try:
+                    ms = attention_case(device, sizes, pools, case, dtype)
+                except flex.FlexUnavailable as error:  # the other block sizes and dtypes are still measured
+                    rows.append([*shown, f"unavailable: {error}", *["-"] * 7])
+                    continue
                 rows.append(
                     [
-                        str(dtype).replace("torch.", ""),
-                        bs,
-                        case[0],
-                        case[1],
-                        case[2] or "-",
+                        *shown,
                         *(f"{ms[k]:.3f}" for k in ("flex", "gather", "dynamic", "static")),
                         f"{ms['flex'] / ms['dynamic']:.2f}",
                         f"{ms['flex'] / ms['gather']:.2f}",
