@@ -37,8 +37,9 @@ import torch
 import transformers
 
 # the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
-# transformers runs on (5.13-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel for its
-# log-sum-exp, with a mask and with fewer K/V heads than query heads; that older releases' kernel takes both is not
+# transformers runs on (5.13-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel
+# (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
+# its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
 # verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
 TRANSFORMERS_RANGE = ((5, 13), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
