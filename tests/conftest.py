@@ -3,10 +3,15 @@
 Every fidelity reference runs on a model prefixkv has never touched (its attention, hooks and wrapped methods
 would otherwise run in the reference too, and a bug there would cancel out): the first time a store is built on
 a model, :func:`stock_twin` keeps a deep copy of it taken before the store exists, and :func:`compare` runs stock
-``generate`` on that copy, with the model's current weights and adapter state copied over."""
+``generate`` on that copy, with the model's current weights and adapter state copied over.
+
+Tests pass a cache by the keyword the installed transformers prefers (:func:`cache_kw`, ``cache=`` from 5.24,
+``past_key_values=`` before); the few that pass it by another accepted keyword on purpose run it under
+:func:`spelled`, which expects transformers' deprecation warning."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -19,7 +24,34 @@ import torch
 from transformers import DynamicCache
 
 import prefixkv
+from prefixkv._compat import GENERATE_CACHE_KWARG
 from prefixkv.pool import BlockPool, LayerSpec
+
+SPELLINGS = ("cache", "past_key_values") if GENERATE_CACHE_KWARG == "cache" else ("past_key_values",)
+"""Every keyword by which the installed transformers' ``generate`` and models take a cache, the preferred one
+first."""
+
+
+def cache_kw(cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword argument the installed transformers prefers: ``model.generate(ids, **cache_kw(c))``."""
+    return {GENERATE_CACHE_KWARG: cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a ``generate`` output hands back, by the name the installed transformers gives it (``out.cache``
+    from 5.24, ``out.past_key_values`` before)."""
+    return getattr(out, GENERATE_CACHE_KWARG)
+
+
+@contextlib.contextmanager
+def spelled(spelling: str) -> Iterator[None]:
+    """Around a call that passes the cache as ``spelling``: expects the FutureWarning by which transformers
+    deprecates a keyword it no longer prefers (``past_key_values`` from 5.24), and nothing for the preferred one."""
+    if spelling == GENERATE_CACHE_KWARG:
+        yield
+        return
+    with pytest.warns(FutureWarning, match=f"`{spelling}` is deprecated"):
+        yield
 
 
 @dataclass
@@ -146,25 +178,27 @@ def compare(
     mask: torch.Tensor | None = None,
     *,
     seed: int = 0,
-    spelling: str = "cache",
+    spelling: str = GENERATE_CACHE_KWARG,
     max_new_tokens: int = 8,
     **kwargs: Any,
 ) -> Comparison:
     """Run generate with a fresh :func:`reference_cache` (``DynamicCache``; for an 8-bit store, one that quantizes
-    as it does) on :func:`stock_twin` ``(model)`` and with a PagedPrefixCache from ``store`` on ``model``."""
+    as it does) on :func:`stock_twin` ``(model)`` and with a PagedPrefixCache from ``store`` on ``model``, both
+    passing the cache as ``spelling`` (under :func:`spelled`)."""
 
     def run(cache: Any, on: Any = model) -> Any:
         torch.manual_seed(seed)
-        return on.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            **{spelling: cache},
-            **kwargs,
-        )
+        with spelled(spelling):
+            return on.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+                **{spelling: cache},
+                **kwargs,
+            )
 
     twin = stock_twin(model)
     ref = run(reference_cache(twin, store.kv_dtype), twin)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -29,23 +30,23 @@ PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
 
 def test_unsupported_names_the_range() -> None:
     assert _compat.unsupported(transformers.__version__, torch.__version__) is None
-    assert _compat.unsupported("5.14.0", "2.6.0") is None
+    assert _compat.unsupported("5.13.0", "2.6.0") is None
     assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
-    old = _compat.unsupported("5.13.0", "2.13.0")
-    assert old is not None and "transformers 5.13.0 is installed" in old and "transformers>=5.14,<6" in old
+    old = _compat.unsupported("5.12.0", "2.13.0")
+    assert old is not None and "transformers 5.12.0 is installed" in old and "transformers>=5.13,<6" in old
     assert "torch 2.13.0" not in old
     for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
         reason = _compat.unsupported(tf, th)
-        assert reason is not None and named in reason and "pip install 'transformers>=5.14,<6'" in reason
+        assert reason is not None and named in reason and "pip install 'transformers>=5.13,<6'" in reason
     torch_old = _compat.unsupported("5.24.0", "2.5.1")
     assert torch_old is not None and "torch 2.5.1 is installed; prefixkv supports torch>=2.6,<3" in torch_old
 
 
 def test_first_use_refuses_an_unsupported_transformers() -> None:
-    code = "import transformers; transformers.__version__ = '5.13.0'; import prefixkv; prefixkv.PrefixStore"
+    code = "import transformers; transformers.__version__ = '5.12.0'; import prefixkv; prefixkv.PrefixStore"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "ImportError: transformers 5.13.0 is installed; prefixkv supports transformers>=5.14,<6" in run.stderr
+    assert "ImportError: transformers 5.12.0 is installed; prefixkv supports transformers>=5.13,<6" in run.stderr
 
 
 def _generate_takes_cache_keyword() -> bool:
@@ -128,11 +129,11 @@ def test_generate_matches_stock(models: tuple[Any, Any], store: prefixkv.PrefixS
             if keyword == "cache"
             else _run(ref, ids, attention, **MODES[mode])
         )
-        with warnings.catch_warnings():
-            # transformers 5.24+ deprecates this spelling (a FutureWarning); it must keep working
-            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)
-            with prefixkv.PagedPrefixCache(store, ids, attention) as cache:
-                got = _run(model, ids, attention, **{keyword: cache}, **MODES[mode])
+        # where models take cache=, transformers deprecates past_key_values= (a FutureWarning); it must keep working
+        deprecated = keyword == "past_key_values" and _generate_takes_cache_keyword()
+        warns = pytest.warns(FutureWarning, match="`past_key_values` is deprecated") if deprecated else nullcontext()
+        with warns, prefixkv.PagedPrefixCache(store, ids, attention) as cache:
+            got = _run(model, ids, attention, **{keyword: cache}, **MODES[mode])
         assert torch.equal(got.sequences, want.sequences), (mode, n)
         assert _max_diff(got, want) < TOL, (mode, n)
         if n > 0:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import max_logit_diff, random_tokens
+from conftest import cache_kw, max_logit_diff, random_tokens, returned_cache, spelled
 from transformers import DynamicCache, pipeline
 
 import prefixkv
@@ -47,7 +47,9 @@ MODES = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_enabled_generate_reuses_prefixes_and_matches_stock(model: Any, mode: str) -> None:
     first, second = _prompt(seed=1), _prompt(seed=2)
-    refs = [_generate(model, ids, cache=DynamicCache(config=model.config), **MODES[mode]) for ids in (first, second)]
+    refs = [
+        _generate(model, ids, **cache_kw(DynamicCache(config=model.config)), **MODES[mode]) for ids in (first, second)
+    ]
     store = prefixkv.enable(model, block_size=4)
     outs = [_generate(model, ids, **MODES[mode]) for ids in (first, second)]
     for out, ref in zip(outs, refs):
@@ -56,7 +58,7 @@ def test_enabled_generate_reuses_prefixes_and_matches_stock(model: Any, mode: st
     assert store.stats.queries == 2 and store.stats.hit_tokens == 32
     # return_dict_in_generate hands each call's cache back, open, so a follow-up call can continue from it;
     # dropping the outputs gives its blocks back, with no garbage collector needed
-    assert not any(out.cache._closed for out in outs)
+    assert not any(returned_cache(out)._closed for out in outs)
     gc.disable()
     try:
         del outs, out
@@ -71,7 +73,9 @@ def test_enabled_generate_reuses_prefixes_and_matches_stock(model: Any, mode: st
 def test_assistant_models_keep_their_own_cache(model: Any) -> None:
     assistant = prefixkv.models.tiny_model("llama", dtype=torch.float64, seed=1)
     ids = _prompt(seed=3)
-    ref = _generate(model, ids, assistant_model=assistant, do_sample=False, cache=DynamicCache(config=model.config))
+    ref = _generate(
+        model, ids, assistant_model=assistant, do_sample=False, **cache_kw(DynamicCache(config=model.config))
+    )
     store, assistant_store = prefixkv.enable(model, block_size=4), prefixkv.enable(assistant, block_size=4)
     _generate(model, _prompt(seed=4), do_sample=False)
     out = _generate(model, ids, assistant_model=assistant, do_sample=False)
@@ -86,13 +90,14 @@ def test_calls_that_bring_or_refuse_a_cache_are_left_alone(model: Any) -> None:
     store = prefixkv.enable(model, block_size=4)
     ids = _prompt(seed=5)
     own = DynamicCache(config=model.config)
-    out = _generate(model, ids, cache=own, do_sample=False)
-    assert out.cache is own and store.stats.queries == 0
+    out = _generate(model, ids, **cache_kw(own), do_sample=False)
+    assert returned_cache(out) is own and store.stats.queries == 0
     _generate(model, ids, use_cache=False, do_sample=False)
     assert store.stats.queries == 0
     paged = prefixkv.PagedPrefixCache(store, ids)
-    out = _generate(model, ids, past_key_values=paged, do_sample=False)
-    assert out.cache is paged and not paged._closed  # the caller's cache stays the caller's
+    with spelled("past_key_values"):  # enable() recognises either keyword as the caller's cache
+        out = _generate(model, ids, past_key_values=paged, do_sample=False)
+    assert returned_cache(out) is paged and not paged._closed  # the caller's cache stays the caller's
     assert store.stats.queries == 1  # that cache's own lookup, no second one
     paged.close()
     prefixkv.disable(model)
@@ -155,8 +160,8 @@ def test_a_soft_prompt_call_neither_reuses_nor_publishes_the_ids_prefix(model: A
     gen = torch.Generator().manual_seed(8)
     soft = torch.randn(1, ids.shape[1], model.config.hidden_size, dtype=torch.float64, generator=gen)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    ref_soft = model.generate(input_ids=ids, inputs_embeds=soft, cache=DynamicCache(config=model.config), **kw)
-    ref_ids = model.generate(input_ids=ids, cache=DynamicCache(config=model.config), **kw)
+    ref_soft = model.generate(input_ids=ids, inputs_embeds=soft, **cache_kw(DynamicCache(config=model.config)), **kw)
+    ref_ids = model.generate(input_ids=ids, **cache_kw(DynamicCache(config=model.config)), **kw)
     store = prefixkv.enable(model, block_size=4)
     for _ in range(2):  # plain after soft and soft after plain: neither may read the other's K/V
         assert max_logit_diff(model.generate(input_ids=ids, **kw).logits, ref_ids.logits) <= TOL

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compare, left_pad, random_tokens
+from conftest import SPELLINGS, cache_kw, compare, left_pad, random_tokens
 
 import prefixkv
 
@@ -19,7 +19,7 @@ def model(request: pytest.FixtureRequest) -> object:
 
 
 @pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("spelling", ["cache", "past_key_values"])
+@pytest.mark.parametrize("spelling", SPELLINGS)
 def test_cold_then_warm_matches_stock(model: object, sampling: bool, spelling: str) -> None:
     store = prefixkv.PrefixStore(model, block_size=4)
     system = random_tokens(45, seed=1)
@@ -102,7 +102,7 @@ def test_blocks_are_released_on_close_and_on_garbage_collection(model: object) -
     store = prefixkv.PrefixStore(model, block_size=4)
     prompt = random_tokens(18, seed=13)[None]
     cache = prefixkv.PagedPrefixCache(store, prompt)
-    model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+    model.generate(prompt, **cache_kw(cache), max_new_tokens=5, do_sample=False)
     held = sum(cache._held_blocks().values())
     assert held == 6  # 18 prompt + 4 fed generated tokens = 22 -> 6 blocks
     del cache
@@ -123,7 +123,7 @@ def test_a_cache_finalized_at_interpreter_shutdown_stays_quiet(model: object) ->
     store = prefixkv.PrefixStore(model, block_size=4)
     prompt = random_tokens(18, seed=13)[None]
     cache = prefixkv.PagedPrefixCache(store, prompt)
-    model.generate(prompt, cache=cache, max_new_tokens=5, do_sample=False)
+    model.generate(prompt, **cache_kw(cache), max_new_tokens=5, do_sample=False)
     module = sys.modules["prefixkv.cache"]
     saved = dict(vars(module))
     unraisable: list[object] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FeedCounter, compare, left_pad, random_tokens, reference_cache, stock_twin
+from conftest import FeedCounter, cache_kw, compare, left_pad, random_tokens, reference_cache, stock_twin
 from transformers import LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
 
 import prefixkv
@@ -131,13 +131,13 @@ def _stock(model: Any, tol: Tol, ids: torch.Tensor, seed: int = 0, **kwargs: Any
     kwargs.setdefault("pad_token_id", 0)
     twin = stock_twin(model)
     cache = reference_cache(twin, tol.kv_dtype)
-    return twin.generate(ids, cache=cache, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return twin.generate(ids, **cache_kw(cache), output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
 def _paged(model: Any, cache: PagedPrefixCache, ids: torch.Tensor, seed: int = 0, **kwargs: Any) -> Any:
     torch.manual_seed(seed)
     kwargs.setdefault("pad_token_id", 0)
-    return model.generate(ids, cache=cache, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return model.generate(ids, **cache_kw(cache), output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
 def _assert_same(out: Any, ref: Any, tol: Tol) -> None:
@@ -387,7 +387,7 @@ def test_streaming_with_text_iterator_streamer(llama64: Any, store: PrefixStore,
     def stream(model: Any, cache: Any) -> tuple[str, Any]:
         streamer = TextIteratorStreamer(tok, skip_prompt=True)
         result: dict[str, Any] = {}
-        kw = dict(cache=cache, streamer=streamer, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        kw = dict(**cache_kw(cache), streamer=streamer, max_new_tokens=8, do_sample=False, pad_token_id=0)
         kw.update(output_logits=True, return_dict_in_generate=True)
         worker = threading.Thread(target=lambda: result.update(out=model.generate(ids, **kw)))
         worker.start()
@@ -420,14 +420,14 @@ def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: Prefix
     torch.manual_seed(0)
     twin = stock_twin(llama64)
     ref = twin.generate(
-        inputs_embeds=embeds, cache=reference_cache(twin, tol.kv_dtype), max_new_tokens=8, do_sample=False,
+        inputs_embeds=embeds, **cache_kw(reference_cache(twin, tol.kv_dtype)), max_new_tokens=8, do_sample=False,
         pad_token_id=0, output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
     cached_before = store.stats.cached_tokens
     with PagedPrefixCache(store) as cache:
         torch.manual_seed(0)
         out = llama64.generate(
-            inputs_embeds=embeds, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0,
+            inputs_embeds=embeds, **cache_kw(cache), max_new_tokens=8, do_sample=False, pad_token_id=0,
             output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
         assert sum(cache._held_blocks().values()) == 11  # 37 + 7 columns stored
@@ -443,8 +443,8 @@ def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any
     gen = torch.Generator().manual_seed(34)
     soft = torch.randn(1, ids.shape[1], llama64.config.hidden_size, dtype=torch.float64, generator=gen)
     cached_before = store.stats.cached_tokens
-    with PagedPrefixCache(store, ids) as cache:
-        llama64.generate(input_ids=ids, inputs_embeds=soft, cache=cache, max_new_tokens=3, do_sample=False)
+    with pytest.warns(UserWarning, match="inputs_embeds"), PagedPrefixCache(store, ids) as cache:
+        llama64.generate(input_ids=ids, inputs_embeds=soft, **cache_kw(cache), max_new_tokens=3, do_sample=False)
     assert store.stats.cached_tokens == cached_before
     result = compare(llama64, store, ids, do_sample=False)
     assert _agree(result.out, result.ref, tol)
@@ -489,7 +489,7 @@ def test_cache_refuses_new_tokens_placed_elsewhere(llama64: Any, store: PrefixSt
         ):
             with pytest.raises(CacheMisuseError, match="new tokens"):
                 llama64.generate(
-                    new, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0
+                    new, attention_mask=mask, **cache_kw(cache), max_new_tokens=2, do_sample=False, pad_token_id=0
                 )
 
 
@@ -504,7 +504,7 @@ def test_cache_refuses_a_call_that_does_not_continue_it(llama64: Any, store: Pre
             "shorter": ids[:, :20],
         }[other]
         with pytest.raises(CacheMisuseError, match=r"continues? "):
-            llama64.generate(wrong, cache=cache, do_sample=False, max_new_tokens=3, pad_token_id=0)
+            llama64.generate(wrong, **cache_kw(cache), do_sample=False, max_new_tokens=3, pad_token_id=0)
         # the refused call changed nothing: the cache still continues its own sequence
         follow_up = torch.cat([first.sequences, random_tokens(3, seed=27)[None]], dim=1)
         second = _paged(llama64, cache, follow_up, do_sample=False, max_new_tokens=4)
@@ -541,7 +541,7 @@ def test_cache_refuses_a_call_while_another_thread_holds_it(llama64: Any, store:
         try:
             assert pause.reached.wait(timeout=30)
             with pytest.raises(CacheMisuseError):
-                llama64.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+                llama64.generate(ids, **cache_kw(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
         finally:
             pause.release.set()
             worker.join()

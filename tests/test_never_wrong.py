@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_no_leak, compare, max_logit_diff, random_tokens, stock_twin
+from conftest import assert_no_leak, cache_kw, compare, max_logit_diff, random_tokens, returned_cache, stock_twin
 from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
 from prefixkv import CacheMisuseError, PersistError
+from prefixkv._compat import GENERATE_CACHE_KWARG
 
 TOL = 1e-6
 SYSTEM = random_tokens(40, seed=900)
@@ -41,7 +42,7 @@ def _stock(model: Any, ids: torch.Tensor, **kwargs: Any) -> Any:
     kwargs.setdefault("max_new_tokens", 6)
     kwargs.setdefault("do_sample", False)
     return stock_twin(model).generate(
-        ids, output_logits=True, return_dict_in_generate=True, pad_token_id=0, cache=DynamicCache(), **kwargs
+        ids, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **cache_kw(DynamicCache()), **kwargs
     )
 
 
@@ -70,7 +71,7 @@ def test_pool_grown_in_one_mode_is_written_in_the_other(model: Any, first: str, 
     long_ids = random_tokens(122, seed=3)[None]
     with MODES[first]():
         cache = prefixkv.PagedPrefixCache(store, long_ids)
-        model.generate(long_ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(long_ids, **cache_kw(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
         cache.close()
     mid_block = torch.cat([long_ids[0, :50], random_tokens(7, seed=4)])[None]  # 50 % 4 != 0: copy-on-write
     with MODES[then]():
@@ -78,7 +79,7 @@ def test_pool_grown_in_one_mode_is_written_in_the_other(model: Any, first: str, 
         assert cache.stats.cached_tokens == 50
         out = model.generate(
             mid_block,
-            cache=cache,
+            **cache_kw(cache),
             max_new_tokens=4,
             do_sample=False,
             pad_token_id=0,
@@ -120,7 +121,7 @@ def test_fidelity_in_every_mode_and_release(model: Any, mode: str, release: str,
                 torch.manual_seed(0)
                 cache = prefixkv.PagedPrefixCache(store, ids, mask)
                 run = dict(
-                    cache=cache,
+                    **cache_kw(cache),
                     attention_mask=mask,
                     max_new_tokens=6,
                     pad_token_id=0,
@@ -157,7 +158,7 @@ def test_del_in_a_loop_under_a_budget_never_runs_out(model: Any) -> None:
         for seed in range(12):
             ids = random_tokens(40, seed=100 + seed)[None]
             cache = prefixkv.PagedPrefixCache(store, ids)
-            model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            model.generate(ids, **cache_kw(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
         del cache
         store.check_invariants()
     finally:
@@ -170,7 +171,7 @@ def test_capacity_error_collects_garbage_first(model: Any) -> None:
     store = prefixkv.PrefixStore(model, block_size=4, num_blocks=14)
     ids = random_tokens(40, seed=7)[None]
     cache = prefixkv.PagedPrefixCache(store, ids)
-    model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.generate(ids, **cache_kw(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
     holder: dict[str, Any] = {"cache": cache}
     holder["self"] = holder  # a cycle: only the cyclic collector frees it
     gc.disable()
@@ -201,7 +202,7 @@ def test_close_from_another_thread_mid_forward_defers_the_release(model: Any) ->
 
     def run() -> None:
         try:
-            model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            model.generate(ids, **cache_kw(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
         except BaseException as e:
             errors.append(e)
 
@@ -249,7 +250,7 @@ def test_use_cache_false_publishes_nothing(model: Any, how: str) -> None:
         with pytest.warns(UserWarning, match="use_cache=False"), prefixkv.PagedPrefixCache(store, ids) as cache:
             out = model.generate(
                 ids,
-                cache=cache,
+                **cache_kw(cache),
                 max_new_tokens=6,
                 do_sample=False,
                 pad_token_id=0,
@@ -301,7 +302,7 @@ def test_soft_prompt_on_a_cache_built_from_ids(model: Any) -> None:
         out = model.generate(
             input_ids=ids,
             inputs_embeds=soft,
-            cache=cache,
+            **cache_kw(cache),
             max_new_tokens=6,
             do_sample=False,
             pad_token_id=0,
@@ -334,7 +335,7 @@ def test_mask_with_holes_on_a_cache_built_from_ids_alone(model: Any) -> None:
         out = model.generate(
             ids,
             attention_mask=mask,
-            cache=cache,
+            **cache_kw(cache),
             max_new_tokens=6,
             do_sample=False,
             pad_token_id=0,
@@ -358,7 +359,7 @@ def test_direct_forward_with_another_mask_than_the_reuse_raises(model: Any) -> N
     held = cache.get_seq_length()
     mask = _holes(ids, [3])
     with pytest.raises(CacheMisuseError, match="attention mask of this forward is not the one"):
-        model(input_ids=ids[:, held:], attention_mask=mask, cache=cache)
+        model(input_ids=ids[:, held:], attention_mask=mask, **cache_kw(cache))
     cache.close()
     reuse_is_exact(model, store, ids)
     assert_no_leak(store)
@@ -394,7 +395,7 @@ def test_pad_token_inside_chat_prompts(model: Any, how: str) -> None:
                 outs.append(
                     model.generate(
                         t,
-                        cache=cache,
+                        **cache_kw(cache),
                         max_new_tokens=8,
                         do_sample=False,
                         output_logits=True,
@@ -441,7 +442,14 @@ def test_enabled_right_padding_and_holes_match_stock(model: Any, mask_rows: list
 
 # -- adapters and position encodings --------------------------------------------------------------------------
 
+# PEFT's own warnings: the adapter names these tests choose, and its call of transformers' is_gradient_checkpointing
+PEFT_WARNINGS = pytest.mark.filterwarnings(
+    "ignore:Adapter name .* should not be contained in the prefix:UserWarning",
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning",
+)
 
+
+@PEFT_WARNINGS
 def test_peft_adapters_are_namespaces(model: Any) -> None:
     """Issue 11.8: K/V computed with an adapter are never served without it, or with another."""
     peft = pytest.importorskip("peft")
@@ -460,7 +468,7 @@ def test_peft_adapters_are_namespaces(model: Any) -> None:
             pad_token_id=0,
             output_logits=True,
             return_dict_in_generate=True,
-            past_key_values=DynamicCache(),
+            **cache_kw(DynamicCache()),
         )
         with prefixkv.PagedPrefixCache(store, ids) as cache:
             out = wrapped.generate(
@@ -470,7 +478,7 @@ def test_peft_adapters_are_namespaces(model: Any) -> None:
                 pad_token_id=0,
                 output_logits=True,
                 return_dict_in_generate=True,
-                past_key_values=cache,
+                **cache_kw(cache),
             )
         assert max_logit_diff(out.logits, ref.logits) <= TOL
         assert (cache.stats.cached_tokens > 0) == reused
@@ -488,6 +496,7 @@ def test_peft_adapters_are_namespaces(model: Any) -> None:
     assert_no_leak(store)
 
 
+@PEFT_WARNINGS
 def test_peft_enable(model: Any) -> None:
     peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(
@@ -549,7 +558,7 @@ def test_a_model_that_replaces_the_cache_is_detected(model: Any) -> None:
 
     def replacing(self: Any, *args: Any, **kwargs: Any) -> Any:
         inputs = original(self, *args, **kwargs)
-        inputs["cache"] = None  # what Phi-3 does for long inputs with rope scaling
+        inputs[GENERATE_CACHE_KWARG] = None  # what Phi-3 does for long inputs with rope scaling
         return inputs
 
     model.__class__ = type("Replacing", (type(model),), {"prepare_inputs_for_generation": replacing})
@@ -559,7 +568,7 @@ def test_a_model_that_replaces_the_cache_is_detected(model: Any) -> None:
         pytest.raises(CacheMisuseError, match="replaced the PagedPrefixCache"),
         prefixkv.PagedPrefixCache(store, ids) as cache,
     ):
-        model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(ids, **cache_kw(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert_no_leak(store)
 
 
@@ -624,13 +633,13 @@ def test_continue_from_the_returned_cache_and_deepcopy(model: Any) -> None:
     (transformers' prefix-reuse recipe) shares its blocks."""
     ids = _prompt(95)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    ref = model.generate(ids, cache=DynamicCache(), **kw)
+    ref = model.generate(ids, **cache_kw(DynamicCache()), **kw)
     follow = torch.cat([ref.sequences, random_tokens(4, seed=96)[None]], dim=1)
-    ref2 = model.generate(follow, cache=ref.past_key_values, **kw)
+    ref2 = model.generate(follow, **cache_kw(returned_cache(ref)), **kw)
     store = prefixkv.PrefixStore(model, block_size=4)
     prefixkv.enable(model, store)
     out = model.generate(ids, **kw)
-    out2 = model.generate(follow, past_key_values=out.past_key_values, **kw)
+    out2 = model.generate(follow, **cache_kw(returned_cache(out)), **kw)
     assert max_logit_diff(out2.logits, ref2.logits) <= TOL
     prefixkv.disable(model)
     del out, out2
@@ -640,13 +649,13 @@ def test_continue_from_the_returned_cache_and_deepcopy(model: Any) -> None:
     stock_prompt = DynamicCache()
     twin = stock_twin(model)
     with torch.no_grad():
-        model(input_ids=ids, cache=prompt_cache)
-        twin(input_ids=ids, cache=stock_prompt)
+        model(input_ids=ids, **cache_kw(prompt_cache))
+        twin(input_ids=ids, **cache_kw(stock_prompt))
     for seed in (97, 98):
         longer = torch.cat([ids, random_tokens(5, seed=seed)[None]], dim=1)
-        ref3 = twin.generate(longer, cache=copy.deepcopy(stock_prompt), **kw)
+        ref3 = twin.generate(longer, **cache_kw(copy.deepcopy(stock_prompt)), **kw)
         copied = copy.deepcopy(prompt_cache)
-        out3 = model.generate(longer, cache=copied, **kw)
+        out3 = model.generate(longer, **cache_kw(copied), **kw)
         assert max_logit_diff(out3.logits, ref3.logits) <= TOL
         copied.close()
     prompt_cache.close()
@@ -754,7 +763,7 @@ def test_positional_forward_arguments_are_seen(model: Any) -> None:
     ids = _prompt(111)
     shifted = torch.arange(ids.shape[1])[None] + 7
     with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
-        model(ids, None, shifted, cache=cache)
+        model(ids, None, shifted, **cache_kw(cache))
     with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
         out = model(ids, None, None, cache)
         ref = stock_twin(model)(ids, None, None, DynamicCache(config=model.config))
@@ -771,7 +780,7 @@ def test_generate_with_position_ids_of_its_own(model: Any) -> None:
     ref = _stock(model, ids, position_ids=shifted)
     with pytest.warns(UserWarning, match="position_ids"), prefixkv.PagedPrefixCache(store, ids) as cache:
         torch.manual_seed(0)
-        out = model.generate(ids, position_ids=shifted, cache=cache, **RUN_KW)
+        out = model.generate(ids, position_ids=shifted, **cache_kw(cache), **RUN_KW)
     assert cache.stats.cached_tokens == 0 and max_logit_diff(out.logits, ref.logits) <= TOL
     reuse_is_exact(model, store, ids)
     assert_no_leak(store)
@@ -823,12 +832,12 @@ def test_token_type_ids_are_never_published_under_the_ids(how: str) -> None:
     types = torch.full_like(ids, 7)
     if how == "forward":
         with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
-            model(input_ids=ids, token_type_ids=types, cache=cache)
+            model(input_ids=ids, token_type_ids=types, **cache_kw(cache))
     else:
         reuse_is_exact(model, store, ids, reused=False)
         ref = _stock(model, ids, token_type_ids=types)
         with pytest.warns(UserWarning, match="token_type_ids"), prefixkv.PagedPrefixCache(store, ids) as cache:
-            out = model.generate(ids, token_type_ids=types, cache=cache, **RUN_KW)
+            out = model.generate(ids, token_type_ids=types, **cache_kw(cache), **RUN_KW)
         assert max_logit_diff(out.logits, ref.logits) <= TOL
     reuse_is_exact(model, store, ids, reused=how == "generate")
     reuse_is_exact(model, store, ids)
@@ -842,7 +851,7 @@ def test_training_mode_publishes_nothing() -> None:
     ids = torch.arange(10, 30)[None]
     model.train()
     with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
-        model(input_ids=ids, cache=cache)
+        model(input_ids=ids, **cache_kw(cache))
     model.eval()
     reuse_is_exact(model, store, ids, reused=False)
     reuse_is_exact(model, store, ids)

@@ -7,22 +7,26 @@ comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
-- transformers 5.14 calls ``crop`` of an assistant model's cache with the length to keep (since 5.15, every
-  caller passes the negative number of columns to drop): :func:`adapt_cache` gives the cache both faces.
+- transformers 5.4-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
+  number of columns to drop), and 5.4-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
+  ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
+- transformers 5.4-5.13 start assisted and prompt-lookup decoding without calling the cache's
+  ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
+  columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
+  5.14 and later do themselves (:func:`_recording_past`).
 
-Older releases are refused. transformers 5.3-5.13 differ in three more places that a shim would cover (``crop``
-with a length everywhere, ``get_max_cache_shape`` for ``get_max_length``, ``get_mask_sizes`` given
-``cache_position`` before 5.4), but their assisted and prompt-lookup decoding re-feeds the prompt without calling
-``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that a forward repeats columns it holds;
-5.0-5.2 slice every step's inputs by ``cache_position`` instead of asking for ``next_sequence_length``, the
-protocol by which a cache tells ``generate`` how many prompt columns it holds; 4.x differ in the cache-layer and
-mask interfaces as well.
+Older releases are refused. 5.4-5.12 run prefixkv's tests once the cache-layer class is decorated with
+:func:`adapt_cache` too (it is not yet, so their abstract ``get_max_cache_shape`` stops it); 5.0-5.3 give a
+layer's ``get_mask_sizes`` the step's ``cache_position`` instead of its query length, and 5.0-5.2 slice every
+step's inputs by ``cache_position`` instead of asking for ``next_sequence_length``, the protocol by which a cache
+tells ``generate`` how many prompt columns it holds; 4.x differ in the cache-layer and mask interfaces as well.
 
 docs/getting-started.md lists the supported range; README.md says which releases CI tests.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 import re
@@ -33,10 +37,11 @@ import torch
 import transformers
 
 # the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
-# transformers runs on (5.14-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel for its
-# log-sum-exp, with a mask and with fewer K/V heads than query heads; that older releases' kernel takes both is not
+# transformers runs on (5.13-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel
+# (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
+# its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
 # verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
-TRANSFORMERS_RANGE = ((5, 14), (6, 0))
+TRANSFORMERS_RANGE = ((5, 13), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
 
@@ -81,31 +86,56 @@ def check_versions() -> None:
 check_versions()
 
 # imported after the check: older releases lack some of these names, and the check's message says more
-from transformers.cache_utils import DynamicLayer  # noqa: E402
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer  # noqa: E402
 from transformers.generation import utils as _generation  # noqa: E402
 
 GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "past_key_values"
 """The keyword by which the installed transformers' ``generate`` prefers to take a cache."""
 
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
+_ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
 
 _C = TypeVar("_C", bound=type)
 
 
 def adapt_cache(cls: _C) -> _C:
-    """Give a cache class written for the newest transformers the methods the installed one calls (a class
-    decorator); on the newest transformers it is returned unchanged. Mutates ``cls``."""
-    if _CROP_TAKES_LENGTH:
-        own = vars(cls)["crop"]
-        setattr(cls, "crop", functools.wraps(own)(_crop_to_length(own)))  # noqa: B010
+    """Give a cache or cache-layer class written for the newest transformers the methods the installed one calls
+    (a class decorator): ``crop`` that also takes a length to keep, and ``get_max_cache_shape`` for its
+    ``get_max_length``. On the newest transformers it is returned unchanged. Mutates ``cls``."""
+    own = vars(cls)
+    if _CROP_TAKES_LENGTH and "crop" in own:
+        setattr(cls, "crop", functools.wraps(own["crop"])(_crop_to_length(own["crop"])))  # noqa: B010
+    if _ASKS_MAX_CACHE_SHAPE and "get_max_length" in own:
+        setattr(cls, "get_max_cache_shape", own["get_max_length"])  # noqa: B010
+        abc.update_abstractmethods(cls)  # an abstract method of these releases' CacheLayerMixin until now
     return cls
 
 
 def _crop_to_length(own: Callable[..., Any]) -> Callable[..., Any]:
-    """``crop`` as transformers 5.14 calls it: with the length to keep, or (negative) the number of columns
+    """``crop`` as transformers 5.4-5.14 call it: with the length to keep, or (negative) the number of columns
     to drop; a length past the end keeps everything."""
 
     def crop(self: Any, max_length: int) -> Any:
         return own(self, max_length if max_length < 0 else min(0, max_length - self.get_seq_length()))
 
     return crop
+
+
+def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._assisted_decoding`` that first calls ``activate_past_recording`` of a cache that has
+    one, as transformers does itself from 5.14 (stock caches of older releases have none, so they run as
+    before)."""
+
+    @functools.wraps(assisted_decoding)
+    def assisted(self: Any, *args: Any, **model_kwargs: Any) -> Any:
+        record = getattr(model_kwargs.get("past_key_values"), "activate_past_recording", None)
+        if record is not None:
+            record()
+        return assisted_decoding(self, *args, **model_kwargs)
+
+    return assisted
+
+
+_mixin = _generation.GenerationMixin
+if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
+    _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
