@@ -84,12 +84,12 @@ def test_evicted_prefixes_come_back_from_the_tier_exactly(llama64: Any, kind: st
     with PrefixStore(llama64, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
         first, *_ = _fill(llama64, store, range(3))  # 11 blocks each: the first two calls' prefixes are evicted
         assert store.stats.evictions > 0 and store.stats.offload is not None and store.stats.offload.blocks >= 11
-        assert store._trie.match(first[0].tolist()).length < 36
+        assert store.blocks._trie.match(first[0].tolist()).length < 36
         again = compare(llama64, store, first, do_sample=False)
         assert again.same_tokens and again.max_diff <= 1e-6
         assert again.cache.stats.cached_tokens == 36  # the prompt's 9 whole blocks, from the tier
         o = store.stats.offload
-        assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store._trie.match([]).length
+        assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store.blocks._trie.match([]).length
         assert f"{kind} tier" in prefixkv.display.store_html(store)
 
 
@@ -215,8 +215,8 @@ def test_kv_offloaded_under_one_adapter_never_come_back_under_another(
     with PrefixStore(wrapped, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
         with _under(wrapped, first):
             assert compare(wrapped, store, ids, do_sample=False).max_diff <= 1e-6
-        with store._lock:
-            store._ensure_free(16)  # every cached block evicted into the tier
+        with store.blocks.lock:
+            store.blocks.room.ensure_free(16)  # every cached block evicted into the tier
         o = store.stats.offload
         assert store.stats.blocks_used == 0 and o is not None and o.blocks >= 10
         with _under(wrapped, then):
