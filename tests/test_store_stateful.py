@@ -397,6 +397,8 @@ class StoreMachine(RuleBasedStateMachine):
         after = self.store.stats
         assert freed == before.blocks_evictable == before.blocks_used - after.blocks_used
         assert after.blocks_evictable == 0
+        if self.store.tier is not None:
+            assert len(self.store.tier) == 0, "clear() left blocks in the second tier"
         self.recent.clear()
 
     # -- checks after every step -----------------------------------------------------------------
@@ -449,7 +451,8 @@ def whole(n: int) -> int:
 class TieredStoreMachine(StoreMachine):
     """The same moves over a pool with an unbounded second tier in host memory, plus the tier's own moves:
     everything evicted at once into the tier, and lookups that must bring back every whole block ever
-    published since the last ``clear()`` (which drops the pool's prefixes without offloading them)."""
+    published since the last ``clear()`` (which drops the pool's prefixes without offloading them, and empties
+    the tier)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -507,11 +507,15 @@ class Room:
             return sum(1 for b, n in unlocked.items() if rc(b) == n)
 
     def clear(self) -> int:
-        """Drop every cached prefix that is neither pinned nor read by a live cache. Returns the number of pool
-        blocks freed. Mutates."""
+        """Drop every cached prefix that is neither pinned nor read by a live cache, and every block of the second
+        tier (its files too): a later request recomputes what they held. Returns the number of pool blocks
+        freed. Mutates."""
         bm = self._blocks
         with bm.lock:
-            return bm._allocator.decref(bm._trie.clear())
+            freed = bm._allocator.decref(bm._trie.clear())
+            if bm.tier is not None:
+                bm.tier.clear()
+            return freed
 
     def export(self, wanted: list[list[int]] | None, space: Hashable) -> Export:
         """What a saved file holds (:func:`prefixkv.persist.write`): the nodes of the cached prefixes in namespace

@@ -326,9 +326,11 @@ class PrefixStore:
         self.blocks.pins.remove(_as_token_list(ids), self.blocks.space())
 
     def clear(self) -> int:
-        """Drop every cached prefix that is neither pinned nor read by a live cache. Mutates.
+        """Drop every cached prefix that is neither pinned nor read by a live cache, and everything the second
+        tier holds (``offload=``: its blocks in host memory, or its files): a later request recomputes them.
+        Mutates.
 
-        Returns the number of blocks freed.
+        Returns the number of pool blocks freed.
         """
         return self.blocks.room.clear()
 
