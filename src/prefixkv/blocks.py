@@ -375,11 +375,12 @@ class BlockManager:
 
     def insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
         """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
-        one insert of the store (publishing, restoring from the second tier, loading). Call it under the lock.
-        Mutates the trie and refcounts."""
-        ins = self._trie.insert(tokens, table, space, **where)
-        self._allocator.incref(ins.added)
-        return ins.node
+        one insert of the store (publishing, restoring from the second tier, loading). Mutates the trie and
+        refcounts."""
+        with self.lock:
+            ins = self._trie.insert(tokens, table, space, **where)
+            self._allocator.incref(ins.added)
+            return ins.node
 
     def refcount(self, block: int) -> int:
         """How many holders ``block`` has (the trie's occurrences and claims). Does not mutate."""

@@ -129,7 +129,8 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
 
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
-    cached prefixes, eviction and statistics. One per model.
+    cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
+    (:class:`prefixkv.blocks.BlockManager`), which caches use; a user needs only the methods here.
 
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
