@@ -118,7 +118,7 @@ def store(llama64: Any, new_store: Any) -> Iterator[PrefixStore]:
     first = compare(llama64, s, _prompt(seed=100, n=4))  # 36 prompt + 7 fed generated tokens: 10 blocks cached
     if s.tier is not None:
         _offload_all(s)
-        s._lookup([first.out.sequences[0].tolist()])  # brings the 10 blocks back from the tier
+        s.blocks.lookup([first.out.sequences[0].tolist()])  # brings the 10 blocks back from the tier
         assert s.stats.blocks_used == 10 and s.stats.offload is not None and s.stats.offload.restored == 10
     yield s
     s.check_invariants()
