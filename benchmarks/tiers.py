@@ -29,8 +29,7 @@ BS = 16
 def _offload_all(store: prefixkv.PrefixStore) -> None:
     """Evict every cached prefix into the store's second tier."""
     assert store.max_blocks is not None
-    with store._lock:
-        store._ensure_free(store.max_blocks)
+    store.blocks.room.ensure_free(store.max_blocks)
 
 
 def measure(model: Any, p: int, repeat: int, directory: str) -> dict[str, float]:

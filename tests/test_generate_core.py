@@ -74,7 +74,7 @@ def test_partial_block_is_copied_not_shared(model: object) -> None:
         assert cache.stats.cached_tokens == 13
         assert store.stats.blocks_used == used_before + 1
         shared, copied = cache._rows[0].table
-        assert store._refcount(shared) == 2 and store._refcount(copied) == 1
+        assert store.blocks.refcount(shared) == 2 and store.blocks.refcount(copied) == 1
     comparison = compare(model, store, other)
     assert comparison.same_tokens and comparison.max_diff <= TOL
     store.close()
@@ -186,8 +186,8 @@ def test_the_last_sharer_of_a_part_block_writes_in_place(model: object) -> None:
     compare(model, store, first[None], max_new_tokens=1)
     prompt = torch.cat([first[:10], random_tokens(2, seed=19)])[None]
     copies: list[int] = []
-    original = store._copy_prefix
-    store._copy_prefix = lambda src, n: copies.append(src) or original(src, n)  # type: ignore[method-assign]
+    original = store.blocks.room.copy_prefix
+    store.blocks.room.copy_prefix = lambda src, n: copies.append(src) or original(src, n)  # type: ignore[method-assign]
     result = compare(model, store, prompt, max_new_tokens=2, do_sample=True, num_return_sequences=3)
     assert result.same_tokens and result.max_diff <= TOL
     # 10 tokens reused: the 2 of the third block are copied at construction (1 copy); the 3 sequences then

@@ -101,8 +101,8 @@ def new_store(llama64: Any, kind: str, tmp_path: Any) -> Iterator[Any]:
 def _offload_all(store: PrefixStore) -> None:
     """Evict every cached prefix of a tiered store into its second tier (no-op for other kinds)."""
     if store.tier is not None:
-        with store._lock:
-            store._ensure_free(POOL)
+        with store.blocks.lock:
+            store.blocks.room.ensure_free(POOL)
         assert store.stats.blocks_used == 0 and store.stats.offload is not None and store.stats.offload.blocks
 
 
@@ -118,7 +118,7 @@ def store(llama64: Any, new_store: Any) -> Iterator[PrefixStore]:
     first = compare(llama64, s, _prompt(seed=100, n=4))  # 36 prompt + 7 fed generated tokens: 10 blocks cached
     if s.tier is not None:
         _offload_all(s)
-        s._lookup([first.out.sequences[0].tolist()])  # brings the 10 blocks back from the tier
+        s.blocks.lookup([first.out.sequences[0].tolist()])  # brings the 10 blocks back from the tier
         assert s.stats.blocks_used == 10 and s.stats.offload is not None and s.stats.offload.restored == 10
     yield s
     s.check_invariants()
@@ -239,7 +239,7 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
         assert cache.stats.cached_tokens == 34
         shared = cache._rows[0].table[:8]
         assert all(row.table[:8] == shared for row in cache._rows)
-        assert all(store._refcount(b) == 1 + 3 for b in shared)  # the trie and the 3 sequences
+        assert all(store.blocks.refcount(b) == 1 + 3 for b in shared)  # the trie and the 3 sequences
         # each sequence wrote into the shared part-block (copy-on-write), then published it whole with the same
         # keys: all three read the first one's copy and gave theirs back
         assert len({row.table[8] for row in cache._rows}) == 1
@@ -268,7 +268,7 @@ def test_beam_search_shares_blocks_through_reorder(
         if torch.equal(out.sequences, ref.sequences):
             assert torch.allclose(out.sequences_scores, ref.sequences_scores, atol=tol.logits, rtol=0)
         assert cache.stats.cached_tokens == 32
-        assert all(store._refcount(b) == 1 + 3 for b in cache._rows[0].table[:8])
+        assert all(store.blocks.refcount(b) == 1 + 3 for b in cache._rows[0].table[:8])
     # each beam holds at most its 3 blocks past the shared prefix (37 + 7 tokens = 11 blocks);
     # reorder shares the beams' common blocks, so the pool never holds a prefix copy per beam
     assert max(probe.blocks_used) <= before + 3 * 3

@@ -25,7 +25,7 @@ def pool_bytes(store: prefixkv.PrefixStore) -> int:
 
 def cached(store: prefixkv.PrefixStore, ids: torch.Tensor) -> int:
     """How many leading tokens of ``ids`` the store holds now. Does not mutate."""
-    return store._trie.match(ids.tolist()).length
+    return store.blocks._trie.match(ids.tolist()).length
 
 
 # -- footprint -----------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_eviction_takes_the_least_recently_used_leaf(llama64: Any) -> None:
     a, b, c = (random_tokens(8, seed=s) for s in (1, 2, 3))
     for ids in (a, b, c):
         fill(llama64, store, ids)
-    store._lookup([a.tolist()])  # a is now more recent than b and c
+    store.blocks.lookup([a.tolist()])  # a is now more recent than b and c
     fill(llama64, store, random_tokens(4, seed=4))  # needs 1 block: b goes (2 blocks)
     assert (cached(store, a), cached(store, b), cached(store, c)) == (8, 0, 8)
     assert store.stats.evictions == 1
@@ -100,7 +100,7 @@ def test_a_parent_is_evicted_only_once_it_is_a_leaf(llama64: Any) -> None:
     x, y = (torch.cat([shared, random_tokens(4, seed=s)]) for s in (7, 8))
     fill(llama64, store, x)
     fill(llama64, store, y)  # trie: shared (2 blocks) -> x (1), y (1); 4 blocks used
-    store._lookup([shared.tolist()])  # the parent is the most recently used node...
+    store.blocks.lookup([shared.tolist()])  # the parent is the most recently used node...
     fill(llama64, store, random_tokens(16, seed=9))  # ...yet the two older leaves go first
     assert cached(store, shared) == 8 and cached(store, x) == cached(store, y) == 8
     assert store.stats.evictions == 2
@@ -130,8 +130,8 @@ def test_stale_heap_entries_do_not_pile_up(llama64: Any) -> None:
     for ids in prompts:
         fill(llama64, store, ids)
     for _ in range(2000):  # every lookup touches a leaf and leaves a stale heap entry behind
-        store._lookup([prompts[0].tolist()])
-    assert len(store._trie._heap) <= 2 * store.stats.nodes + 65
+        store.blocks.lookup([prompts[0].tolist()])
+    assert len(store.blocks._trie._heap) <= 2 * store.stats.nodes + 65
     store.close()
 
 
@@ -248,7 +248,7 @@ def test_many_random_requests_through_a_small_pool(llama64: Any) -> None:
         assert store.pool.capacity <= 37
     s = store.stats
     assert s.evictions > 20 and s.hit_tokens == reused and s.hit_rate > 0.5
-    assert len(store._trie._heap) <= 2 * s.nodes + 65
+    assert len(store.blocks._trie._heap) <= 2 * s.nodes + 65
     assert cached(store, system) == len(system)
     assert_no_leak(store, pinned=4)
     store.close()

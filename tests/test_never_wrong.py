@@ -212,7 +212,7 @@ def test_close_from_another_thread_mid_forward_defers_the_release(model: Any) ->
         assert inside.wait(10)
         held = list(cache._held_blocks())
         cache.close()  # returns at once; the blocks stay with the running forward
-        assert all(store._refcount(b) > 0 for b in held)
+        assert all(store.blocks.refcount(b) > 0 for b in held)
         store.check_invariants()
     finally:
         resume.set()

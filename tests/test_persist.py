@@ -59,7 +59,7 @@ def edited(path: Path, tmp_path: Path, edit: Any) -> Path:
 def snapshot(store: prefixkv.PrefixStore) -> tuple[Any, ...]:
     """What a refused merge must leave as it was: counters, trie contents, the pool's bytes."""
     store.check_invariants()
-    paths = sorted((n.start, tuple(n.tokens), tuple(n.blocks)) for n in store._trie.nodes())
+    paths = sorted((n.start, tuple(n.tokens), tuple(n.blocks)) for n in store.blocks._trie.nodes())
     return store.stats, paths, [k.clone() for k in store.pool.keys]
 
 

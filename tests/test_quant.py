@@ -274,7 +274,7 @@ def test_a_quantized_file_loads_into_a_quantized_store_with_the_same_codes(llama
     store, ids = _saved(llama64, tmp_path / "q.safetensors", "int8")
     loaded = PrefixStore.load(tmp_path / "q.safetensors", llama64)
     assert loaded.kv_dtype == "int8" and loaded.stats.cached_tokens == store.stats.cached_tokens
-    mine, theirs = store._trie.match(ids[0].tolist()), loaded._trie.match(ids[0].tolist())
+    mine, theirs = store.blocks._trie.match(ids[0].tolist()), loaded.blocks._trie.match(ids[0].tolist())
     a, b = store.pool.read_blocks(mine.blocks), loaded.pool.read_blocks(theirs.blocks)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert compare(llama64, loaded, ids, do_sample=False).cache.stats.cached_tokens == 20

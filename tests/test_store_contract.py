@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import prefixkv
-from prefixkv.store import Claim, PrefixStore
+from prefixkv.blocks import Claim
+from prefixkv.store import PrefixStore
 
 PROMPT = list(range(3, 13))  # 10 tokens: two whole blocks of 4 and half of a third
 
@@ -31,8 +32,8 @@ def state(store: PrefixStore, claims: list[Claim]) -> tuple[object, ...]:
     return (
         [list(c.table) for c in claims],
         [c.node for c in claims],
-        [store._refcount(b) for b in blocks],
-        [n.lock for n in store._trie.nodes()],
+        [store.blocks.refcount(b) for b in blocks],
+        [n.lock for n in store.blocks._trie.nodes()],
     )
 
 
@@ -41,13 +42,13 @@ def take_six(lengths: list[int]) -> list[int]:
 
 
 def test_claim_shares_whole_blocks_and_copies_a_part_block(store: PrefixStore) -> None:
-    (claim,), reused = store.claim([PROMPT], None, take_six)
-    match = store._trie.match(PROMPT)
+    (claim,), reused = store.blocks.claim([PROMPT], None, take_six)
+    match = store.blocks._trie.match(PROMPT)
     assert reused == [6] and claim.node is None  # no node ends by the whole block it shares: its refcount holds it
     assert claim.table[0] == match.blocks[0] and claim.table[1] != match.blocks[1]  # block 1 copied: written next
-    assert store._refcount(claim.table[0]) == 2 and store._refcount(claim.table[1]) == 1
+    assert store.blocks.refcount(claim.table[0]) == 2 and store.blocks.refcount(claim.table[1]) == 1
     store.check_invariants()
-    store.release([claim])
+    store.blocks.release([claim])
     assert claim.table == [] and claim.node is None
     store.check_invariants()
 
@@ -56,15 +57,15 @@ def test_a_claim_that_raises_holds_nothing(store: PrefixStore, monkeypatch: pyte
     before = state(store, [])
     monkeypatch.setattr(store.pool, "copy_block", lambda *a: (_ for _ in ()).throw(Fault()))
     with pytest.raises(Fault):
-        store.claim([PROMPT, PROMPT], None, take_six)
+        store.blocks.claim([PROMPT, PROMPT], None, take_six)
     assert state(store, []) == before
     store.check_invariants()
 
 
 @pytest.mark.parametrize("fail_at", [1, 2])
 def test_extend_is_all_or_nothing(store: PrefixStore, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
-    (claim,), _ = store.claim([PROMPT], None, take_six)
-    claims = [claim, *store.fork([claim, claim])]  # three rows share the copied part-block
+    (claim,), _ = store.blocks.claim([PROMPT], None, take_six)
+    claims = [claim, *store.blocks.fork([claim, claim])]  # three rows share the copied part-block
     before = state(store, claims)
     calls = []
     original = store.pool.copy_block
@@ -77,30 +78,30 @@ def test_extend_is_all_or_nothing(store: PrefixStore, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(store.pool, "copy_block", copy_block)
     with pytest.raises(Fault):
-        store.extend(claims, [(6, 9)] * 3)
+        store.blocks.extend(claims, [(6, 9)] * 3)
     assert state(store, claims) == before
     store.check_invariants()
     monkeypatch.setattr(store.pool, "copy_block", original)
-    copied = store.extend(claims, [(6, 9)] * 3)
+    copied = store.blocks.extend(claims, [(6, 9)] * 3)
     # two rows copy the shared part-block, the third then holds it alone and writes in place
     assert copied == [0, 1] and len({c.table[1] for c in claims}) == 3
     assert all(len(c.table) == 3 for c in claims)
     store.check_invariants()
-    store.release(claims)
+    store.blocks.release(claims)
     store.check_invariants()
 
 
 def test_publish_continues_from_the_claims_node(store: PrefixStore) -> None:
-    (claim,), _ = store.claim([PROMPT], None, lambda lengths: [8])
-    store.extend([claim], [(8, 16)])
+    (claim,), _ = store.blocks.claim([PROMPT], None, lambda lengths: [8])
+    store.blocks.extend([claim], [(8, 16)])
     tokens = [*PROMPT[:8], *range(50, 58)]
-    store.publish(claim, tokens, known=8, end=16, space=None)
+    store.blocks.publish(claim, tokens, known=8, end=16, space=None)
     assert claim.node is not None and claim.node.end == 16 and claim.node.lock == 1
     assert store.cached_length(tokens) == 16
-    store.truncate([claim], [2])
+    store.blocks.truncate([claim], [2])
     assert len(claim.table) == 2
     store.check_invariants()
-    store.release([claim])
+    store.blocks.release([claim])
     store.check_invariants()
 
 
@@ -109,5 +110,5 @@ def test_the_layers_still_serve_generate(store: PrefixStore) -> None:
     with prefixkv.PagedPrefixCache(store, ids) as cache:
         store.hf_model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
         assert cache.stats.cached_tokens == 10
-        assert cache.block_tables()[0].blocks[:2] == tuple(store._trie.match(PROMPT).blocks[:2])
+        assert cache.block_tables()[0].blocks[:2] == tuple(store.blocks._trie.match(PROMPT).blocks[:2])
     store.check_invariants()

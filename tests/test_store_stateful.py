@@ -77,7 +77,7 @@ def assert_blocks_hold(store: prefixkv.PrefixStore, seq: list[int], blocks: list
     if n == 0:
         return
     slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-    want_k = torch.tensor(prefix_hashes(seq[:n], salt(store.space())), dtype=torch.float64)
+    want_k = torch.tensor(prefix_hashes(seq[:n], salt(store.blocks.space())), dtype=torch.float64)
     for layer, (k, v) in enumerate(zip(store.pool.keys, store.pool.values)):
         got_k = k.view(k.shape[0], -1, k.shape[3]).index_select(1, slots).transpose(0, 1)  # [n, kv_heads, head_dim]
         got_v = v.view(v.shape[0], -1, v.shape[3]).index_select(1, slots).transpose(0, 1)
@@ -91,7 +91,7 @@ def layer_inputs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The K and V each layer's ``update`` gets for ``q`` new columns after ``start``."""
     spec = cache.store.pool.specs[0]
-    h0 = salt(cache.store.space())
+    h0 = salt(cache.store.blocks.space())
     k = torch.tensor([prefix_hashes(r, h0)[start : start + q] for r in rows], dtype=torch.float64)  # [B, q]
     k = k[:, None, :, None].expand(-1, spec.kv_heads, -1, spec.head_dim)  # [B, H, q, D]
     pos = torch.arange(start, start + q, dtype=torch.float64)[None, None, :, None].expand_as(k)
@@ -273,7 +273,9 @@ class StoreMachine(RuleBasedStateMachine):
         bases = sorted(self.ever)
         base = list(data.draw(st.sampled_from(bases))) if bases and data.draw(st.booleans()) else []
         prompt = (base + tail)[:MAX_LEN]
-        target = {"copy_block": self.store.pool, "allocate": self.store._allocator}.get(where, self.store._trie)
+        target = {"copy_block": self.store.pool, "allocate": self.store.blocks._allocator}.get(
+            where, self.store.blocks._trie
+        )
         cache = None
         with inject(target, where, nth) as fault:
             try:
@@ -329,7 +331,7 @@ class StoreMachine(RuleBasedStateMachine):
         cache.close()
         if paused:  # else the forward had already failed (no room) and ended
             event("cancelled mid-forward")
-            assert all(self.store._refcount(b) > 0 for b in held), "close() freed blocks a running forward holds"
+            assert all(self.store.blocks.refcount(b) > 0 for b in held), "close() freed blocks a running forward holds"
             self.store.check_invariants()
         resume.set()
         thread.join(10)
@@ -348,7 +350,7 @@ class StoreMachine(RuleBasedStateMachine):
         query = data.draw(tokens)
         if self.ever and data.draw(st.booleans()):
             query = list(data.draw(st.sampled_from(sorted(self.ever)))) + query
-        (m,) = self.store._lookup([query], self.store.space())
+        (m,) = self.store.blocks.lookup([query], self.store.blocks.space())
         best = max((lcp(tuple(query), s) for s in self.ever), default=0)
         surely = max((lcp(tuple(query), s) for s in self.must_hold()), default=0)
         assert surely <= m.length <= best
@@ -381,12 +383,12 @@ class StoreMachine(RuleBasedStateMachine):
     def evict(self, n: int) -> None:
         """Make room for ``n`` blocks, as an allocation would."""
         try:
-            with self.store._lock:
-                self.store._ensure_free(n)
+            with self.store.blocks.lock:
+                self.store.blocks.room.ensure_free(n)
         except CapacityError as err:
             self.after_capacity_error(err)
             return
-        assert self.store._allocator.num_free >= n
+        assert self.store.blocks._allocator.num_free >= n
 
     @rule()
     def clear(self) -> None:
@@ -395,6 +397,8 @@ class StoreMachine(RuleBasedStateMachine):
         after = self.store.stats
         assert freed == before.blocks_evictable == before.blocks_used - after.blocks_used
         assert after.blocks_evictable == 0
+        if self.store.tier is not None:
+            assert len(self.store.tier) == 0, "clear() left blocks in the second tier"
         self.recent.clear()
 
     # -- checks after every step -----------------------------------------------------------------
@@ -411,9 +415,9 @@ class StoreMachine(RuleBasedStateMachine):
         assert store.pool.capacity <= BUDGET + 1
         assert s.blocks_used + s.blocks_free == BUDGET
         assert s.blocks_pinned <= BUDGET
-        assert len(store._trie._heap) <= 2 * s.nodes + 65
+        assert len(store.blocks._trie._heap) <= 2 * s.nodes + 65
         for seq in self.must_hold():
-            m = store._trie.match(seq, store.space())
+            m = store.blocks._trie.match(seq, store.blocks.space())
             assert m.length == len(seq), f"{seq} was dropped while it had to stay"
             assert_blocks_hold(store, list(seq), m.blocks, m.length)
         for live in self.live:
@@ -447,7 +451,8 @@ def whole(n: int) -> int:
 class TieredStoreMachine(StoreMachine):
     """The same moves over a pool with an unbounded second tier in host memory, plus the tier's own moves:
     everything evicted at once into the tier, and lookups that must bring back every whole block ever
-    published since the last ``clear()`` (which drops the pool's prefixes without offloading them)."""
+    published since the last ``clear()`` (which drops the pool's prefixes without offloading them, and empties
+    the tier)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -469,13 +474,13 @@ class TieredStoreMachine(StoreMachine):
     @rule()
     def offload_everything(self) -> None:
         """Evict every cached prefix: each one's whole blocks are then in the tier."""
-        with self.store._lock:
-            self.store._ensure_free(BUDGET)
+        with self.store.blocks.lock:
+            self.store.blocks.room.ensure_free(BUDGET)
         assert self.store.stats.blocks_used == 0
         tier = self.store.tier
         assert tier is not None
         for seq in self.kept:
-            keys = chunk_keys(list(seq), BLOCK, len(seq) // BLOCK, self.store.space())
+            keys = chunk_keys(list(seq), BLOCK, len(seq) // BLOCK, self.store.blocks.space())
             assert all(k in tier for k in keys), f"{seq} left no blocks"
         self.recent.clear()
 
@@ -489,7 +494,7 @@ class TieredStoreMachine(StoreMachine):
         tier = self.store.tier
         assert tier is not None
         restored = tier.stats.restored
-        (m,) = self.store._lookup([query], self.store.space())
+        (m,) = self.store.blocks.lookup([query], self.store.blocks.space())
         floor = max(whole(lcp(tuple(query), s)) for s in self.kept)
         assert min(floor, BUDGET * BLOCK) <= m.length <= max(lcp(tuple(query), s) for s in self.ever)
         assert_blocks_hold(self.store, query, m.blocks, m.length)
@@ -518,7 +523,7 @@ class DiskTierStoreMachine(StoreMachine):
 
 class AdapterTierStoreMachine(TieredStoreMachine):
     """The tiered moves under a namespace that switches, as a LoRA model's does when an adapter is set or
-    disabled (``store.space()``, which every lookup, publication and tier key takes): K written under one
+    disabled (``store.blocks.space()``, which every lookup, publication and tier key takes): K written under one
     namespace carry its :func:`salt`, and the reference keeps what was published per namespace, so a block
     published or offloaded under one adapter and served under another shows up as a wrong hash or a match
     longer than anything published under the active one."""
@@ -526,7 +531,7 @@ class AdapterTierStoreMachine(TieredStoreMachine):
     def __init__(self) -> None:
         super().__init__()
         self.adapter = ADAPTERS[0]
-        self.store.space = lambda: self.adapter  # type: ignore[method-assign]
+        self.store.blocks.space = lambda: self.adapter  # type: ignore[method-assign]
         self.elsewhere: dict[str, tuple[set[tuple[int, ...]], set[tuple[int, ...]]]] = {}  # adapter -> ever, kept
 
     @precondition(lambda self: not self.live and not self.pins)

@@ -84,13 +84,35 @@ def test_evicted_prefixes_come_back_from_the_tier_exactly(llama64: Any, kind: st
     with PrefixStore(llama64, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
         first, *_ = _fill(llama64, store, range(3))  # 11 blocks each: the first two calls' prefixes are evicted
         assert store.stats.evictions > 0 and store.stats.offload is not None and store.stats.offload.blocks >= 11
-        assert store._trie.match(first[0].tolist()).length < 36
+        assert store.blocks._trie.match(first[0].tolist()).length < 36
         again = compare(llama64, store, first, do_sample=False)
         assert again.same_tokens and again.max_diff <= 1e-6
         assert again.cache.stats.cached_tokens == 36  # the prompt's 9 whole blocks, from the tier
         o = store.stats.offload
-        assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store._trie.match([]).length
+        assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store.blocks._trie.match([]).length
         assert f"{kind} tier" in prefixkv.display.store_html(store)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_clear_empties_the_tier_too(llama64: Any, kind: str, tmp_path: Path) -> None:
+    """``store.clear()`` drops what the second tier holds, not only the pool's prefixes: a later request for a
+    prompt whose blocks were offloaded restores nothing, computes its whole prompt and gets stock's logits, and
+    the ordinary request after it reuses what that one published, with stock's logits too."""
+    directory = tmp_path if kind == "disk" else None
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
+        first, *_ = _fill(llama64, store, range(3))  # the first prompt's 9 whole blocks are evicted into the tier
+        o = store.stats.offload
+        assert o is not None and o.blocks >= 9 and store.blocks._trie.match(first[0].tolist()).length < 36
+        store.clear()
+        o = store.stats.offload
+        assert o is not None and o.blocks == 0 and o.bytes == 0 and store.stats.blocks_used == 0
+        assert directory is None or list(directory.iterdir()) == []  # the files go too
+        again = compare(llama64, store, first, do_sample=False)
+        assert again.cache.stats.cached_tokens == 0 and again.max_diff <= 1e-6 and again.same_tokens
+        o = store.stats.offload
+        assert o is not None and o.restored == 0
+        later = compare(llama64, store, first, do_sample=False)
+        assert later.cache.stats.cached_tokens == 36 and later.max_diff <= 1e-6 and later.same_tokens
 
 
 def test_the_tier_keeps_its_budget_and_drops_least_recently_used(llama64: Any) -> None:
@@ -215,8 +237,8 @@ def test_kv_offloaded_under_one_adapter_never_come_back_under_another(
     with PrefixStore(wrapped, block_size=BS, num_blocks=16, offload=kind, offload_dir=directory) as store:
         with _under(wrapped, first):
             assert compare(wrapped, store, ids, do_sample=False).max_diff <= 1e-6
-        with store._lock:
-            store._ensure_free(16)  # every cached block evicted into the tier
+        with store.blocks.lock:
+            store.blocks.room.ensure_free(16)  # every cached block evicted into the tier
         o = store.stats.offload
         assert store.stats.blocks_used == 0 and o is not None and o.blocks >= 10
         with _under(wrapped, then):

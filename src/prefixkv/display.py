@@ -1,7 +1,7 @@
 """What a store and a cache look like in Jupyter (``_repr_html_``) and as text: block usage as a bar,
 hit rate, memory, the most shared cached prefixes, the trie as a tree and each row's block table.
 
-Everything here only reads, from public snapshots (:meth:`PrefixStore.prefix_view`,
+Everything here only reads, from public snapshots (:meth:`BlockManager.prefix_view` of ``store.blocks``,
 :meth:`PagedPrefixCache.block_tables`) and counters; it mutates nothing and imports neither the store nor the
 cache, which sit above it (they render themselves through it).
 The HTML is self-contained (inline styles, no scripts), so it renders offline and in exported notebooks.
@@ -44,6 +44,12 @@ class CachedPrefix:
     in_use: bool
 
 
+class PrefixesLike(Protocol):
+    """What the views read of a store's block manager (``store.blocks``): the snapshot of its trie."""
+
+    def prefix_view(self) -> list[NodeView]: ...
+
+
 class StoreLike(Protocol):
     """What the views read of a :class:`prefixkv.PrefixStore`: public attributes and snapshots."""
 
@@ -59,13 +65,14 @@ class StoreLike(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def prefix_view(self) -> list[NodeView]: ...
+    @property
+    def blocks(self) -> PrefixesLike: ...
 
 
 def top_prefixes(store: StoreLike, n: int = 5) -> list[CachedPrefix]:
     """The ``n`` most shared cached prefixes: branch points and leaves of the trie, by the number of
     cached sequences that continue them, then by length. Does not mutate."""
-    nodes = store.prefix_view()
+    nodes = store.blocks.prefix_view()
     children = _children(nodes)
     leaves = _leaf_counts(nodes, children)
     ranked = [(leaves[i], nodes[i].end, i) for i in leaves if len(children[i]) != 1]
@@ -80,7 +87,7 @@ def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> s
     """The trie (its default namespace) as an indented tree, one line per node: its token span, the blocks
     holding it, whether it is pinned, in use or evictable, and its first tokens (decoded when a tokenizer is
     given). Does not mutate."""
-    nodes = store.prefix_view()
+    nodes = store.blocks.prefix_view()
     children = _children(nodes)
     lines = ["root"]
     for shown, (i, prefix, last) in enumerate(_walk(nodes, children)):

@@ -17,8 +17,9 @@ fully read and checked before a store is touched, so a refused file leaves the s
 Loading inserts each saved leaf's whole path into the trie with its block table: positions the store
 already holds keep their blocks, and only the blocks of new positions are copied in.
 
-This module sits below the store: it reads, checks and writes files, and plans over a trie; the store's
-``save``, ``load`` and ``merge`` take its lock, call these, and insert through the store's one insert.
+This module sits below the store and its block manager: it reads, checks and writes files, and plans over a
+trie; the store's ``save``, ``load`` and ``merge`` call the block manager (:class:`prefixkv.blocks.Room`), which
+takes its lock, calls these, and inserts through its one insert.
 """
 
 from __future__ import annotations

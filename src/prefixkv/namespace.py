@@ -1,0 +1,151 @@
+"""What keys a store's K/V besides the tokens: the active adapters, the weights (however they were written) and
+the config fields that change K/V; and where each layer computes. See docs/correctness.md, "Adapters and changed
+weights".
+
+A :class:`Namespace` is made once per store, with the model as it is then; :meth:`Namespace.space` says, once
+per call, under which key K/V computed now are cached. This module knows the model, never the blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import persist
+
+# values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
+_SAMPLED = 4
+
+
+def transformers_model(model: Any) -> Any:
+    """The transformers model that computes: ``model`` itself, or the one inside a PEFT wrapper (whose
+    ``generate`` calls that model's ``generate``, so hooks on the wrapper would never run)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def _tuner_layers(model: Any) -> list[Any]:
+    """The PEFT adapter layers inside ``model`` (LoRA and the other tuners; ``[]`` without peft)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def adapter_space(tuners: Sequence[Any]) -> Hashable:
+    """The namespace of the K/V a model computes now (docs/correctness.md, "Adapters and changed weights"):
+    ``None`` without adapters, else which adapters are active, whether they are disabled, and which are merged
+    into the weights."""
+    if not tuners:
+        return None
+    layer = tuners[0]
+    return (
+        tuple(layer.active_adapters),
+        bool(layer.disable_adapters),
+        tuple(getattr(layer, "merged_adapters", ())),
+    )
+
+
+def _weights_state(model: Any) -> int:
+    """A number that changes when any parameter or buffer of ``model`` is written in place (an optimizer step,
+    ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
+    ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
+    every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
+    values (``.data`` writes bump no version), and of :func:`prefixkv.persist.config_state`."""
+    state = []
+    samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        version = 0
+        with contextlib.suppress(RuntimeError):
+            version = t._version
+        state.append((t.data_ptr(), version))
+        if t.device.type != "meta" and t.numel():
+            samples.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():  # one copy per dtype and device, whatever the number of tensors
+        values = tuple(
+            torch.cat([_few_values(t) for t in group]).cpu().view(torch.uint8).numpy().tobytes()
+            for group in samples.values()
+        )
+    return hash((tuple(state), values, persist.config_state(model.config)))
+
+
+def _few_values(t: torch.Tensor) -> torch.Tensor:
+    """``_SAMPLED`` values of ``t`` at evenly spaced places (all of a smaller one), as a view when it is
+    contiguous. Does not mutate."""
+    if not t.is_contiguous():
+        t = t.reshape(-1)
+    n = t.numel()
+    return t.as_strided((min(n, _SAMPLED),), (max(1, n // _SAMPLED),), t.storage_offset())
+
+
+@dataclass(frozen=True)
+class WeightsChanged:
+    """The namespace of K/V computed after the weights changed since the store was built: ``adapters`` as
+    :func:`adapter_space`, and ``state`` as :func:`_weights_state`. Only this process can tell such weights
+    apart, so the second tier keeps none of their blocks (its files outlive the process)."""
+
+    adapters: Hashable
+    state: int
+
+
+class Namespace:
+    """The key of a store's K/V besides the tokens, for one model: its adapters and the state of its weights
+    when the store was built."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._tuners = _tuner_layers(model)
+        self._weights_at_start = _weights_state(model)
+
+    def space(self) -> Hashable:
+        """The namespace that K/V computed now are cached under: ``None``, or for a PEFT model the active,
+        disabled and merged adapters, so that a prefix cached with one adapter is never reused with another
+        (or with the adapter disabled); and, once a weight or buffer was written or replaced since the store was
+        built (a training step, ``load_state_dict``), :class:`WeightsChanged`, so that K/V of the old weights are
+        never reused (they wait for eviction or ``store.clear()``). Walks the model's tensors (once per call,
+        not per decode step). Mutates only the list of adapter layers, when adapters were added since."""
+        if not self._tuners and hasattr(self.model, "peft_config"):
+            self._tuners = _tuner_layers(self.model)  # adapters added after the store was built
+        adapters = adapter_space(self._tuners)
+        state = _weights_state(self.model)
+        return adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
+
+
+def _execution_device(module: torch.nn.Module) -> torch.device | None:
+    """Where ``module`` computes: the execution device of the first accelerate hook on it or inside it
+    (``dispatch_model`` hooks whole layers, ``cpu_offload``/``disk_offload`` each linear layer, leaving
+    the weights on ``meta``), else the device of its first parameter not on ``meta``."""
+    for sub in module.modules():
+        hook = getattr(sub, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or [hook]:
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return _with_index(torch.device(device))
+    for param in module.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return None
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` as the tensors computed there report it (``cuda:0``), so device checks compare equal."""
+    if device.type != "cpu" and device.index is None and device.type != "meta":
+        module = getattr(torch, device.type, None)
+        current = getattr(module, "current_device", None)
+        if current is not None:
+            return torch.device(device.type, current())
+    return device
+
+
+def layer_devices(model: Any, num_layers: int) -> list[torch.device]:
+    """The device each decoder layer computes on (accelerate's execution device when dispatched)."""
+    fallback = _execution_device(model) or torch.device("cpu")
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return [_execution_device(layer) or fallback for layer in module]
+    return [fallback] * num_layers
