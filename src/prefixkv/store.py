@@ -801,6 +801,11 @@ class PrefixStore:
             "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
         )
 
+    @property
+    def blocks(self) -> PrefixStore:
+        # merge seam: replaced by the BlockManager of blocks.py
+        return self
+
     def ensure_open(self) -> None:
         """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""
         if self._closed:
