@@ -184,3 +184,15 @@ def test_the_private_use_check_can_fail() -> None:
         "cache": ast.parse("def f(store):\n    with store._lock:\n        store._match()\n    return store.__class__"),
     }
     assert private_uses(modules) == ["cache.f: store._lock", "cache.f: store._match"]
+
+
+# the cache side, bottom up (docs/how-it-works.md, "Layers"): each module imports only those listed before it, so
+# nothing below the cache calls back up into it
+CACHE_SIDE = ["proof", "reads", "attention", "rows", "call", "cache", "hooks", "runner", "enabling"]
+
+
+def test_the_cache_side_imports_downwards_only() -> None:
+    graph = import_graph(sources())
+    assert set(CACHE_SIDE) <= set(graph), f"modules missing: {set(CACHE_SIDE) - set(graph)}"
+    upward = {m: sorted(graph[m] & set(CACHE_SIDE[i + 1 :])) for i, m in enumerate(CACHE_SIDE)}
+    assert {m: up for m, up in upward.items() if up} == {}

@@ -57,11 +57,11 @@ def prefixkv_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over the blocks of the ``PagedPrefixCache`` of this forward, when ``key`` is what the cache's
-    ``update`` handed out for this layer (it carries the forward's read plan, :func:`prefixkv.reads.handed`) and the
+    ``update`` handed out for this layer (it carries the forward's read plan, :data:`prefixkv.reads.TAG`) and the
     plan's backend serves the call; otherwise, or for what reading the blocks does not implement (soft-capping,
     attention sinks, dropout), the implementation the model had before the store switched it, on every row's
     whole K/V."""
-    found = reads.handed(key)
+    found: tuple[ForwardReads, int] | None = getattr(key, reads.TAG, None)
     if found is not None:
         forward, layer = found
         forward.served.add(layer)

@@ -46,7 +46,7 @@ class _PagedLayer(CacheLayerMixin):
     def __init__(self, cache: PagedPrefixCache, layer_idx: int) -> None:
         super().__init__()
         # a weak reference: a strong one would make every cache a cycle that only the cyclic garbage collector
-        # frees, so `del cache` would not give the blocks back (docs/correctness.md, "Dropped caches")
+        # frees, so `del cache` would not give the blocks back (docs/correctness.md, "Releasing caches")
         self._cache_ref = weakref.ref(cache)
         self._layer_idx = layer_idx
         self.is_initialized = True
@@ -110,7 +110,7 @@ class PagedPrefixCache(Cache):
         if not isinstance(store, PrefixStore):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
         self.store = store
-        blocks = store.blocks
+        self._blocks = blocks = store.blocks  # the store's claim contract
         self._bs = blocks.block_size
         num_layers = len(blocks.pool.specs)
         super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
@@ -152,7 +152,8 @@ class PagedPrefixCache(Cache):
         """:func:`attach_prompt`. Mutates."""
         store, bs, chunk = self.store, self._bs, self.store.chunk_size
         self._publishes = chunk is None or chunks
-        caps = [len(r) - 1 for r in rows]  # one prompt token stays uncached (docs/correctness.md, "One token stays")
+        # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
+        caps = [len(r) - 1 for r in rows]
         held: list[int] | None = None
         offset = 0
 
@@ -197,16 +198,14 @@ class PagedPrefixCache(Cache):
         (row,) = self._rows
         if not row.proven:
             raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
-        self.store.blocks.publish(
-            row.claim, row.keys, known=row.published * self._bs, end=len(row.keys), space=self._space
-        )
+        self._blocks.publish(row.claim, row.keys, known=row.published * self._bs, end=len(row.keys), space=self._space)
 
     # -- the generate-call protocol --------------------------------------------------------------
 
     def activate_past_recording(self) -> None:
         """Assisted and prompt-lookup decoding call this before their first forward, which feeds the whole
-        sequence again (docs/correctness.md, "Assisted decoding"); that forward will then skip the columns
-        already held. Mutates."""
+        sequence again (docs/how-it-works.md, "One forward, and the first step of a call"); that forward will
+        then skip the columns already held. Mutates."""
         self._generate.refeed = True
 
     def _plan_call(
@@ -247,7 +246,7 @@ class PagedPrefixCache(Cache):
     def _replan(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Redo or drop construction's reuse as the call's first step decides; whether what the cache holds
         changed. Mutates."""
-        space = self.store.blocks.space()
+        space = self._blocks.space()
         training = self.store.hf_model.training
         decision = self._generate.replan(
             self._rows, input_ids, kwargs, training=training, space=space, held_space=self._space
@@ -266,11 +265,11 @@ class PagedPrefixCache(Cache):
             )
             return had > 0
         before = self._stats.per_row
-        self.store.blocks.release([row.claim for row in self._rows])
+        self._blocks.release([row.claim for row in self._rows])
         self._rows = []
         self._length = 0
         self._space = decision.space
-        self.store.blocks.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
+        self._blocks.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
         self._attach(decision.pads, decision.keys)
         return True
 
@@ -282,8 +281,8 @@ class PagedPrefixCache(Cache):
         self._stats = CacheStats(self._stats.prompt_tokens, 0, self._stats.prompt_tokens, per_row)
         # the store counted this lookup's reuse at construction: count it as the miss it has become
         prompts = [r.prompt_tokens for r in before]
-        self.store.blocks.count_query(prompts, [r.cached_tokens for r in before], undo=True)
-        self.store.blocks.count_query(prompts, [0] * len(prompts))
+        self._blocks.count_query(prompts, [r.cached_tokens for r in before], undo=True)
+        self._blocks.count_query(prompts, [0] * len(prompts))
 
     # -- one forward -----------------------------------------------------------------------------
 
@@ -325,7 +324,7 @@ class PagedPrefixCache(Cache):
             if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= q:
                 pads = (mask[:, : self._length + q].to(torch.long).cpu().cumsum(dim=1) == 0).sum(dim=1).tolist()
             known = forward.input_ids is not None and self._length == 0
-            claims = self.store.blocks.empty_claims(batch)
+            claims = self._blocks.empty_claims(batch)
             self._rows = [Row(p, [] if known else None, c, 0) for p, c in zip(pads, claims)]
         elif batch != len(self._rows):
             if batch % len(self._rows):
@@ -339,7 +338,7 @@ class PagedPrefixCache(Cache):
         """Blocks (and copies of shared part-blocks about to be written) for ``q`` new columns. Mutates."""
         start = self._length
         spans = [(max(0, start - row.pad), start + q - row.pad) for row in self._rows]
-        self.store.blocks.extend([row.claim for row in self._rows], spans)
+        self._blocks.extend([row.claim for row in self._rows], spans)
         self._new, self._keep = new_slots(self._rows, start, q, self._bs)
         self._length = start + q
 
@@ -368,9 +367,10 @@ class PagedPrefixCache(Cache):
             row.real += verdict.shown
 
     def _plan_reads(self, start: int, q: int) -> reads.ForwardReads:
-        """This forward's read plan, once (docs/how-it-works.md, "Reading the blocks"). The backend reads in place
-        only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every layer
-        handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows).
+        """This forward's read plan, once (docs/how-it-works.md, "Attention reads the blocks"). The backend reads in
+        place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
+        layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole
+        rows).
         An invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
         "Outputs that never depend on the cache"). Does not mutate the rows."""
         pads, tables = [r.pad for r in self._rows], [r.table for r in self._rows]
@@ -385,7 +385,7 @@ class PagedPrefixCache(Cache):
 
     def _gather_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool."""
-        return self._whole.read(layer, self.store.blocks.pool.specs[layer].device)
+        return self._whole.read(layer, self._blocks.pool.specs[layer].device)
 
     def _end(self, ok: bool) -> None:
         """:func:`end_forward`. Mutates."""
@@ -439,22 +439,22 @@ class PagedPrefixCache(Cache):
         self._check_layer(key_states, layer_idx)
         device = key_states.device
         keep = None if self._keep is None else self._keep.to(device)
-        self.store.blocks.write(layer_idx, self._new.to(device), key_states, value_states, keep)
+        self._blocks.write(layer_idx, self._new.to(device), key_states, value_states, keep)
         self._seen[layer_idx] = self._length
         if plan.in_place:
-            reads.hand_out(plan, layer_idx, key_states)
+            _hand_out(plan, layer_idx, key_states)
             return key_states, value_states
         keys, values = self._gather_rows(layer_idx)
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
         if plan.probe:
-            reads.hand_out(plan, layer_idx, keys)
+            _hand_out(plan, layer_idx, keys)
         return keys, values
 
     def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
         """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and this
         forward's allocation."""
-        specs = self.store.blocks.pool.specs
+        specs = self._blocks.pool.specs
         if layer_idx >= len(specs):
             raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
         spec = specs[layer_idx]
@@ -513,7 +513,7 @@ class PagedPrefixCache(Cache):
     def _select(self, indices: list[int]) -> None:
         if indices == list(range(len(self._rows))):
             return
-        claims = self.store.blocks.fork([self._rows[j].claim for j in indices])
+        claims = self._blocks.fork([self._rows[j].claim for j in indices])
         rows = [self._rows[j].clone(c) for j, c in zip(indices, claims)]
         self._release()
         self._rows = rows
@@ -521,7 +521,7 @@ class PagedPrefixCache(Cache):
     def _truncate(self, length: int) -> None:
         bs = self._bs
         keeps = [max(0, length - row.pad) for row in self._rows]
-        self.store.blocks.truncate([row.claim for row in self._rows], [-(-keep // bs) for keep in keeps])
+        self._blocks.truncate([row.claim for row in self._rows], [-(-keep // bs) for keep in keeps])
         for row, keep in zip(self._rows, keeps):
             row.truncate(keep, bs)
         self._length = length
@@ -549,7 +549,7 @@ class PagedPrefixCache(Cache):
 
     def _release(self) -> None:
         rows, self._rows = self._rows, []
-        self.store.blocks.release([row.claim for row in rows])
+        self._blocks.release([row.claim for row in rows])
 
     def __enter__(self) -> PagedPrefixCache:
         return self
@@ -578,7 +578,7 @@ class PagedPrefixCache(Cache):
         if self._owner is not None:
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
         other = PagedPrefixCache(self.store)
-        claims = self.store.blocks.fork([row.claim for row in self._rows])
+        claims = self._blocks.fork([row.claim for row in self._rows])
         other._rows = [row.clone(c) for row, c in zip(self._rows, claims)]
         other._length, other._seen = self._length, list(self._seen)
         other._stats, other._space, other._publishes = self._stats, self._space, self._publishes
@@ -595,7 +595,7 @@ class PagedPrefixCache(Cache):
         """Each row's leading padding, block table, and which of its blocks something else holds too (the
         trie, another row, another cache); empty once closed. Does not mutate."""
         rows = list(self._rows)
-        views = self.store.blocks.table_view([row.claim for row in rows])
+        views = self._blocks.table_view([row.claim for row in rows])
         return [display.RowTable(row.pad, v.blocks, v.shared) for row, v in zip(rows, views)]
 
     def __repr__(self) -> str:
@@ -611,9 +611,16 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
+def _hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
+    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself (:data:`prefixkv.reads.TAG`), so that
+    only the attention call of that layer, with that tensor, reads the plan. Mutates ``plan`` and ``key``."""
+    plan.handed.add(layer)
+    setattr(key, reads.TAG, (plan, layer))
+
+
 def _backend_of(store: PrefixStore) -> reads.AttentionBackend | None:
     """The attention backend that reads this store's pool (``None`` for a store without layers), chosen as
-    ``"auto"`` for the pool's first device and storage dtype (docs/how-it-works.md, "Reading the blocks")."""
+    ``"auto"`` for the pool's first device and storage dtype (docs/how-it-works.md, "Attention reads the blocks")."""
     specs = store.blocks.pool.specs
     if not specs:
         return None

@@ -6,7 +6,7 @@ reused; if the call's mask, namespace or inputs differ from what that reuse assu
 call as it is (:class:`Redo`) or dropped (:class:`Drop`). A cache that has computed must be continued: the call
 passes its last output plus new tokens (:meth:`GenerateCall.check_continues`), or only the new tokens placed right
 after the held columns (:meth:`GenerateCall.check_new_tokens`). :class:`GenerateCall` decides; the cache applies
-the decisions (docs/how-it-works.md, "The generate call")."""
+the decisions (docs/how-it-works.md, "One forward, and the first step of a call")."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class GenerateCall:
             None if isinstance(embeds, torch.Tensor) else input_ids,
             embeds,
             use_cache=kwargs.get("use_cache"),
-            others=proof.changing_inputs(kwargs),
+            others=proof.changing_inputs(kwargs, tensors_only=True),
         )
         why = proof.unproven(forward, training=training, space=lambda: held_space, held_space=held_space)
         # a chunk of a chunked prefill (``prefill_chunk_size``) feeds only its columns after the held ones, so its

@@ -1,7 +1,7 @@
 """The model hooks of a store: how a ``PagedPrefixCache`` learns what a forward feeds.
 
 The forward pre-hook builds each forward's record (:class:`prefixkv.proof.ForwardInputs`: the cache itself only
-ever sees K and V, docs/correctness.md, "The cache never sees token ids") and begins the cache's forward; the
+ever sees K and V, docs/how-it-works.md, "Reuse, step by step") and begins the cache's forward; the
 forward hook ends it (publishing what the forward computed); a wrapper of ``prepare_inputs_for_generation`` shows
 the cache the whole sequence at the first step of each ``generate`` call, the only place where that sequence is
 visible, and tells the pre-hook which forwards are decode steps."""

@@ -40,9 +40,17 @@ NEUTRAL_INPUTS = frozenset(
 )
 
 
-def changing_inputs(inputs: Mapping[str, Any]) -> tuple[str, ...]:
-    """The names of ``inputs`` (a forward's or a generate step's, by name) that are set and may change K/V."""
-    return tuple(sorted(k for k, v in inputs.items() if v is not None and k not in NEUTRAL_INPUTS))
+def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) -> tuple[str, ...]:
+    """The names of ``inputs`` (a forward's, by name) that are set and may change K/V. With ``tensors_only``, only
+    tensors count: the arguments of a generate step also hold generate's own settings (the tokenizer of
+    ``stop_strings``), which never reach the forward."""
+    return tuple(
+        sorted(
+            k
+            for k, v in inputs.items()
+            if v is not None and k not in NEUTRAL_INPUTS and (not tensors_only or isinstance(v, torch.Tensor))
+        )
+    )
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ A backend plans a forward from the rows' pads and block tables (per-row lengths 
 forward's width) and attends from the plan alone: the plan holds the pool and the store's whole-row reader, never
 the cache. ``update`` writes the new K/V and hands the attention either only them (a backend that reads the pool
 in place: :attr:`ForwardReads.in_place`) or every row's whole K/V read back (:meth:`ForwardReads.whole_rows`);
-the tensor it hands out carries the plan (:func:`hand_out`), so the attention of that layer, and only it, finds
+the tensor it hands out carries the plan (:data:`TAG`), so the attention of that layer, and only it, finds
 the plan (no thread-global, no call back into the cache). What a plan derives from the tables and keeps between
 forwards (runs of consecutive blocks, the block table) checks itself against the tables it was built from, so
 no change of a table has to be announced."""
@@ -22,7 +22,9 @@ _MIN_RUN = 8
 # ... except for a row read alone, up to this many short runs (more: one gather rather than a call each)
 _LONE_ROW_VIEWS = 2
 
-_TAG = "_prefixkv_reads"  # the attribute on the K tensor update hands out: (the plan, the layer)
+# the attribute on the K tensor that ``update`` hands out: ``(the plan, the layer)``, so that the attention of that
+# layer, with that tensor, finds the plan (a copy of the tensor, or K/V of another cache, carry none)
+TAG = "_prefixkv_reads"
 
 
 class Read(NamedTuple):
@@ -285,19 +287,6 @@ class ForwardReads:
     def every_layer_served(self) -> bool:
         """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged."""
         return bool(self.handed) and self.served == self.handed
-
-
-def hand_out(forward: ForwardReads, layer: int, key: torch.Tensor) -> None:
-    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself. Mutates ``forward`` and ``key``."""
-    forward.handed.add(layer)
-    setattr(key, _TAG, (forward, layer))
-
-
-def handed(key: torch.Tensor) -> tuple[ForwardReads, int] | None:
-    """The plan and the layer of a K tensor that ``update`` handed out (``None`` for any other tensor: a copy of
-    it, or K/V of another cache). Does not mutate."""
-    found: tuple[ForwardReads, int] | None = getattr(key, _TAG, None)
-    return found
 
 
 class Layout(NamedTuple):
