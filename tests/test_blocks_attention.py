@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv import attention
+from prefixkv import attention, reads
 from prefixkv.reads import ForwardReads, plan_reads, table_runs
 
 
@@ -380,3 +380,46 @@ def test_the_plain_tensor_attention_is_the_cpu_kernel(
         seen = mask.any(dim=-1).expand(batch, 2 * group, q)
         got, got_lse, want, want_lse = got[seen], got_lse[seen], want[seen], want_lse[seen]
     assert torch.allclose(got, want, atol=1e-10, rtol=0) and torch.allclose(got_lse, want_lse, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, device, dtype, expected",
+    [
+        ("auto", "cpu", torch.float32, "blocks"),
+        ("auto", "cpu", "int8", "gather"),
+        ("auto", "cpu", torch.bfloat16, "gather"),
+        ("auto", "cuda", torch.float32, "gather"),
+        ("gather", "cpu", torch.float32, "gather"),
+        ("blocks", "cuda", torch.float32, "blocks"),
+    ],
+)
+def test_the_backend_is_chosen_by_name_device_and_dtype(name: str, device: str, dtype: Any, expected: str) -> None:
+    backend, reason = attention.choose_backend(name, torch.device(device), dtype, model_dtype=torch.float32)
+    assert backend.name == expected and reason.startswith(expected + ": ")
+
+
+@pytest.mark.parametrize("name, dtype", [("flash", torch.float32), ("blocks", "fp8")])
+def test_a_backend_that_cannot_read_the_pool_is_refused(name: str, dtype: Any) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        attention.choose_backend(name, torch.device("cpu"), dtype, model_dtype=torch.float32)
+
+
+def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
+    # its plan reads nothing in place; attending from it reads every row's whole K/V, with and without a mask
+    g = torch.Generator().manual_seed(4)
+    full_k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    full_v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    query = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
+    backend = attention.GatherBackend()
+    layout = reads.Layout(None, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
+    forward = backend.plan(layout, probe=False)
+    assert not forward.in_place and forward.reads == []
+    causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9)
+    for mask in (None, causal):
+        call = reads.AttentionCall(torch.nn.Module(), query, full_k, full_v, mask, {"scaling": 0.5})
+        assert not backend.servable(forward, call)
+        got = backend.attend(forward, 0, call)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, full_k, full_v, attn_mask=causal, scale=0.5, enable_gqa=True
+        )
+        assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)

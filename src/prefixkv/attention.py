@@ -513,3 +513,44 @@ def choose_backend(
     if device.type not in READ_DEVICES:
         return GatherBackend(), f"gather: reading the blocks in place is not implemented fast on {device.type}"
     return BlocksBackend(), f"blocks: the pool is on {device.type} in {dtype}"
+
+
+class Reader:
+    """How one cache's K/V reach the attention: the backend ``"auto"`` chooses for the pool (``None`` for layers
+    split across devices or dtypes: whole rows, read layer by layer) and the whole-row reader. A backend reads in
+    place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every layer
+    handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
+    invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
+    "Outputs that never depend on the cache")."""
+
+    def __init__(
+        self,
+        pool: Any,
+        gather: reads.Gather,
+        block_size: int,
+        *,
+        model: Any,
+        model_dtype: torch.dtype,
+        invariant: bool,
+    ) -> None:
+        self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
+        self._whole = reads.WholeRows(gather, block_size)
+        specs = pool.specs
+        self._backend: AttentionBackend | None = None
+        if specs and len({s.device for s in specs}) == 1 and len({s.dtype for s in specs}) == 1:
+            stored = pool.kv_dtype if pool.kv_dtype is not None else specs[0].dtype
+            self._backend, _ = choose_backend("auto", specs[0].device, stored, model_dtype=model_dtype)
+
+    def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
+        """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads
+        the blocks"), once per forward. Mutates only what the reader keeps between forwards."""
+        self._whole.begin(pads, tables, start + q)
+        gather = self._gather
+        if self._invariant or not serves(self._model) or self._backend is None:
+            return ForwardReads(self._pool, [], start + q, None, gather, in_place=False)
+        layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
+        return self._backend.plan(layout, probe=not verified(self._model))
+
+    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool."""
+        return self._whole.read(layer, self._pool.specs[layer].device)

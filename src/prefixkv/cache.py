@@ -121,8 +121,10 @@ class PagedPrefixCache(Cache):
         self._new = torch.zeros((0, 0), dtype=torch.long)
         self._keep: torch.Tensor | None = None
         self._plan: reads.ForwardReads | None = None
-        self._whole = reads.WholeRows(blocks.gather, self._bs)
-        self._backend = _backend_of(store)
+        self._reader = attention.Reader(
+            blocks.pool, blocks.gather, self._bs, model=store.hf_model, model_dtype=store.model_dtype,
+            invariant=store.invariant,
+        )  # fmt: skip
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._is_closed = False
@@ -301,7 +303,7 @@ class PagedPrefixCache(Cache):
         self._allocate(q)
         self._prove(forward, start)
         self._generate.computed = True
-        self._plan = self._plan_reads(start, q)
+        self._plan = self._reader.plan([r.pad for r in self._rows], [r.table for r in self._rows], start, q)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -366,27 +368,6 @@ class PagedPrefixCache(Cache):
             row.keys.extend(verdict.keys)
             row.real += verdict.shown
 
-    def _plan_reads(self, start: int, q: int) -> reads.ForwardReads:
-        """This forward's read plan, once (docs/how-it-works.md, "Attention reads the blocks"). The backend reads in
-        place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
-        layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole
-        rows).
-        An invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
-        "Outputs that never depend on the cache"). Does not mutate the rows."""
-        pads, tables = [r.pad for r in self._rows], [r.table for r in self._rows]
-        self._whole.begin(pads, tables, start + q)
-        blocks, model = self.store.blocks, self.store.hf_model
-        gather = self._gather_rows
-        backend = self._backend
-        if self.store.invariant or not attention.serves(model) or backend is None:
-            return reads.ForwardReads(blocks.pool, [], start + q, None, gather, in_place=False)
-        probe = not attention.verified(model)
-        return backend.plan(reads.Layout(blocks.pool, pads, tables, start, q, self._bs, gather), probe=probe)
-
-    def _gather_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool."""
-        return self._whole.read(layer, self._blocks.pool.specs[layer].device)
-
     def _end(self, ok: bool) -> None:
         """:func:`end_forward`. Mutates."""
         if self._owner != threading.get_ident():
@@ -436,7 +417,7 @@ class PagedPrefixCache(Cache):
                 "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
                 "generate call using it); its blocks are given back when the forward ends"
             )
-        self._check_layer(key_states, layer_idx)
+        _check_layer(self.store, key_states, layer_idx, self._seen[layer_idx], self._length)
         device = key_states.device
         keep = None if self._keep is None else self._keep.to(device)
         self._blocks.write(layer_idx, self._new.to(device), key_states, value_states, keep)
@@ -444,36 +425,12 @@ class PagedPrefixCache(Cache):
         if plan.in_place:
             _hand_out(plan, layer_idx, key_states)
             return key_states, value_states
-        keys, values = self._gather_rows(layer_idx)
+        keys, values = plan.gather(layer_idx)
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
         if plan.probe:
             _hand_out(plan, layer_idx, keys)
         return keys, values
-
-    def _check_layer(self, key_states: torch.Tensor, layer_idx: int) -> None:
-        """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and this
-        forward's allocation."""
-        specs = self._blocks.pool.specs
-        if layer_idx >= len(specs):
-            raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
-        spec = specs[layer_idx]
-        if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
-            raise CacheMisuseError(
-                f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
-                f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
-            )
-        if key_states.device != spec.device or key_states.dtype != self.store.model_dtype:
-            raise CacheMisuseError(
-                f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
-                f"built for {self.store.model_dtype} on {spec.device}: the model was moved or cast after the "
-                "PrefixStore was built; build a new store"
-            )
-        seen, q = self._seen[layer_idx], key_states.shape[-2]
-        if seen + q != self._length:
-            raise CacheMisuseError(
-                f"layer {layer_idx} got {q} new tokens but this forward allocated {self._length - seen}"
-            )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns stored for ``layer_idx`` (pads included), a Python int."""
@@ -611,28 +568,34 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
+def _check_layer(store: PrefixStore, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
+    """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
+    allocated ``length - seen`` columns for it."""
+    specs = store.blocks.pool.specs
+    if layer_idx >= len(specs):
+        raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
+    spec = specs[layer_idx]
+    if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
+        raise CacheMisuseError(
+            f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
+            f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
+        )
+    if key_states.device != spec.device or key_states.dtype != store.model_dtype:
+        raise CacheMisuseError(
+            f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
+            f"built for {store.model_dtype} on {spec.device}: the model was moved or cast after the "
+            "PrefixStore was built; build a new store"
+        )
+    q = key_states.shape[-2]
+    if seen + q != length:
+        raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
+
+
 def _hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
     """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself (:data:`prefixkv.reads.TAG`), so that
     only the attention call of that layer, with that tensor, reads the plan. Mutates ``plan`` and ``key``."""
     plan.handed.add(layer)
     setattr(key, reads.TAG, (plan, layer))
-
-
-def _backend_of(store: PrefixStore) -> reads.AttentionBackend | None:
-    """The attention backend that reads this store's pool (``None`` for a store without layers), chosen as
-    ``"auto"`` for the pool's first device and storage dtype (docs/how-it-works.md, "Attention reads the blocks")."""
-    specs = store.blocks.pool.specs
-    if not specs:
-        return None
-    kv = store.blocks.pool.kv_dtype
-    devices = {s.device.type for s in specs}
-    dtypes = {s.dtype for s in specs}
-    if len(devices) > 1 or len(dtypes) > 1:
-        return None  # layers split across devices or dtypes: whole rows, read layer by layer
-    backend, _ = attention.choose_backend(
-        "auto", specs[0].device, kv if kv is not None else specs[0].dtype, model_dtype=store.model_dtype
-    )
-    return backend
 
 
 # -- prefixkv's own protocol with a cache: the model hooks (prefixkv.hooks) and the runner (prefixkv.runner) ---------

@@ -205,9 +205,17 @@ class WholeRows:
         self._by_table = False
         self._built: dict[torch.device, torch.Tensor] = {}
         self._columns = 0
+        self._next: tuple[list[int], list[list[int]], int] | None = None
 
     def begin(self, pads: list[int], tables: list[list[int]], length: int) -> None:
-        """The layout of the forward about to run. Mutates."""
+        """The layout of the forward about to run, looked at only if the forward reads whole rows. Mutates."""
+        self._next = (pads, tables, length)
+
+    def _settle(self) -> None:
+        """Take the layout :meth:`begin` was given, keeping what was built for an equal one. Mutates."""
+        if self._next is None:
+            return
+        (pads, tables, length), self._next = self._next, None
         bs = self._bs
         by_table = bool(tables) and all(p % bs == 0 for p in pads)
         # a block table depends on the blocks the columns span, a slot table on the columns themselves
@@ -220,10 +228,12 @@ class WholeRows:
     @property
     def by_table(self) -> bool:
         """Whether this forward reads by a block table (every row's padding is whole blocks), else by slots."""
+        self._settle()
         return self._by_table
 
     def read(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V of ``layer`` over the forward's columns. Mutates only what it keeps."""
+        self._settle()
         table = self._built.get(device)
         if table is None:
             table = self._built[device] = self._table().to(device)
