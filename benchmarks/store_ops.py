@@ -23,13 +23,14 @@ import torch
 from _common import machine, model_for, save, table, tokens
 
 import prefixkv
-from prefixkv.cache import PagedPrefixCache
+from prefixkv.cache import PagedPrefixCache, begin_forward, end_forward
+from prefixkv.proof import ForwardInputs
 
 # the store operations of one request, and the method that performs each
 OPERATIONS: dict[str, tuple[type, str]] = {
-    "match + attach": (PagedPrefixCache, "attach_prompt"),
+    "match + attach": (PagedPrefixCache, "_attach"),
     "allocate (with eviction)": (PagedPrefixCache, "_allocate"),
-    "publish": (PagedPrefixCache, "end_forward"),
+    "publish": (PagedPrefixCache, "_end"),
     "release": (PagedPrefixCache, "close"),
 }
 # inside the above: making room, i.e. growing the pool or evicting
@@ -113,8 +114,8 @@ def run(
 def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str, Any]:
     """One row decoded token by token to ``length`` tokens through the cache's forward protocol, without the
     model and without the attention read path (``decode.py`` measures those): seconds in ``begin_forward``
-    and in ``end_forward`` (which publishes each block as it fills), over the whole sequence and per step
-    over its last ``window`` steps."""
+    and in ``end_forward`` of :mod:`prefixkv.cache` (which publishes each block as it fills), over the whole
+    sequence and per step over its last ``window`` steps."""
     model = model_for("tiny")
     store = prefixkv.PrefixStore(model, block_size=block_size)
     layers = len(store.pool.specs)
@@ -123,12 +124,13 @@ def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str,
     begin, end = [0.0] * length, [0.0] * length
     with PagedPrefixCache(store) as cache:
         for t, x in enumerate(ids):
-            cache.decode_step = t > 0  # as generate's decode steps: the namespace was checked at the first
+            # decode_step: as generate's decode steps, the namespace was checked at the first
+            forward = ForwardInputs(x, decode_step=t > 0)
             a = time.perf_counter()
-            cache.begin_forward(x, None, None)
+            begin_forward(cache, forward)
             b = time.perf_counter()
             cache._seen = [t + 1] * layers  # stands in for update(): every layer stored the step's column
-            cache.end_forward(True)
+            end_forward(cache, True)
             begin[t], end[t] = b - a, time.perf_counter() - b
         assert store.cached_length([int(x) for x in ids]) == length // block_size * block_size
     store.check_invariants()

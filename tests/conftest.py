@@ -255,7 +255,7 @@ def _stores_closed() -> Iterator[None]:
     before = set(_BUILT)
     yield
     for store in [s for s in _BUILT if s not in before and not s.closed]:
-        enabled = vars(store.model).get(prefixkv.patch._ENABLED)
+        enabled = vars(store.model).get(prefixkv.enabling._ENABLED)
         if enabled is not None and enabled.store is store:
             prefixkv.disable(store.model)
         store.close()

@@ -1,4 +1,4 @@
-"""The attention that reads the blocks (``attention.blocks_attention``, with the reads ``cache.plan_reads``
+"""The attention that reads the blocks (``attention.blocks_attention``, with the reads ``reads.plan_reads``
 makes) against ``scaled_dot_product_attention`` over each row's whole K/V, in float64: random block layouts,
 rows sharing leading blocks (cascade), left padding, holes, sliding windows, grouped-query heads, one-token and
 longer forwards."""
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv import attention
-from prefixkv.cache import plan_reads
+from prefixkv import attention, reads
+from prefixkv.reads import ForwardReads, plan_reads, table_runs
 
 
 @st.composite
@@ -121,9 +121,7 @@ def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask:
     if not with_mask and not plain:
         with_mask = True  # a None mask means: no padding, no holes, no window
     reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"])
-    forward = attention.BlocksForward(
-        _Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v)
-    )
+    forward = ForwardReads(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v))
     scale = 0.7
     got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -182,7 +180,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     store = prefixkv.PrefixStore(model, block_size=4)
     steps: list[tuple[int, list[list[int]]]] = []
-    original = prefixkv.cache.plan_reads
+    original = prefixkv.reads.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
         planned = original(pads, tables, start, q, *rest)
@@ -190,7 +188,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
             steps.append((len(planned[0]), [list(t) for t in tables]))
         return planned
 
-    monkeypatch.setattr(prefixkv.cache, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.reads, "plan_reads", recording)
     for seed in (1, 2):  # a fresh store, then one whose pool holds what the first call published
         steps.clear()
         ids = torch.stack([random_tokens(18, seed=10 * seed + r) for r in range(3)])
@@ -226,7 +224,7 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=dtype)
     store = prefixkv.PrefixStore(model, block_size=4)
     plans: list[list[tuple]] = []
-    original = prefixkv.cache.plan_reads
+    original = prefixkv.reads.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
         planned = original(pads, tables, start, q, *rest)
@@ -234,7 +232,7 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
             plans.append([(r.rows, r.slots is None) for r in planned[0]])
         return planned
 
-    monkeypatch.setattr(prefixkv.cache, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.reads, "plan_reads", recording)
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     ids = random_tokens(23, seed=7)[None]
     for call in range(3):
@@ -280,7 +278,7 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
         for model_mask in (mask, mask[:1]):
             pool = _Pool(pool_k, pool_v)
             pool.keys, pool.values = pool.keys * 2, pool.values * 2  # two layers (the same tensors)
-            forward = attention.BlocksForward(pool, reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v))
+            forward = ForwardReads(pool, reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v))
             sliced.clear()
             for layer in range(2):  # two layers sharing the model's mask
                 calls.clear()
@@ -313,12 +311,11 @@ def test_merging_two_parts_is_attention_over_their_union() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["append", "cow", "cut"]), st.integers(1, 60)), max_size=40))
+@given(st.lists(st.tuples(st.sampled_from(["append", "cow", "cut", "publish"]), st.integers(1, 60)), max_size=40))
 def test_the_runs_kept_between_forwards_are_those_of_a_fresh_walk(steps: list[tuple[str, int]]) -> None:
-    # a row's table grows at its end, has its last block replaced (copy-on-write), or is cut (which the cache
-    # answers by clearing the memo); every forward's runs must equal a walk of the whole table
-    from prefixkv.cache import _table_runs
-
+    # a row's table grows at its end, has its last block replaced (copy-on-write), is cut, or has a block anywhere
+    # replaced by the one the trie held those tokens in (publish); nobody tells the memo: every forward's runs must
+    # still equal a walk of the whole table
     memo: dict = {}
     table = [5]
     for kind, value in steps:
@@ -326,10 +323,11 @@ def test_the_runs_kept_between_forwards_are_those_of_a_fresh_walk(steps: list[tu
             table.append(table[-1] + 1 if value % 3 else value)
         elif kind == "cow":
             table[-1] = value
+        elif kind == "publish":
+            table[value % len(table)] = 100 + value
         elif len(table) > 1:
             del table[max(1, value % len(table)) :]
-            memo.clear()
-        assert _table_runs(table, memo) == _table_runs(table, None)
+        assert table_runs(table, memo) == table_runs(table, None)
 
 
 def test_a_layer_that_does_not_hand_its_cache_kv_to_the_attention_keeps_whole_rows(
@@ -382,3 +380,46 @@ def test_the_plain_tensor_attention_is_the_cpu_kernel(
         seen = mask.any(dim=-1).expand(batch, 2 * group, q)
         got, got_lse, want, want_lse = got[seen], got_lse[seen], want[seen], want_lse[seen]
     assert torch.allclose(got, want, atol=1e-10, rtol=0) and torch.allclose(got_lse, want_lse, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "name, device, dtype, expected",
+    [
+        ("auto", "cpu", torch.float32, "blocks"),
+        ("auto", "cpu", "int8", "gather"),
+        ("auto", "cpu", torch.bfloat16, "gather"),
+        ("auto", "cuda", torch.float32, "gather"),
+        ("gather", "cpu", torch.float32, "gather"),
+        ("blocks", "cuda", torch.float32, "blocks"),
+    ],
+)
+def test_the_backend_is_chosen_by_name_device_and_dtype(name: str, device: str, dtype: Any, expected: str) -> None:
+    backend, reason = attention.choose_backend(name, torch.device(device), dtype, model_dtype=torch.float32)
+    assert backend.name == expected and reason.startswith(expected + ": ")
+
+
+@pytest.mark.parametrize("name, dtype", [("flash", torch.float32), ("blocks", "fp8")])
+def test_a_backend_that_cannot_read_the_pool_is_refused(name: str, dtype: Any) -> None:
+    with pytest.raises(ValueError, match="backend"):
+        attention.choose_backend(name, torch.device("cpu"), dtype, model_dtype=torch.float32)
+
+
+def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
+    # its plan reads nothing in place; attending from it reads every row's whole K/V, with and without a mask
+    g = torch.Generator().manual_seed(4)
+    full_k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    full_v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    query = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
+    backend = attention.GatherBackend()
+    layout = reads.Layout(None, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
+    forward = backend.plan(layout, probe=False)
+    assert not forward.in_place and forward.reads == []
+    causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9)
+    for mask in (None, causal):
+        call = reads.AttentionCall(torch.nn.Module(), query, full_k, full_v, mask, {"scaling": 0.5})
+        assert not backend.servable(forward, call)
+        got = backend.attend(forward, 0, call)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, full_k, full_v, attn_mask=causal, scale=0.5, enable_gqa=True
+        )
+        assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)

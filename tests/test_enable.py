@@ -58,7 +58,7 @@ def test_enabled_generate_reuses_prefixes_and_matches_stock(model: Any, mode: st
     assert store.stats.queries == 2 and store.stats.hit_tokens == 32
     # return_dict_in_generate hands each call's cache back, open, so a follow-up call can continue from it;
     # dropping the outputs gives its blocks back, with no garbage collector needed
-    assert not any(returned_cache(out)._closed for out in outs)
+    assert not any(returned_cache(out).closed for out in outs)
     gc.disable()
     try:
         del outs, out
@@ -97,7 +97,7 @@ def test_calls_that_bring_or_refuse_a_cache_are_left_alone(model: Any) -> None:
     paged = prefixkv.PagedPrefixCache(store, ids)
     with spelled("past_key_values"):  # enable() recognises either keyword as the caller's cache
         out = _generate(model, ids, past_key_values=paged, do_sample=False)
-    assert returned_cache(out) is paged and not paged._closed  # the caller's cache stays the caller's
+    assert returned_cache(out) is paged and not paged.closed  # the caller's cache stays the caller's
     assert store.stats.queries == 1  # that cache's own lookup, no second one
     paged.close()
     prefixkv.disable(model)

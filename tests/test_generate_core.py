@@ -8,6 +8,7 @@ import torch
 from conftest import SPELLINGS, cache_kw, compare, left_pad, random_tokens
 
 import prefixkv
+from prefixkv.reads import WholeRows
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 TOL = 1e-6
@@ -170,7 +171,9 @@ def test_both_gather_paths_match_stock_and_padding_is_never_stored(model: object
     long = torch.cat([system, random_tokens(10, seed=17)])
     ids, mask = left_pad([long, long[pads[1] :]])
     cache = prefixkv.PagedPrefixCache(store, ids, mask)
-    aligned = cache._block_table_on(torch.device("cpu")) is not None
+    whole = WholeRows(store.blocks.gather, 4)
+    whole.begin([row.pad for row in cache._rows], [row.table for row in cache._rows], cache.get_seq_length())
+    aligned = whole.by_table
     assert aligned == (pads[1] % 4 == 0)
     cache.close()
     result = compare(model, store, ids, mask)

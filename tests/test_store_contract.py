@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import cache_kw
 
 import prefixkv
 from prefixkv.blocks import Claim
@@ -108,7 +109,7 @@ def test_publish_continues_from_the_claims_node(store: PrefixStore) -> None:
 def test_the_layers_still_serve_generate(store: PrefixStore) -> None:
     ids = torch.tensor([[*PROMPT, 40, 41]])
     with prefixkv.PagedPrefixCache(store, ids) as cache:
-        store.hf_model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)
+        store.hf_model.generate(ids, **cache_kw(cache), max_new_tokens=5, do_sample=False)
         assert cache.stats.cached_tokens == 10
         assert cache.block_tables()[0].blocks[:2] == tuple(store.blocks._trie.match(PROMPT).blocks[:2])
     store.check_invariants()

@@ -2,8 +2,8 @@
 pins, unpins, evictions and clears, against a reference that only remembers which token sequences were
 computed and which must still be cached. ``check_invariants()`` runs after every step.
 
-The model's forward is simulated: each step calls the cache's forward protocol (``begin_forward``,
-``update`` per layer, ``end_forward``) with K set to a hash of the row's tokens up to that position
+The model's forward is simulated: each step calls the cache's forward protocol (``prefixkv.cache.begin_forward``,
+``update`` per layer, ``prefixkv.cache.end_forward``) with K set to a hash of the row's tokens up to that position
 and V to the position, so every block read back can be checked against the tokens it claims to hold:
 a block shared wrongly, freed while read, or overwritten without copy-on-write shows up as a wrong hash.
 """
@@ -24,6 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import prefixkv
 from prefixkv import CapacityError
+from prefixkv.cache import begin_forward, end_forward
+from prefixkv.proof import ForwardInputs
 from prefixkv.tier import chunk_keys
 
 BLOCK = 2
@@ -102,10 +104,10 @@ def feed(cache: prefixkv.PagedPrefixCache, rows: list[list[int]], new: list[list
     """One simulated forward of ``new[i]`` after ``rows[i]`` (which already holds them at the end)."""
     start = cache.get_seq_length()
     q = len(new[0])
-    cache.begin_forward(torch.tensor(new), None, None)
+    begin_forward(cache, ForwardInputs(torch.tensor(new)))
     for layer, (k, v) in enumerate(layer_inputs(cache, rows, start, q)):
         cache.update(k, v, layer)
-    cache.end_forward(True)
+    end_forward(cache, True)
 
 
 class Fault(Exception):
@@ -310,7 +312,7 @@ class StoreMachine(RuleBasedStateMachine):
         def forward() -> None:
             start = cache.get_seq_length()
             try:
-                cache.begin_forward(torch.tensor(new), None, None)
+                begin_forward(cache, ForwardInputs(torch.tensor(new)))
                 inputs = layer_inputs(cache, rows, start, q)
                 cache.update(*inputs[0], 0)
                 paused.append(True)
@@ -322,7 +324,7 @@ class StoreMachine(RuleBasedStateMachine):
                 outcome.append(e)
             finally:
                 inside.set()
-                cache.end_forward(False)  # what the always-called forward hook does after a raise
+                end_forward(cache, False)  # what the always-called forward hook does after a raise
 
         thread = threading.Thread(target=forward)
         thread.start()
@@ -422,7 +424,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert_blocks_hold(store, list(seq), m.blocks, m.length)
         for live in self.live:
             for seq, row in zip(live.rows, live.cache._rows):
-                assert row.tokens == seq
+                assert row.proven and row.keys == seq
                 assert_blocks_hold(store, seq, row.table, len(seq))
 
     def teardown(self) -> None:

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import display, models
     from .cache import PagedPrefixCache
+    from .enabling import disable, enable
     from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
     from .memory import estimate, kv_bytes_per_token
-    from .patch import disable, enable
     from .persist import PersistStats
     from .score import Score, score
     from .stats import CacheStats, RowStats, StoreStats

@@ -6,11 +6,11 @@ asked for: ``prefixkv/__init__.py`` re-exports each of them."""
 from __future__ import annotations
 
 # _compat first: it refuses an unsupported transformers or torch before anything else imports them
-from . import _compat, display, models
+from . import _compat, display, models, runner  # runner: installs what runs every store's model
 from .cache import PagedPrefixCache
+from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .memory import estimate, kv_bytes_per_token
-from .patch import disable, enable
 from .persist import PersistStats
 from .score import Score, score
 from .stats import CacheStats, RowStats, StoreStats

@@ -1,30 +1,33 @@
 """The ``prefixkv`` attention implementation, registered with transformers' ``AttentionInterface``
-and, for its masks, ``AttentionMaskInterface``.
+and, for its masks, ``AttentionMaskInterface``, and the attention backends behind it (:func:`choose_backend`).
 
 The store switches a model whose implementation is ``sdpa`` to it and back (``PrefixStore.close``). In a
 forward with a ``PagedPrefixCache`` whose pool is on a device of :data:`READ_DEVICES` (the CPU), ``update``
-writes only the new K/V and this attention reads every row's held K/V where they sit in the pool
-(:func:`blocks_attention`: views of runs of blocks, one gather of scattered ones, blocks shared by several rows
-read once for all of them), merging the parts by their log-sum-exp; the model's own mask decides what each query
-sees. Everything else (calls without such a cache, a first forward that checks every layer reaches this
-attention, dropout, position bias, CUDA pools, quantized pools) runs the original ``sdpa`` on whole rows, which
-``update`` gathers. A model on ``eager`` (whose eager code may be its own, e.g. soft-capping), or whose
-attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its implementation and is served
-through ``update`` alone. docs/architectures.md lists the path of each family.
+writes only the new K/V and this attention reads every row's held K/V where they sit in the pool, from the
+forward's read plan (:class:`prefixkv.reads.ForwardReads`) that arrives on the K tensor ``update`` hands out
+(the ``"blocks"`` backend, :func:`blocks_attention`: views of runs of blocks, one gather of scattered ones,
+blocks shared by several rows read once for all of them), merging the parts by their log-sum-exp; the model's own
+mask decides what each query sees. Everything else (calls without such a cache, a first forward that checks every
+layer reaches this attention, dropout, position bias, CUDA pools, quantized pools: the ``"gather"`` backend) runs
+the original ``sdpa`` on whole rows, which ``update`` gathers. A model on ``eager`` (whose eager code may be its
+own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
+implementation and is served through ``update`` alone. docs/architectures.md lists the path of each family.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import reads
+from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, Read
 
 NAME = "prefixkv"
 _BASE = "_prefixkv_base_attn"
@@ -54,16 +57,19 @@ def prefixkv_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over the blocks of the ``PagedPrefixCache`` of this forward, when ``key`` is what the cache's
-    ``update`` handed out for this layer (:func:`blocks_attention`); otherwise, or for what reading the blocks does
-    not implement (soft-capping, attention sinks, dropout), the implementation the model had before the store
-    switched it, on every row's whole K/V."""
-    forward = _ACTIVE.get(threading.get_ident())
-    layer = None if forward is None else forward.layer_of(key)
-    if forward is not None and layer is not None:
+    ``update`` handed out for this layer (it carries the forward's read plan, :data:`prefixkv.reads.TAG`) and the
+    plan's backend serves the call; otherwise, or for what reading the blocks does not implement (soft-capping,
+    attention sinks, dropout), the implementation the model had before the store switched it, on every row's
+    whole K/V."""
+    found: tuple[ForwardReads, int] | None = getattr(key, reads.TAG, None)
+    if found is not None:
+        forward, layer = found
         forward.served.add(layer)
-        if not forward.probe:
-            if _servable(module, query, attention_mask, kwargs, forward):
-                return blocks_attention(forward, layer, query, key, value, attention_mask, kwargs.get("scaling")), None
+        backend = forward.backend
+        if forward.in_place and backend is not None:
+            call = AttentionCall(module, query, key, value, attention_mask, kwargs)
+            if backend.servable(forward, call):
+                return backend.attend(forward, layer, call), None
             key, value = forward.gather(layer)
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
@@ -75,7 +81,7 @@ def _servable(
     query: torch.Tensor,
     mask: torch.Tensor | None,
     kwargs: dict[str, Any],
-    forward: BlocksForward,
+    forward: ForwardReads,
 ) -> bool:
     """Whether :func:`blocks_attention` computes what transformers' ``sdpa`` attention (the only implementation
     the store switches from) would for this call: no dropout, no position bias, causal, and a mask that is ``None``
@@ -149,99 +155,40 @@ def uninstall(model: Any) -> None:
 # model's own implementation.
 
 
-class Read(NamedTuple):
-    """Columns of the pool that the queries of ``rows`` (batch indices) attend, ``length`` tokens per row:
-
-    - one row, or several with ``row_stride`` (a strided view: row ``j`` reads the ``length`` slots from
-      ``first_slot + j * row_stride``): a view of the pool, the first token at mask column ``columns[j]``;
-    - several rows without ``row_stride``: the same K/V for all of them (shared blocks, read once with every
-      row's queries), the slots from ``first_slot``, or ``slots`` (1-D) at mask columns ``columns[j] + offsets``;
-    - ``slots`` 2-D ``[rows, length]``: a gather, row ``j``'s K/V at ``slots[j]`` and mask columns
-      ``offsets[j]``, padded where ``valid`` is False.
-    """
-
-    rows: tuple[int, ...]
-    columns: tuple[int, ...]
-    length: int
-    first_slot: int | None = None
-    row_stride: int | None = None
-    slots: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+def part_mask_of(
+    forward: ForwardReads, mask: torch.Tensor | None, index: int, q: int, batch: int
+) -> torch.Tensor | None:
+    """The mask of read ``index`` (:func:`_read_mask`) from the model's ``mask`` (its batch dimension 1 or
+    ``batch``), or ``None`` where it lets every query see every column (the held columns of a row without
+    padding: the flash kernel runs faster without a mask), worked out once per forward for each mask the
+    model passes. Mutates the plan's memo."""
+    key = (id(mask), index)
+    hit = forward.masks.get(key)
+    if hit is not None and hit[0] is mask:
+        return hit[1]  # type: ignore[no-any-return]
+    part = _read_mask(None if mask is None else _batched(mask, batch), forward.reads[index], q)
+    if part is not None and part.dtype == torch.bool and bool(part.all()):
+        part = None
+    forward.masks[key] = (mask, part)
+    return part
 
 
-class BlocksForward:
-    """What one forward's attention needs to read the blocks: the pool (read at each call: another thread may
-    grow it), the reads, ``columns`` (the width of the model's mask), and ``new_from``: the column from which the
-    new K/V are attended from the arguments, or ``None`` when every column, the new ones included, is read from
-    the pool (a one-token step, whose K/V ``update`` wrote first). ``gather(layer)`` reads every row's whole K/V
-    (for a call this module does not serve, such as soft-capping or attention sinks). With ``probe``, ``update``
-    hands out whole rows and this only notes which layers reach the attention. Records, per layer, the key tensor
-    ``update`` handed out, so that only the attention call of that layer, with that tensor, reads the blocks."""
-
-    def __init__(
-        self,
-        pool: Any,
-        reads: list[Read],
-        columns: int,
-        new_from: int | None,
-        gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-        *,
-        probe: bool = False,
-    ) -> None:
-        self.pool = pool
-        self.reads = reads
-        self.columns = columns
-        self.new_from = new_from
-        self.gather = gather
-        self.probe = probe
-        self.handed: dict[int, tuple[int, torch.Tensor]] = {}
-        self.served: set[int] = set()
-        # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
-        self._masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
-
-    def part_mask(self, mask: torch.Tensor | None, index: int, q: int, batch: int) -> torch.Tensor | None:
-        """The mask of read ``index`` (:func:`_read_mask`) from the model's ``mask`` (its batch dimension 1 or
-        ``batch``), or ``None`` where it lets every query see every column (the held columns of a row without
-        padding: the flash kernel runs faster without a mask), worked out once per forward for each mask the
-        model passes. Mutates the memo."""
-        key = (id(mask), index)
-        hit = self._masks.get(key)
-        if hit is not None and hit[0] is mask:
-            return hit[1]  # type: ignore[no-any-return]
-        part = _read_mask(None if mask is None else _batched(mask, batch), self.reads[index], q)
-        if part is not None and part.dtype == torch.bool and bool(part.all()):
+def new_mask(forward: ForwardReads, mask: torch.Tensor | None, q: int, batch: int) -> tuple[torch.Tensor | None, bool]:
+    """The mask of the new columns (from ``new_from``) and whether it is plain causal (then ``None``, and the
+    kernel's causal flag serves it faster), once per forward for each mask. Mutates the plan's memo."""
+    key = (id(mask), -1)
+    hit = forward.masks.get(key)
+    if hit is not None and hit[0] is mask:
+        return hit[1]  # type: ignore[no-any-return]
+    assert forward.new_from is not None
+    part = None if mask is None else _batched(mask, batch)[..., forward.new_from :]
+    if part is not None and part.dtype == torch.bool and part.shape[-1] == q:
+        causal = torch.ones(q, q, dtype=torch.bool, device=part.device).tril()
+        if bool((part == causal).all()):
             part = None
-        self._masks[key] = (mask, part)
-        return part
-
-    def new_mask(self, mask: torch.Tensor | None, q: int, batch: int) -> tuple[torch.Tensor | None, bool]:
-        """The mask of the new columns (from ``new_from``) and whether it is plain causal (then ``None``, and the
-        kernel's causal flag serves it faster), once per forward for each mask. Mutates the memo."""
-        key = (id(mask), -1)
-        hit = self._masks.get(key)
-        if hit is not None and hit[0] is mask:
-            return hit[1]  # type: ignore[no-any-return]
-        assert self.new_from is not None
-        part = None if mask is None else _batched(mask, batch)[..., self.new_from :]
-        if part is not None and part.dtype == torch.bool and part.shape[-1] == q:
-            causal = torch.ones(q, q, dtype=torch.bool, device=part.device).tril()
-            if bool((part == causal).all()):
-                part = None
-        result = (part, part is None)
-        self._masks[key] = (mask, result)
-        return result
-
-    def hand_out(self, layer: int, key: torch.Tensor) -> None:
-        """Note that ``update`` returned ``key`` for ``layer``. Mutates."""
-        self.handed[id(key)] = (layer, key)
-
-    def layer_of(self, key: torch.Tensor) -> int | None:
-        entry = self.handed.get(id(key))
-        return entry[0] if entry is not None and entry[1] is key else None
-
-    def every_layer_served(self) -> bool:
-        return bool(self.handed) and self.served == {layer for layer, _ in self.handed.values()}
+    result = (part, part is None)
+    forward.masks[key] = (mask, result)
+    return result
 
 
 # device types whose pools attention reads in place. On CUDA, reading row by row costs a kernel launch per part
@@ -249,22 +196,8 @@ class BlocksForward:
 # a paged kernel is what reads blocks in place there
 READ_DEVICES = frozenset({"cpu"})
 
-_ACTIVE: dict[int, BlocksForward] = {}
 # models whose every attention layer was seen to hand the K/V from ``update`` to this attention unchanged
 _VERIFIED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def begin(forward: BlocksForward) -> None:
-    """Make ``forward`` the one this thread's attention calls read (forwards with a cache do not nest; one that
-    a failed forward left here is replaced). Mutates."""
-    _ACTIVE[threading.get_ident()] = forward
-
-
-def end(forward: BlocksForward) -> None:
-    """Undo :func:`begin` of ``forward``. Mutates."""
-    me = threading.get_ident()
-    if _ACTIVE.get(me) is forward:
-        del _ACTIVE[me]
 
 
 def serves(model: Any) -> bool:
@@ -278,6 +211,7 @@ def verified(model: Any) -> bool:
 
 
 def mark_verified(model: Any) -> None:
+    """Note that a forward of ``model`` passed every layer's K/V from the cache to this attention. Mutates."""
     _VERIFIED[model] = True
 
 
@@ -441,7 +375,7 @@ def _read_mask(mask: torch.Tensor | None, read: Read, q: int) -> torch.Tensor | 
 
 
 def blocks_attention(
-    forward: BlocksForward,
+    forward: ForwardReads,
     layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -459,7 +393,7 @@ def blocks_attention(
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-        part_mask = forward.part_mask(mask, number, q, batch)
+        part_mask = part_mask_of(forward, mask, number, q, batch)
         if len(read.rows) == 1:
             out, lse = attend(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
         else:
@@ -474,8 +408,8 @@ def blocks_attention(
                 out, lse = attend(chosen, k, v, part_mask, scale)
         parts.append((read.rows, out, lse))
     if forward.new_from is not None:
-        new_mask, causal = forward.new_mask(mask, q, batch)
-        out, lse = attend(query, key, value, new_mask, scale, causal=causal)
+        new, causal = new_mask(forward, mask, q, batch)
+        out, lse = attend(query, key, value, new, scale, causal=causal)
         parts.append((everyone, out, lse))
     if len(parts) == 1 and parts[0][0] == everyone:
         merged = parts[0][1]
@@ -496,3 +430,127 @@ def blocks_attention(
             merged.index_copy_(0, index, m.to(work))
             total.index_copy_(0, index, t.to(work))
     return merged.to(query.dtype).transpose(1, 2).contiguous()
+
+
+# -- the backends -----------------------------------------------------------------------------------------------
+
+
+class BlocksBackend:
+    """``"blocks"``: the attention reads every row's held K/V where they sit in the pool (:func:`blocks_attention`),
+    from reads planned by :func:`prefixkv.reads.plan_reads`. Keeps each row table's runs of consecutive blocks
+    between forwards (a table that only grew is re-walked from its last block)."""
+
+    name = "blocks"
+
+    def __init__(self) -> None:
+        self._runs: reads.RunsMemo = {}
+
+    def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
+        """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
+        that every layer reaches this attention). Mutates the runs memo."""
+        pool, pads, tables, start, q, block_size, gather = layout
+        planned, new_from = ([], None) if probe else reads.plan_reads(pads, tables, start, q, block_size, self._runs)
+        return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
+
+    def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
+        return _servable(call.module, call.query, call.mask, call.kwargs, forward)
+
+    def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
+        scale = call.kwargs.get("scaling")
+        return blocks_attention(forward, layer, call.query, call.key, call.value, call.mask, scale)
+
+
+class GatherBackend:
+    """``"gather"``: ``update`` reads every row's whole K/V out of the pool and the model's own attention runs
+    over them (CUDA pools, quantized pools, models whose attention does not go through this module)."""
+
+    name = "gather"
+
+    def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
+        """A plan of no reads: whole rows for every layer. Does not mutate."""
+        return ForwardReads(layout.pool, [], layout.start + layout.q, None, layout.gather, in_place=False)
+
+    def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
+        """Never: the model's own implementation over the whole rows ``update`` handed out is exact."""
+        return False
+
+    def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
+        """Attention of the call's query over every row's whole K/V of ``layer`` (``forward.gather``) under its
+        mask (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``. Does not mutate."""
+        query, mask = call.query, call.mask
+        k, v = forward.gather(layer)
+        if mask is None:
+            q, n = query.shape[2], k.shape[2]
+            mask = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
+        out, _ = attend(query, k.to(query.dtype), v.to(query.dtype), mask, call.kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous()
+
+
+BACKENDS = ("auto", "blocks", "gather")
+
+
+def choose_backend(
+    name: str, device: torch.device, dtype: torch.dtype | str, *, model_dtype: torch.dtype
+) -> tuple[AttentionBackend, str]:
+    """The attention backend called ``name`` (``"blocks"``, ``"gather"``, or ``"auto"``: ``"blocks"`` where the
+    pool is on a device of :data:`READ_DEVICES` and stored in the dtype the model computes in, else ``"gather"``)
+    for a pool on ``device`` stored as ``dtype`` (a torch dtype, or a quantized storage: ``"int8"``, ``"fp8"``),
+    and a one-line reason. A fresh backend each call: it keeps its own metadata. Does not mutate."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    readable = dtype == model_dtype
+    if name == "blocks" and not readable:
+        raise ValueError(
+            f"the 'blocks' backend reads the pool in the dtype the model computes in ({model_dtype}), but the pool "
+            f"is stored as {dtype}: choose 'gather' or 'auto'"
+        )
+    if name == "gather":
+        return GatherBackend(), "gather: asked for by name"
+    if name == "blocks":
+        return BlocksBackend(), "blocks: asked for by name"
+    if not readable:
+        return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
+    if device.type not in READ_DEVICES:
+        return GatherBackend(), f"gather: reading the blocks in place is not implemented fast on {device.type}"
+    return BlocksBackend(), f"blocks: the pool is on {device.type} in {dtype}"
+
+
+class Reader:
+    """How one cache's K/V reach the attention: the backend ``"auto"`` chooses for the pool (``None`` for layers
+    split across devices or dtypes: whole rows, read layer by layer) and the whole-row reader. A backend reads in
+    place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every layer
+    handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
+    invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
+    "Outputs that never depend on the cache")."""
+
+    def __init__(
+        self,
+        pool: Any,
+        gather: reads.Gather,
+        block_size: int,
+        *,
+        model: Any,
+        model_dtype: torch.dtype,
+        invariant: bool,
+    ) -> None:
+        self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
+        self._whole = reads.WholeRows(gather, block_size)
+        specs = pool.specs
+        self._backend: AttentionBackend | None = None
+        if specs and len({s.device for s in specs}) == 1 and len({s.dtype for s in specs}) == 1:
+            stored = pool.kv_dtype if pool.kv_dtype is not None else specs[0].dtype
+            self._backend, _ = choose_backend("auto", specs[0].device, stored, model_dtype=model_dtype)
+
+    def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
+        """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads
+        the blocks"), once per forward. Mutates only what the reader keeps between forwards."""
+        self._whole.begin(pads, tables, start + q)
+        gather = self._gather
+        if self._invariant or not serves(self._model) or self._backend is None:
+            return ForwardReads(self._pool, [], start + q, None, gather, in_place=False)
+        layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
+        return self._backend.plan(layout, probe=not verified(self._model))
+
+    def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool."""
+        return self._whole.read(layer, self._pool.specs[layer].device)

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache import PagedPrefixCache
+from .cache import PagedPrefixCache, attach_prompt
 from .store import PrefixStore
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
@@ -127,7 +127,7 @@ def logprob_rows(
     with PagedPrefixCache(store) as cache:
         # the cache knows each row's context only: it matches (and reuses) at most all but its last token,
         # and checks the fed ids against it; the continuation is recorded as it is fed
-        cache.attach_prompt(pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
+        attach_prompt(cache, pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
         start = cache.get_seq_length()
         kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
         if "logits_to_keep" in params:

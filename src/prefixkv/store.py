@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import operator
 import os
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -17,17 +17,14 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention, display, persist
-from .blocks import BlockManager, Claimed, TableView
-from .blocks import Claim as Claim  # merge seam: cache.py imports Claim from here until the cache-side split lands
+from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
-from .namespace import Namespace, layer_devices
-from .namespace import transformers_model as transformers_model  # merge seam: patch.py imports it from here
+from .namespace import Namespace, layer_devices, transformers_model
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
 from .stats import CacheStats, RowStats, StoreStats
 from .support import check_supported
 from .tier import BLOCK_FORMAT, OffloadTier
-from .trie import NodeView
 
 _INITIAL_BLOCKS = 16
 _DTYPE_NAMES = {
@@ -493,56 +490,6 @@ class PrefixStore:
             "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
             "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
         )
-
-    # merge seam: delegations for cache.py/patch.py until the cache-side split lands ----------------------
-
-    def space(self) -> Hashable:
-        return self.blocks.space()
-
-    def ensure_open(self) -> None:
-        self.blocks.ensure_open()
-
-    def claim(self, rows: list[list[int]], space: Hashable, choose: Callable[[list[int]], list[int]]) -> Claimed:
-        return self.blocks.claim(rows, space, choose)
-
-    def empty_claims(self, n: int) -> list[Claim]:
-        return self.blocks.empty_claims(n)
-
-    def extend(self, claims: Sequence[Claim], spans: Sequence[tuple[int, int]]) -> list[int]:
-        return self.blocks.extend(claims, spans)
-
-    def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> bool:
-        return self.blocks.publish(claim, tokens, known=known, end=end, space=space)
-
-    def truncate(self, claims: Sequence[Claim], chunks: Sequence[int]) -> None:
-        self.blocks.truncate(claims, chunks)
-
-    def fork(self, claims: Sequence[Claim]) -> list[Claim]:
-        return self.blocks.fork(claims)
-
-    def release(self, claims: Sequence[Claim]) -> None:
-        self.blocks.release(claims)
-
-    def write(
-        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None
-    ) -> None:
-        self.blocks.write(layer, slots, key, value, keep)
-
-    def gather(
-        self, layer: int, *, table: torch.Tensor | None = None, slots: torch.Tensor | None = None, length: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.blocks.gather(layer, table=table, slots=slots, length=length)
-
-    def table_view(self, claims: Sequence[Claim]) -> list[TableView]:
-        return self.blocks.table_view(claims)
-
-    def prefix_view(self) -> list[NodeView]:
-        return self.blocks.prefix_view()
-
-    def count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int], *, undo: bool = False) -> None:
-        self.blocks.count_query(prompt_tokens, reused, undo=undo)
-
-    # end of the merge seam -----------------------------------------------------------------------------
 
 
 def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 from tqdm import tqdm
 
-from ..patch import enable
+from ..enabling import enable
 from ..score import logprob_rows
 from ..store import PrefixStore
 

@@ -1,0 +1,181 @@
+"""The model hooks of a store: how a ``PagedPrefixCache`` learns what a forward feeds.
+
+The forward pre-hook builds each forward's record (:class:`prefixkv.proof.ForwardInputs`: the cache itself only
+ever sees K and V, docs/how-it-works.md, "Reuse, step by step") and begins the cache's forward; the
+forward hook ends it (publishing what the forward computed); a wrapper of ``prepare_inputs_for_generation`` shows
+the cache the whole sequence at the first step of each ``generate`` call, the only place where that sequence is
+visible, and tells the pre-hook which forwards are decode steps."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .attention import outside_compile
+from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call
+from .errors import CacheMisuseError
+from .proof import CACHE_KWARGS, ForwardInputs
+from .store import Handle, PrefixStore
+
+# caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
+_DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
+
+
+def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
+    """The ``PagedPrefixCache`` that a forward's or a call's arguments carry, if any."""
+    for name in CACHE_KWARGS:
+        cache = kwargs.get(name)
+        if isinstance(cache, PagedPrefixCache):
+            return cache
+    return None
+
+
+def _store_cache(store: PrefixStore, kwargs: dict[str, Any]) -> PagedPrefixCache | None:
+    """The ``PagedPrefixCache`` of ``store`` that a forward carries, if any."""
+    cache = paged_cache(kwargs)
+    return cache if cache is not None and cache.store is store else None
+
+
+def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
+    """Register the pre/post forward hooks of ``store`` on ``model`` and share the wrapper of its
+    ``prepare_inputs_for_generation``; return what undoes them. Mutates."""
+
+    params = inspect.signature(model.forward).parameters
+    positional = [name for name, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    # a model that takes no position_ids (Bloom's ALiBi) has K/V that do not depend on them
+    positions_matter = "position_ids" in params
+
+    def named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The forward's inputs by name, positional ones too (their order differs by family)."""
+        return {**dict(zip(positional, args)), **kwargs} if args else kwargs
+
+    @outside_compile
+    def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inputs = named(args, kwargs)
+        cache = _store_cache(store, inputs)
+        if cache is None:
+            return
+        if module is not model:
+            # `copy.deepcopy(model)` copies these hooks: the copy's weights are not the store's model's
+            raise CacheMisuseError(
+                "this PagedPrefixCache's PrefixStore was built for another model (this one is a copy.deepcopy of "
+                "it, which carries the store's hooks, not the store): build a PrefixStore for this model"
+            )
+        decode_step = cache in _DECODE_STEPS
+        _DECODE_STEPS.discard(cache)
+        begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+
+    @outside_compile
+    def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        cache = _store_cache(store, named(args, kwargs))
+        if cache is not None and module is model:
+            end_forward(cache, output is not None)  # torch passes None when the forward raised
+
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        # always_call: a forward that raises (or is cancelled by close() from another thread) still ends
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+        _PrepareUser(model),
+    ]
+
+
+# -- instance attributes that wrap a method --------------------------------------------------------
+
+
+class _Missing:
+    """No instance attribute was there: one object, in a deep copy of the model too."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
+        return self
+
+
+_MISSING = _Missing()
+
+
+class MethodPatch:
+    """``model.<name>`` replaced by an instance attribute; :meth:`remove` puts back exactly what was
+    there (usually nothing, so the class's method shows through again)."""
+
+    def __init__(self, model: torch.nn.Module, name: str, replacement: Callable[..., Any]) -> None:
+        self._model, self._name = model, name
+        self._previous = model.__dict__.get(name, _MISSING)
+        setattr(model, name, replacement)
+
+    def remove(self) -> None:
+        if self._previous is _MISSING:
+            delattr(self._model, self._name)
+        else:
+            setattr(self._model, self._name, self._previous)
+
+
+def bound_to_copies(function: Callable[..., Any], *model_args: Any) -> Callable[..., Any]:
+    """``function`` with ``model_args`` (the model, the bound method it wraps) first, as an instance attribute
+    that ``copy.deepcopy`` of the model copies rightly: a partial's arguments are deep-copied, so the copy's gets
+    the copy and the method bound to it (a closure would keep the original's)."""
+    return functools.update_wrapper(functools.partial(function, *model_args), model_args[-1])
+
+
+def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+    """``prepare_inputs_for_generation`` that, at the first step of a call, lets a ``PagedPrefixCache``
+    check the call's whole ``input_ids`` against what it holds and choose how many columns to feed."""
+    cache = paged_cache(kwargs)
+    if cache is None or args or not isinstance(input_ids, torch.Tensor):
+        return original(input_ids, *args, **kwargs)
+    if kwargs.get("is_first_iteration"):
+        kwargs["next_sequence_length"] = plan_call(cache, input_ids, kwargs.get("next_sequence_length"), kwargs)
+    inputs = original(input_ids, *args, **kwargs)
+    if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
+        raise CacheMisuseError(
+            "this model's prepare_inputs_for_generation replaced the PagedPrefixCache (Phi-3 does so with "
+            "rope scaling on long inputs), so prefixkv cannot serve this model: generate without it"
+        )
+    # a decode step of generate, whose mask is the one checked at the first step grown by ones: generate's decode
+    # loops pass one new column and no is_first_iteration, assisted decoding is_first_iteration=False; a call of
+    # one's own without either is checked in full
+    first = kwargs.get("is_first_iteration")
+    if first is False or (first is None and kwargs.get("next_sequence_length") == 1):
+        _DECODE_STEPS.add(cache)
+    else:
+        _DECODE_STEPS.discard(cache)
+    return inputs
+
+
+_PREPARE = "prepare_inputs_for_generation"
+_PREPARE_USERS = "_prefixkv_prepare_users"
+
+
+class _PrepareUser:
+    """One store's share of the ``prepare_inputs_for_generation`` wrapper; the last to leave removes it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model: torch.nn.Module | None = model
+        users: tuple[MethodPatch, int, weakref.ref[torch.nn.Module]] | None = model.__dict__.get(_PREPARE_USERS)
+        if users is None:
+            patch = MethodPatch(model, _PREPARE, bound_to_copies(_checking_prepare, getattr(model, _PREPARE)))
+            users = (patch, 0, weakref.ref(model))
+        patch, count, owner = users
+        if owner() is not model:  # a copy.deepcopy of a model with stores: the wrapper is the copy's, no store yet
+            count = 0
+        setattr(model, _PREPARE_USERS, (patch, count + 1, weakref.ref(model)))
+
+    def remove(self) -> None:
+        model, self._model = self._model, None
+        if model is None:
+            return
+        patch, count, owner = model.__dict__[_PREPARE_USERS]
+        if count > 1:
+            setattr(model, _PREPARE_USERS, (patch, count - 1, owner))
+            return
+        delattr(model, _PREPARE_USERS)
+        patch.remove()
+
+
+def has_open_store(model: torch.nn.Module) -> bool:
+    """Whether a store is attached to ``model`` itself (a deep copy carries the original's record, not a store)."""
+    users = model.__dict__.get(_PREPARE_USERS)
+    return users is not None and users[2]() is model

@@ -1,0 +1,342 @@
+"""The read plan of one forward: where every row's held K/V sit in the pool, built once per forward from the rows'
+block tables (:class:`ForwardReads`), and the seam behind which attention backends sit (:class:`AttentionBackend`).
+
+A backend plans a forward from the rows' pads and block tables (per-row lengths follow from the pads and the
+forward's width) and attends from the plan alone: the plan holds the pool and the store's whole-row reader, never
+the cache. ``update`` writes the new K/V and hands the attention either only them (a backend that reads the pool
+in place: :attr:`ForwardReads.in_place`) or every row's whole K/V read back (:meth:`ForwardReads.whole_rows`);
+the tensor it hands out carries the plan (:data:`TAG`), so the attention of that layer, and only it, finds
+the plan (no thread-global, no call back into the cache). What a plan derives from the tables and keeps between
+forwards (runs of consecutive blocks, the block table) checks itself against the tables it was built from, so
+no change of a table has to be announced."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+# runs shorter than this many blocks are gathered (one copy per row) rather than read as views (one call each)
+_MIN_RUN = 8
+# ... except for a row read alone, up to this many short runs (more: one gather rather than a call each)
+_LONE_ROW_VIEWS = 2
+
+# the attribute on the K tensor that ``update`` hands out: ``(the plan, the layer)``, so that the attention of that
+# layer, with that tensor, finds the plan (a copy of the tensor, or K/V of another cache, carry none)
+TAG = "_prefixkv_reads"
+
+
+class Read(NamedTuple):
+    """Columns of the pool that the queries of ``rows`` (batch indices) attend, ``length`` tokens per row:
+
+    - one row, or several with ``row_stride`` (a strided view: row ``j`` reads the ``length`` slots from
+      ``first_slot + j * row_stride``): a view of the pool, the first token at mask column ``columns[j]``;
+    - several rows without ``row_stride``: the same K/V for all of them (shared blocks, read once with every
+      row's queries), the slots from ``first_slot``, or ``slots`` (1-D) at mask columns ``columns[j] + offsets``;
+    - ``slots`` 2-D ``[rows, length]``: a gather, row ``j``'s K/V at ``slots[j]`` and mask columns
+      ``offsets[j]``, padded where ``valid`` is False.
+    """
+
+    rows: tuple[int, ...]
+    columns: tuple[int, ...]
+    length: int
+    first_slot: int | None = None
+    row_stride: int | None = None
+    slots: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
+
+RunsMemo = dict[int, tuple[list[int], list[list[int]]]]
+
+
+def table_runs(table: list[int], memo: RunsMemo | None) -> list[list[int]]:
+    """``[first, end)`` block indices of the runs of consecutive block ids in ``table``. With ``memo`` (kept by the
+    caller between forwards), the runs of a table seen before are reused up to its last block as long as the table
+    still starts with the blocks they were walked over (a copy of them is kept: a table cut, or one whose blocks the
+    trie replaced, is walked again from where it differs), so a decode step walks O(1) blocks. Mutates ``memo``."""
+    entry = None if memo is None else memo.get(id(table))
+    runs: list[list[int]] = []
+    walked = 0
+    if entry is not None:
+        seen, old = entry
+        keep = max(0, min(len(seen), len(table)) - 1)  # the last block seen may since be a copy (copy-on-write)
+        if table[:keep] != seen[:keep]:
+            keep = next(b for b in range(keep) if table[b] != seen[b])
+        for first, end in old:
+            if first >= keep:
+                break
+            runs.append([first, min(end, keep)])
+        walked = keep
+    for b in range(walked, len(table)):
+        if runs and runs[-1][1] == b and table[b] == table[b - 1] + 1:
+            runs[-1][1] = b + 1
+        else:
+            runs.append([b, b + 1])
+    if memo is not None:
+        memo[id(table)] = (list(table), runs)
+    return runs
+
+
+def _runs(
+    table: list[int], begin: int, stop: int, block_size: int, memo: RunsMemo | None
+) -> list[tuple[int, int, int]]:
+    """Tokens ``[begin, stop)`` of ``table`` (``begin`` a multiple of ``block_size``) as runs of consecutive block
+    ids: ``(first token, end token, first slot)``. Mutates ``memo`` only (:func:`table_runs`)."""
+    out = []
+    b, last = begin // block_size, -(-stop // block_size)
+    for first, end in table_runs(table, memo):
+        lo, hi = max(first, b), min(end, last)
+        if lo < hi:
+            out.append((lo * block_size, min(hi * block_size, stop), table[lo] * block_size))
+    return out
+
+
+def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads: list[int]) -> Read:
+    """One read of the scattered pieces ``(first token, end token, first slot)`` of several rows, padded to the
+    longest row's count (``valid`` marks the real ones)."""
+    width = max(sum(hi - lo for lo, hi, _ in row) for row in pieces)
+    slots = torch.zeros((len(rows), width), dtype=torch.long)
+    columns = torch.zeros((len(rows), width), dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    for j, (row, row_pieces) in enumerate(zip(rows, pieces)):
+        n = 0
+        for lo, hi, slot in row_pieces:
+            slots[j, n : n + hi - lo] = torch.arange(slot, slot + hi - lo)
+            columns[j, n : n + hi - lo] = torch.arange(pads[row] + lo, pads[row] + hi)
+            n += hi - lo
+        valid[j, :n] = True
+    return Read(tuple(rows), (0,) * len(rows), width, slots=slots, offsets=columns, valid=valid)
+
+
+def _shared_reads(
+    pads: list[int], tables: list[list[int]], spans: list[int], block_size: int, memo: RunsMemo | None
+) -> tuple[list[Read], list[int]]:
+    """The reads of leading blocks that several rows hold (cascade: read once for all of them), and per row the
+    tokens they cover."""
+    bs = block_size
+    first = [0] * len(pads)
+    reads: list[Read] = []
+    by_block: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        if spans[i] >= bs and table:
+            by_block.setdefault(table[0], []).append(i)
+    for members in by_block.values():
+        if len(members) < 2:
+            continue
+        shared = [tables[i] for i in members]
+        blocks = 0
+        for column in zip(*shared):
+            if any(b != column[0] for b in column):
+                break
+            blocks += 1
+        tokens = min(blocks, *(spans[i] // bs for i in members)) * bs  # whole blocks: the rest starts aligned
+        if not tokens:
+            continue
+        for lo, hi, slot in _runs(shared[0], 0, tokens, bs, memo):
+            reads.append(Read(tuple(members), tuple(pads[i] + lo for i in members), hi - lo, slot))
+        for i in members:
+            first[i] = tokens
+    return reads, first
+
+
+def plan_reads(
+    pads: list[int],
+    tables: list[list[int]],
+    start: int,
+    q: int,
+    block_size: int,
+    memo: RunsMemo | None = None,
+) -> tuple[list[Read], int | None]:
+    """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
+    possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
+    of consecutive blocks is a view of the pool, and when those runs start at evenly spaced slots (the rows of a
+    batch prefilled together) one strided view serves every row; other runs of at least ``_MIN_RUN`` blocks are
+    views too; what is left of every row (the blocks decode steps add one at a time, interleaved between rows) is
+    one gather for the whole batch. A one-token forward reads its own new column from the pool too; a longer one
+    attends its new K/V from the arguments, from column ``start`` (the second value). Mutates ``memo`` only."""
+    bs = block_size
+    end = start + q if q == 1 else start
+    spans = [max(0, end - pad) for pad in pads]
+    reads, first = _shared_reads(pads, tables, spans, bs, memo)
+    rows = [i for i in range(len(pads)) if spans[i] > first[i]]
+    runs_of = {i: _runs(tables[i], first[i], spans[i], bs, memo) for i in rows}
+    # every row's first run: one strided view when they start at evenly spaced slots
+    heads = [runs_of[i][0] for i in rows]
+    common = min((hi - lo for lo, hi, _ in heads), default=0)
+    steps = {heads[j + 1][2] - heads[j][2] for j in range(len(heads) - 1)}
+    if len(rows) > 1 and len(steps) == 1 and min(steps) >= 0 and common >= bs:
+        (step,) = steps
+        columns = tuple(pads[i] + runs_of[i][0][0] for i in rows)
+        reads.append(Read(tuple(rows), columns, common, heads[0][2], row_stride=step))
+        for i in rows:
+            lo, hi, slot = runs_of[i][0]
+            runs_of[i][0] = (lo + common, hi, slot + common)
+    scattered: dict[int, list[tuple[int, int, int]]] = {}
+    for i in rows:
+        pieces = [(lo, hi, slot) for lo, hi, slot in runs_of[i] if hi > lo]
+        short = sum(1 for lo, hi, _ in pieces if hi - lo < _MIN_RUN * bs)
+        for lo, hi, slot in pieces:
+            # in a batch, only long runs are worth a call of their own; a lone row's few short runs (a cached
+            # prefix, then its own blocks elsewhere in the pool) are views too: no index tensors, no padding mask
+            if hi - lo >= _MIN_RUN * bs or (len(rows) == 1 and short <= _LONE_ROW_VIEWS):
+                reads.append(Read((i,), (pads[i] + lo,), hi - lo, slot))
+            else:
+                scattered.setdefault(i, []).append((lo, hi, slot))
+    if scattered:
+        reads.append(_gather_read(list(scattered), list(scattered.values()), pads))
+    return reads, None if q == 1 else start
+
+
+Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class WholeRows:
+    """Reads every row's whole K/V of a layer out of the pool, ``[B, kv_heads, columns, head_dim]``, through the
+    store's ``gather`` (which holds its lock): by a block table when every row's padding is whole blocks, else by
+    slots. :meth:`begin` takes each forward's layout; the index tensor is built on the first read that needs it
+    and kept while the layout stays the same (checked against a copy, so a change needs no notice)."""
+
+    def __init__(self, gather: Gather, block_size: int) -> None:
+        self._gather_kv = gather
+        self._bs = block_size
+        self._layout: tuple[list[int], list[list[int]], int] = ([], [], 0)
+        self._by_table = False
+        self._built: dict[torch.device, torch.Tensor] = {}
+        self._columns = 0
+        self._next: tuple[list[int], list[list[int]], int] | None = None
+
+    def begin(self, pads: list[int], tables: list[list[int]], length: int) -> None:
+        """The layout of the forward about to run, looked at only if the forward reads whole rows. Mutates."""
+        self._next = (pads, tables, length)
+
+    def _settle(self) -> None:
+        """Take the layout :meth:`begin` was given, keeping what was built for an equal one. Mutates."""
+        if self._next is None:
+            return
+        (pads, tables, length), self._next = self._next, None
+        bs = self._bs
+        by_table = bool(tables) and all(p % bs == 0 for p in pads)
+        # a block table depends on the blocks the columns span, a slot table on the columns themselves
+        extent = -(-length // bs) if by_table else length
+        layout = (list(pads), [list(t) for t in tables], extent)
+        if layout != self._layout or by_table != self._by_table:
+            self._layout, self._by_table, self._built = layout, by_table, {}
+        self._columns = length
+
+    @property
+    def by_table(self) -> bool:
+        """Whether this forward reads by a block table (every row's padding is whole blocks), else by slots."""
+        self._settle()
+        return self._by_table
+
+    def read(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V of ``layer`` over the forward's columns. Mutates only what it keeps."""
+        self._settle()
+        table = self._built.get(device)
+        if table is None:
+            table = self._built[device] = self._table().to(device)
+        if self._by_table:
+            return self._gather_kv(layer, table=table, length=self._columns)
+        return self._gather_kv(layer, slots=table)
+
+    def _table(self) -> torch.Tensor:
+        bs = self._bs
+        pads, tables, extent = self._layout
+        if self._by_table:
+            lists = [[0] * (p // bs) + t for p, t in zip(pads, tables)]
+            return torch.tensor([t[:extent] + [0] * (extent - len(t)) for t in lists], dtype=torch.long)
+        return torch.stack([column_slots(pad, table, 0, extent, bs) for pad, table in zip(pads, tables)])
+
+
+def column_slots(pad: int, table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Pool slots of columns ``[start, stop)`` of a row with ``pad`` leading pads and block ``table``, a
+    LongTensor; pad columns read slot 0 (the null block)."""
+    t = torch.arange(start - pad, stop - pad)
+    blocks = torch.tensor(table, dtype=torch.long) if table else torch.zeros(1, dtype=torch.long)
+    slots = blocks[t.clamp(min=0) // block_size] * block_size + t.clamp(min=0) % block_size
+    return slots.masked_fill_(t < 0, 0)
+
+
+class ForwardReads:
+    """What one forward's attention needs, built once when the forward begins: the pool (read at each call:
+    another thread may grow it), the reads (:func:`plan_reads`), ``columns`` (the width of the model's mask),
+    ``new_from`` (the column from which the new K/V are attended from the arguments, ``None`` when every column
+    is read from the pool), ``gather(layer)``: every row's whole K/V, and the ``backend`` that attends from it.
+    ``in_place``: ``update`` hands out only
+    the new K/V and the attention reads the pool; otherwise it hands out whole rows, and with ``probe`` the
+    forward notes which layers reach the attention (a model is read in place once a forward showed that every
+    layer hands its K/V to the attention unchanged). Records per layer what ``update`` handed out."""
+
+    def __init__(
+        self,
+        pool: Any,
+        reads: list[Read],
+        columns: int,
+        new_from: int | None,
+        gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        probe: bool = False,
+        in_place: bool = True,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.pool = pool
+        self.reads = reads
+        self.columns = columns
+        self.new_from = new_from
+        self.gather = gather
+        self.probe = probe
+        self.in_place = in_place and not probe
+        self.backend = backend
+        self.handed: set[int] = set()
+        self.served: set[int] = set()
+        # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
+        self.masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
+
+    def every_layer_served(self) -> bool:
+        """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged."""
+        return bool(self.handed) and self.served == self.handed
+
+
+class Layout(NamedTuple):
+    """What a backend plans a forward from: the pool, each row's leading pads and block table, the forward's
+    ``q`` columns after ``start`` (row ``i`` holds ``start + q - pads[i]`` tokens once they are written), the block
+    size, and ``gather(layer)``, the store's read of every row's whole K/V."""
+
+    pool: Any
+    pads: list[int]
+    tables: list[list[int]]
+    start: int
+    q: int
+    block_size: int
+    gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class AttentionCall(NamedTuple):
+    """One layer's call of the attention function, as transformers makes it: ``query`` ``[B, Hq, q, D]``, what
+    ``update`` handed out as ``key``/``value``, the model's ``mask`` and the other keyword arguments."""
+
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    kwargs: dict[str, Any]
+
+
+class AttentionBackend(Protocol):
+    """How a forward's attention reads the pool: ``plan`` builds the forward's :class:`ForwardReads` from the
+    :class:`Layout` (a plan not ``in_place`` has ``update`` hand the model's own attention whole rows; with
+    ``probe``, whole rows while the forward checks that every layer reaches the attention); ``servable`` says
+    whether ``attend`` computes what the model's own attention would for a call (its mask, dropout,
+    soft-capping), and ``attend`` runs one layer's attention from the plan alone, returning ``[B, q, Hq, D]``. A
+    FlexAttention kernel plugs in here: its plan holds per-row block tables and lengths."""
+
+    name: str
+
+    def plan(self, layout: Layout, *, probe: bool) -> ForwardReads: ...
+
+    def servable(self, forward: ForwardReads, call: AttentionCall) -> bool: ...
+
+    def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor: ...

@@ -1,0 +1,150 @@
+"""Running a store's model: the prefill that ``PrefixStore.pin`` and ``PrefixStore.warm`` need, in-batch
+sharing (a prefix several rows of one batch share is computed once), and the canonical chunk schedule of an
+invariant store (docs/correctness.md, "Outputs that never depend on the cache"). The store needs them but sits
+below the cache, so it cannot import them: this module installs them in it (:func:`prefixkv.store.set_runner`)
+when prefixkv's public names load, and every store hooks its model (:mod:`prefixkv.hooks`) and prefills through
+them."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .cache import PagedPrefixCache, attach_prompt, publish_all
+from .hooks import attach_hooks
+from .stats import RowStats
+from .store import Handle, PrefixStore, set_runner
+
+
+@contextlib.contextmanager
+def prefill(store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool) -> Iterator[RowStats]:
+    """Compute the uncached rest of ``tokens`` with the store's model (one forward, whose whole blocks the
+    forward hook publishes) and, with ``keep_partial``, publish the last part-filled block too (what
+    ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). In an invariant store only the whole
+    chunks of ``tokens`` are computed and published, each by a forward of its own (:func:`prefill_chunks`).
+    Yields the prompt tokens reused and computed; what was published stays locked until the block exits.
+    ``count=False`` keeps the lookup out of the store's statistics. Mutates the store."""
+    if store.chunk_size is not None:
+        kept = tokens[: len(tokens) // store.chunk_size * store.chunk_size]
+        with prefill_chunks(store, [kept]) as (held,):
+            if count:
+                store.blocks.count_query([len(tokens)], [held])
+            yield RowStats(len(tokens), held, len(kept) - held)
+        return
+    ids = torch.tensor([tokens], dtype=torch.long) if count else None
+    with PagedPrefixCache(store, ids) as cache:
+        if not count:
+            attach_prompt(cache, [0], [tokens], count=False)
+        _forward(cache, tokens[cache.get_seq_length() :])
+        if keep_partial:
+            publish_all(cache)
+        yield cache.stats.per_row[0]
+
+
+@contextlib.contextmanager
+def prefill_chunks(store: PrefixStore, prefixes: list[list[int]]) -> Iterator[list[int]]:
+    """The canonical prefill of an invariant store (docs/correctness.md, "Outputs that never depend on the
+    cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.chunk_size`` tokens), computing
+    every chunk it lacks with a forward of its own, one row, ``[1, chunk_size]``, after the earlier chunks read
+    from the pool, so that a chunk's K/V are a function of its tokens and those before it alone. A chunk computed
+    for one prefix serves every later one that starts with it. Yields how many tokens of each prefix the store
+    held before (whole chunks); everything the prefixes hold stays locked until the block exits. Mutates the
+    store."""
+    chunk = store.chunk_size
+    if chunk is None:
+        raise ValueError("prefill_chunks is the prefill of an invariant store: PrefixStore(model, invariant=True)")
+    with contextlib.ExitStack() as holds:
+        held = []
+        for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
+            cache = holds.enter_context(PagedPrefixCache(store))
+            if tokens:
+                attach_prompt(cache, [0], [tokens], count=False, chunks=True)
+            held.append(cache.get_seq_length())
+        for tokens, before in zip(prefixes, held):
+            if before < len(tokens):
+                cache = holds.enter_context(PagedPrefixCache(store))
+                attach_prompt(cache, [0], [tokens], count=False, chunks=True)  # with what earlier prefixes computed
+                for start in range(cache.get_seq_length(), len(tokens), chunk):
+                    _forward(cache, tokens[start : start + chunk])
+        yield held
+
+
+def _forward(cache: PagedPrefixCache, tokens: list[int]) -> None:
+    """One forward of the store's model over ``tokens`` of a one-row prompt, after the columns ``cache`` holds."""
+    store = cache.store
+    model = store.hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+    # the first layer's device: model.device is `meta` when accelerate offloads the weights
+    ids = torch.tensor([tokens], device=store.blocks.pool.specs[0].device)
+    with torch.no_grad():
+        model(input_ids=ids, **kwargs)
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:
+    """The longest whole-block prefixes that two or more rows share (at most ``len - 1`` tokens of each, what a
+    row can reuse), each with the indices of the rows that start with it; a prefix of another one is left
+    out, as computing the longer one caches it too. Does not mutate."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    found: dict[tuple[int, ...], None] = {}
+    for a, b in itertools.pairwise(order):
+        n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
+        if n:
+            found[tuple(rows[a][:n])] = None
+    longest = [p for p in found if not any(len(q) > len(p) and q[: len(p)] == p for q in found)]
+    return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
+
+
+def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
+    beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
+    row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
+    computed = []
+    space = store.blocks.space()
+    for prefix, members in _shared_prefixes(rows, store.block_size):
+        if any(k < 0 for k in prefix):
+            continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
+        if store.blocks.cached_length(prefix, space) >= len(prefix):
+            continue
+        with prefill(store, prefix, keep_partial=False, count=False) as row:
+            computed.append((row.computed_tokens, members))
+    return computed
+
+
+class _Runner:
+    """What every store runs its model with (:class:`prefixkv.store.ModelRunner`)."""
+
+    def attach(self, store: PrefixStore) -> list[Handle]:
+        return attach_hooks(store.hf_model, store)
+
+    def prefill(
+        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool
+    ) -> contextlib.AbstractContextManager[RowStats]:
+        return prefill(store, tokens, keep_partial=keep_partial, count=count)
+
+    def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+        return _prefill_shared(store, rows)
+
+    def prefill_chunks(
+        self, store: PrefixStore, prefixes: list[list[int]]
+    ) -> contextlib.AbstractContextManager[list[int]]:
+        return prefill_chunks(store, prefixes)
+
+
+set_runner(_Runner())
