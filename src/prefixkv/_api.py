@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import _compat, display, models
 from .cache import PagedPrefixCache
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+from .many import Generation, generate_many
 from .memory import estimate, kv_bytes_per_token
 from .patch import disable, enable
 from .persist import PersistStats
