@@ -147,8 +147,8 @@ class EagerTrie(RadixTrie):
     eviction scans all leaves for the one that goes first (lowest priority, unprotected before protected, least
     recently used)."""
 
-    def touch(self, node: Node) -> None:
-        n: Node | None = node
+    def touch(self, node: Node, matched: int | None = None) -> None:
+        n: Node | None = node.parent if matched is not None and matched < node.end else node
         while n is not None and n.parent is not None:
             n.hits += 1
             n = n.parent
@@ -209,8 +209,9 @@ def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
             else:
                 ma, mb = lazy.match(seq), eager.match(seq)
                 if ma.length:
-                    lazy.touch(ma.node)
-                    eager.touch(mb.node)
+                    matched = ma.length if len(seq) % 2 else None  # as the store's lookups tell it, or not
+                    lazy.touch(ma.node, matched)
+                    eager.touch(mb.node, matched)
         elif op == "unlock" and locked:
             a, b = locked.pop(int(arg) % len(locked))  # type: ignore[call-overload]
             lazy.unlock(a)
@@ -255,9 +256,22 @@ def test_reused_prefixes_survive_a_scan_of_one_off_sequences() -> None:
         assert +held == trie.check_invariants()
 
 
+def test_lookups_that_end_inside_an_edge_protect_only_what_they_reused() -> None:
+    trie = RadixTrie(block_size=2)
+    node = trie.insert([1, 2, 3, 4, 5, 6], [1, 2, 3]).node
+    for _ in range(3):
+        trie.touch(node, matched=1)  # prompts sharing the first token by chance
+    assert node.hits == 0 and not trie.protected(node)
+    trie.touch(node, matched=6)
+    trie.touch(node)  # the length not known: the whole edge
+    assert trie.protected(node)
+    trie.check_invariants()
+
+
 def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
-    """Once protected nodes hold more than PROTECTED_SHARE (0.8) of the block occurrences, their least recently
-    used leaf is evicted before an unprotected one: prefixes that were hot once give way to new ones."""
+    """Once protected nodes hold more than PROTECTED_SHARE (0.8) of the most block occurrences the trie held, their
+    least recently used leaf is evicted before an unprotected one: prefixes that were hot once give way to new
+    ones."""
     for hot, first_out in ((4, [50]), (5, [1])):
         trie = RadixTrie(block_size=1)
         for t in range(1, hot + 1):  # one-block leaves, each reused twice
@@ -267,7 +281,7 @@ def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
         trie.insert([50], [50])
         assert trie._protected_occurrences == hot and trie._occurrences == hot + 1
         assert trie.evict_one() == first_out, hot  # 4 of 5 is not over the share; 5 of 6 is
-        assert trie.evict_one() == ([1] if hot == 4 else [50])  # then 4 of 5 again: the unprotected one
+        assert trie.evict_one() == ([1] if hot == 4 else [50])  # 4 of a peak of 6 is not over it either
         trie.check_invariants()
 
 

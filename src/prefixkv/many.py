@@ -175,9 +175,10 @@ def plan(rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens:
     """The batches (lists of row indices) in the order to run them. Rows are sorted by their tokens, so that rows
     sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
     store holds most of first (before other work can evict it); then consecutive rows fill batches of at most
-    ``batch_size`` rows and, in a store with a budget, of at most the blocks it can hold beside its pins (each row
-    needs its prompt and new tokens, less the whole blocks it reuses from the store or the row before it). Does
-    not mutate.
+    ``batch_size`` rows and, in a store with a budget, of at most half the blocks it holds beside its pins (each row
+    needs its prompt and new tokens, less the whole blocks it reuses from the store or the row before it): the
+    other half keeps what was cached before, so that a long job cannot flush a hot prefix by its batches' size
+    alone. A row larger than that goes in a batch of its own. Does not mutate.
 
     >>> import prefixkv
     >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
@@ -197,7 +198,7 @@ def plan(rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens:
         else:
             runs.append([i])
     runs.sort(key=lambda run: -cached[run[0]])  # stable: sorted order among equal hits
-    room = None if store.max_blocks is None else store.max_blocks - store.stats.blocks_pinned
+    room = None if store.max_blocks is None else (store.max_blocks - store.stats.blocks_pinned) // 2
     batches: list[list[int]] = []
     need = 0
     for i in (i for run in runs for i in run):

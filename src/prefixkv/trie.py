@@ -15,13 +15,14 @@ into an unlocked leaf, which then joins the heap. Locks count per path: locking 
 ancestor too, so a locked node is never a leaf candidate and nor is any node above it.
 
 Two refinements keep a long run of one-off prompts (a batch job, a scan) from evicting what is reused
-(docs/how-it-works.md, "Eviction"). A node that lookups have reused at least ``PROTECT_AFTER`` times is
-*protected*: unlocked leaves are evicted least recently used first among the unprotected ones, and a protected
-leaf goes only when no unprotected one is left, or when protected nodes hold more than ``PROTECTED_SHARE`` of the
-trie's block occurrences (then its least recently used protected leaf goes first, so that a set of prefixes that
-was hot once cannot keep new ones out forever). And a path may be *retained* with a priority (0-100, as
-TensorRT-LLM's retention priorities; ``DEFAULT_PRIORITY`` otherwise): a leaf of lower priority always goes
-before one of higher priority, and retaining, unlike locking, never makes a node unevictable.
+(docs/how-it-works.md, "Eviction"). A node whose path holds at least one whole block and that lookups have
+reused at least ``PROTECT_AFTER`` times is *protected*: unlocked leaves are evicted least recently used first
+among the unprotected ones, and a protected leaf goes only when no unprotected one is left, or when protected
+nodes hold more than ``PROTECTED_SHARE`` of the most block occurrences the trie has held (the pool, once full):
+then its least recently used protected leaf goes first, so that prefixes that were hot once cannot keep new ones
+out forever. And a path may be *retained* with a priority (0-100, as TensorRT-LLM's retention priorities;
+``DEFAULT_PRIORITY`` otherwise): a leaf of lower priority always goes before one of higher priority, and
+retaining, unlike locking, never makes a node unevictable.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import NamedTuple
 
 ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every namespace
 PROTECT_AFTER = 2  # reuses (lookups that match into a node) that protect it from a scan
-PROTECTED_SHARE = 0.8  # of the trie's block occurrences, beyond which protected leaves are evicted first
+PROTECTED_SHARE = 0.8  # of the most block occurrences held, beyond which protected leaves are evicted first
 DEFAULT_PRIORITY = 35  # the retention priority of a node no retain reaches (TensorRT-LLM's default)
 
 
@@ -146,6 +147,7 @@ class RadixTrie:
         self._hot: list[tuple[int, int, int, Node]] = []
         self._size = 0  # nodes below the root: bounds the heaps' stale entries (see _offer)
         self._occurrences = self._protected_occurrences = 0  # block occurrences, all and in protected nodes
+        self._peak = 0  # the most block occurrences held at once: the pool's size, once it has been full
 
     def root_of(self, space: Hashable) -> Node:
         """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
@@ -295,6 +297,7 @@ class RadixTrie:
                 node.children[seq[pos]] = leaf
                 self._size += 1
                 self._occurrences += len(leaf.blocks)
+                self._peak = max(self._peak, self._occurrences)
                 added.extend(leaf.blocks)
                 self._stamp(leaf)
                 return Insert(leaf, added)
@@ -325,6 +328,7 @@ class RadixTrie:
         lower_first = cut // bs - node.start // bs
         straddle = node.blocks[lower_first] if cut % bs else None
         self._occurrences += len(upper.blocks) - lower_first  # one more where a block straddles the cut
+        self._peak = max(self._peak, self._occurrences)
         if self.protected(node):
             self._protected_occurrences -= lower_first
         node.tokens = node.tokens[k:]
@@ -348,16 +352,22 @@ class RadixTrie:
         upper, straddle = self._split(m.node, m.length - m.node.start)
         return Insert(upper, [] if straddle is None else [straddle])
 
-    def touch(self, node: Node) -> None:
-        """Count a reuse of ``node`` (a lookup matched into it) and mark it as used now (LRU). Mutates.
+    def touch(self, node: Node, matched: int | None = None) -> None:
+        """Count a reuse of ``node`` (a lookup matched into it, ``matched`` tokens long if known) and mark it as used
+        now (LRU). Mutates.
+
+        A lookup that ends inside the edge (``matched < node.end``) counts for the parent, the part it reused whole:
+        prompts that share a node's first tokens by chance (one-off prompts sorted next to each other) do not
+        protect its rest. Without ``matched`` the lookup counts for the whole edge.
 
         Its ancestors are not stamped nor counted: a node is an eviction candidate only once it is a leaf, and
         every node below it has been evicted by then, each handing its time and its reuses up
         (:meth:`evict_lru`). So a parent competes with the time of the latest use at or below it and with every
         reuse at or below it, as if every touch stamped and counted the whole path, at O(1) per touch instead of
-        the depth of a long chain. A lookup that ends inside an edge counts for the whole edge."""
-        if node.parent is not None:
-            self._add_hits(node, 1)
+        the depth of a long chain."""
+        counted = node.parent if matched is not None and matched < node.end else node
+        if counted is not None and counted.parent is not None:
+            self._add_hits(counted, 1)
         self._stamp(node)
 
     def _stamp(self, node: Node) -> None:
@@ -459,8 +469,9 @@ class RadixTrie:
                         self._heap = rebuilt
 
     def protected(self, node: Node) -> bool:
-        """Whether lookups reused ``node`` often enough to protect it from a scan. Does not mutate."""
-        return node.hits >= self.protect_after
+        """Whether lookups reused ``node`` often enough to protect it from a scan, and its path holds a whole block
+        (prompts that share only their first few tokens, by chance, do not protect them). Does not mutate."""
+        return node.hits >= self.protect_after and node.end >= self.block_size
 
     def _top(self, heap: list[tuple[int, int, int, Node]], protected: bool) -> tuple[int, int, int, Node] | None:
         """The first entry of ``heap`` that is still an evictable leaf with that key, dropping stale ones before
@@ -493,7 +504,7 @@ class RadixTrie:
         cold, hot = self._top(self._heap, False), self._top(self._hot, True)
         if cold is None and hot is None:
             return None
-        overflow = self._protected_occurrences > self.protected_share * self._occurrences
+        overflow = self._protected_occurrences > self.protected_share * self._peak
         take_hot = cold is None or (hot is not None and (hot[0], not overflow) < (cold[0], True))
         _, _, _, node = heapq.heappop(self._hot if take_hot else self._heap)
         parent = node.parent
