@@ -3,11 +3,11 @@
 The prompts are sorted by their token ids, so that prompts sharing a prefix (a system prompt, few-shot
 examples) lie next to each other; a group whose prefix the store holds already goes first, before other work can
 evict it. Consecutive prompts then fill left-padded batches of at most ``batch_size`` rows and, in a store with a
-budget, of at most the blocks it can hold; each batch is one ``generate`` call with a ``PagedPrefixCache``, which
-computes a prefix that several rows share once and reads it once for all of them (docs/how-it-works.md). What a
-batch computes stays in the store for the batches after it. Each row's result is that of ``generate`` on its
-prompt alone (docs/correctness.md, "Batches"): rows that stop early (an end-of-sequence token, a stop string) are
-cut where that call would have stopped.
+budget, of at most half the blocks it can hold; each batch is one ``generate`` call with a ``PagedPrefixCache``,
+which computes a prefix that several rows share once and reads it once for all of them (docs/how-it-works.md).
+What a batch computes stays in the store for the batches after it. Each row's result is that of ``generate`` on
+its prompt alone (docs/generate.md, "Many prompts at once"): rows that stop early (an end-of-sequence token, a
+stop string) are cut where that call would have stopped.
 """
 
 from __future__ import annotations
@@ -114,15 +114,15 @@ def generate_many(
     Every row equals ``generate`` on its prompt alone: in float64 the same tokens and logits within 1e-6, for
     greedy and beam search. Sampling draws from the same distributions but not with the same random numbers (a
     batch draws all its rows at once). In low precision a batch's kernels may round differently from a one-row
-    call (docs/correctness.md).
+    call (docs/correctness.md, "Outputs that never depend on the cache").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
     >>> system = list(range(10, 42))
     >>> out = prefixkv.generate_many(model, [system + [50], system + [60, 61]], max_new_tokens=4,
     ...                              do_sample=False, progress=False)
-    >>> [len(g.tokens) for g in out], [g.cached_tokens for g in out]  # the rows shared the system prompt
-    ([4, 4], [32, 32])
+    >>> [len(g.tokens) for g in out], [g.cached_tokens for g in out]  # the prefix computed once, for row 1
+    ([4, 4], [31, 0])
     """
     for key, why in _REFUSED.items():
         if key in generate_kwargs:

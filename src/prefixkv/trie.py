@@ -15,14 +15,14 @@ into an unlocked leaf, which then joins the heap. Locks count per path: locking 
 ancestor too, so a locked node is never a leaf candidate and nor is any node above it.
 
 Two refinements keep a long run of one-off prompts (a batch job, a scan) from evicting what is reused
-(docs/how-it-works.md, "Eviction"). A node whose path holds at least one whole block and that lookups have
-reused at least ``PROTECT_AFTER`` times is *protected*: unlocked leaves are evicted least recently used first
-among the unprotected ones, and a protected leaf goes only when no unprotected one is left, or when protected
-nodes hold more than ``PROTECTED_SHARE`` of the most block occurrences the trie has held (the pool, once full):
-then its least recently used protected leaf goes first, so that prefixes that were hot once cannot keep new ones
-out forever. And a path may be *retained* with a priority (0-100, as TensorRT-LLM's retention priorities;
-``DEFAULT_PRIORITY`` otherwise): a leaf of lower priority always goes before one of higher priority, and
-retaining, unlike locking, never makes a node unevictable.
+(docs/generate.md, "Many prompts at once"). A node whose path holds at least one whole block and that lookups
+have reused at least ``PROTECT_AFTER`` times is *protected*: unlocked leaves are evicted least recently used
+first among the unprotected ones, and a protected leaf goes only when no unprotected one is left, or when
+protected nodes hold more than ``PROTECTED_SHARE`` of the most block occurrences the trie has held (the pool,
+once full): then its least recently used protected leaf goes first, so that prefixes that were hot once cannot
+keep new ones out forever. And a path may be *retained* with a priority (0-100, as TensorRT-LLM's retention
+priorities; ``DEFAULT_PRIORITY`` otherwise): a leaf of lower priority always goes before one of higher
+priority, and retaining, unlike locking, never makes a node unevictable.
 """
 
 from __future__ import annotations
