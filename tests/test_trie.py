@@ -3,7 +3,6 @@ evictions; every matched block must hold the query's tokens."""
 
 from __future__ import annotations
 
-import heapq
 from collections import Counter
 
 import pytest
@@ -144,40 +143,54 @@ def test_publishing_a_long_chain_compares_no_edge(monkeypatch: pytest.MonkeyPatc
 
 
 class EagerTrie(RadixTrie):
-    """The reference for LRU order: every touch stamps the node and all its ancestors."""
+    """The reference for eviction order: every touch stamps and counts the node and all its ancestors, and every
+    eviction scans all leaves for the one that goes first (lowest priority, unprotected before protected, least
+    recently used)."""
 
-    def touch(self, node: Node) -> None:
+    def touch(self, node: Node, matched: int | None = None) -> None:
+        n: Node | None = node.parent if matched is not None and matched < node.end else node
+        while n is not None and n.parent is not None:
+            n.hits += 1
+            n = n.parent
+        self._stamp(node)
+
+    def _stamp(self, node: Node) -> None:
         now = next(self._clock)
         n: Node | None = node
         while n is not None and n.parent is not None:
             n.last_access = now
             n = n.parent
-        self._offer(node)
+
+    def _split(self, node: Node, k: int) -> tuple[Node, int | None]:
+        upper, straddle = super()._split(node, k)
+        upper.hits = node.hits  # every reuse of the lower part went through the upper one
+        return upper, straddle
 
     def evict_lru(self) -> Node | None:
-        while self._heap:
-            stamp, _, node = heapq.heappop(self._heap)
-            if not node.alive or node.lock or node.children or stamp != node.last_access:
-                continue
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.tokens[0]]
-            node.alive = False
-            self._size -= 1
-            self._offer(parent)
-            return node
-        return None
+        leaves = [n for n in self.nodes() if not n.lock and not n.children]
+        if not leaves:
+            return None
+        node = min(leaves, key=lambda n: (n.priority, self.protected(n), n.last_access))
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.tokens[0]]
+        node.alive = False
+        self._size -= 1
+        return node
 
 
 @settings(max_examples=300, deadline=None)
-@given(block_size=st.integers(1, 3), script=ops)
+@given(block_size=st.integers(1, 3), script=ops, priorities=st.lists(st.sampled_from([10, 35, 80]), max_size=4))
 def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
-    block_size: int, script: list[tuple[str, object]]
+    block_size: int, script: list[tuple[str, object]], priorities: list[int]
 ) -> None:
-    """touch() is O(1): a parent gets the time of the latest use below it when it becomes a leaf. Eviction
-    order is exactly that of stamping every ancestor on each touch."""
-    lazy, eager = RadixTrie(block_size), EagerTrie(block_size)
+    """touch() is O(1): a parent gets the time of the latest use below it, and every reuse below it, when it
+    becomes a leaf. Eviction order (priorities, protection after two reuses, LRU) is exactly that of stamping and
+    counting every ancestor on each touch and scanning all leaves (with the protected share unbounded: the
+    bound is tested below)."""
+    lazy, eager = RadixTrie(block_size, protected_share=1.0), EagerTrie(block_size, protected_share=1.0)
     locked: list[tuple[Node, Node]] = []
+    retained: list[tuple[Node, Node, int]] = []
     for op, arg in script:
         if op in ("insert", "match"):
             seq = list(arg)  # type: ignore[call-overload]
@@ -188,15 +201,25 @@ def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
                     lazy.lock(a.node)
                     eager.lock(b.node)
                     locked.append((a.node, b.node))
+                elif priorities and len(seq) % 3 == 0:
+                    p = priorities.pop()
+                    lazy.retain(a.node, p)
+                    eager.retain(b.node, p)
+                    retained.append((a.node, b.node, p))
             else:
                 ma, mb = lazy.match(seq), eager.match(seq)
                 if ma.length:
-                    lazy.touch(ma.node)
-                    eager.touch(mb.node)
+                    matched = ma.length if len(seq) % 2 else None  # as the store's lookups tell it, or not
+                    lazy.touch(ma.node, matched)
+                    eager.touch(mb.node, matched)
         elif op == "unlock" and locked:
             a, b = locked.pop(int(arg) % len(locked))  # type: ignore[call-overload]
             lazy.unlock(a)
             eager.unlock(b)
+        elif op == "lock" and retained:
+            a, b, p = retained.pop(int(arg) % len(retained))  # type: ignore[call-overload]
+            lazy.release(a, p)
+            eager.release(b, p)
         elif op == "evict":
             for _ in range(int(arg)):  # type: ignore[call-overload]
                 out = lazy.evict_one()
@@ -204,9 +227,77 @@ def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
                 if out is None:
                     break
         assert [v[:5] for v in lazy.view()] == [v[:5] for v in eager.view()]
+        lazy.check_invariants()
     while (out := lazy.evict_one()) is not None:
         assert out == eager.evict_one()
     assert eager.evict_one() is None
+
+
+def test_reused_prefixes_survive_a_scan_of_one_off_sequences() -> None:
+    """Four prefixes reused twice, then a scan of 1,000 one-off sequences under a budget that holds a few of
+    them: every eviction takes a one-off, and the four stay whole. Plain LRU (protection switched off) loses them
+    in the first evictions."""
+    for protect_after in (trie_module.PROTECT_AFTER, 10**9):
+        trie = RadixTrie(block_size=4, protect_after=protect_after)
+        held: Counter[int] = Counter()
+        hot = [[100 + h] * 16 for h in range(4)]
+        one_offs = ([i % 97, i // 97, *range(200, 206)] for i in range(1000))  # first tokens shared now and then
+        for n, seq in enumerate([*hot, *one_offs]):
+            held.update(trie.insert(seq, list(range(10 * n + 1, 10 * n + 1 + len(seq) // 4))).added)
+            while held.total() > 32:  # the budget: 32 block occurrences
+                released = trie.evict_one()
+                assert released is not None
+                held.subtract(released)
+            if n == len(hot) - 1:
+                for seq in 2 * hot:
+                    trie.touch(trie.match(seq).node)
+        kept = [trie.match(seq).length == 16 for seq in hot]
+        assert all(kept) if protect_after == trie_module.PROTECT_AFTER else not any(kept), (protect_after, kept)
+        assert +held == trie.check_invariants()
+
+
+def test_lookups_that_end_inside_an_edge_protect_only_what_they_reused() -> None:
+    trie = RadixTrie(block_size=2)
+    node = trie.insert([1, 2, 3, 4, 5, 6], [1, 2, 3]).node
+    for _ in range(3):
+        trie.touch(node, matched=1)  # prompts sharing the first token by chance
+    assert node.hits == 0 and not trie.protected(node)
+    trie.touch(node, matched=6)
+    trie.touch(node)  # the length not known: the whole edge
+    assert trie.protected(node)
+    trie.check_invariants()
+
+
+def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
+    """Once protected nodes hold more than PROTECTED_SHARE (0.8) of the most block occurrences the trie held, their
+    least recently used leaf is evicted before an unprotected one: prefixes that were hot once give way to new
+    ones."""
+    for hot, first_out in ((4, [50]), (5, [1])):
+        trie = RadixTrie(block_size=1)
+        for t in range(1, hot + 1):  # one-block leaves, each reused twice
+            node = trie.insert([t], [t]).node
+            trie.touch(node)
+            trie.touch(node)
+        trie.insert([50], [50])
+        assert trie._protected_occurrences == hot and trie._occurrences == hot + 1
+        assert trie.evict_one() == first_out, hot  # 4 of 5 is not over the share; 5 of 6 is
+        assert trie.evict_one() == ([1] if hot == 4 else [50])  # 4 of a peak of 6 is not over it either
+        trie.check_invariants()
+
+
+def test_retained_priorities_order_eviction_and_keep_nothing_forever() -> None:
+    trie = RadixTrie(block_size=1)
+    low, _, high = (trie.insert([t], [t]).node for t in (1, 2, 3))
+    trie.retain(high, 90)
+    trie.retain(low, 10)
+    trie.touch(low)  # recency does not outrank priority
+    assert [trie.evict_one() for _ in range(3)] == [[1], [2], [3]]
+    assert trie.evict_one() is None
+    with pytest.raises(ValueError, match="from 0 to 100"):
+        trie.retain(trie.insert([4], [4]).node, 101)
+    trie.release(high, 90)  # also once evicted
+    with pytest.raises(ValueError, match="not retained at"):
+        trie.release(high, 90)
 
 
 def test_a_parent_competes_with_the_latest_use_below_it() -> None:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from .cache import PagedPrefixCache
     from .enabling import disable, enable
     from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .many import Generation, generate_many
     from .memory import estimate, kv_bytes_per_token
     from .persist import PersistStats
     from .score import Score, score
@@ -23,6 +24,7 @@ __all__ = [
     "CacheMisuseError",
     "CacheStats",
     "CapacityError",
+    "Generation",
     "PagedPrefixCache",
     "PersistError",
     "PersistStats",
@@ -38,6 +40,7 @@ __all__ = [
     "display",
     "enable",
     "estimate",
+    "generate_many",
     "kv_bytes_per_token",
     "models",
     "score",

@@ -10,6 +10,7 @@ from . import _compat, display, models, runner  # runner: installs what runs eve
 from .cache import PagedPrefixCache
 from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+from .many import Generation, generate_many
 from .memory import estimate, kv_bytes_per_token
 from .persist import PersistStats
 from .score import Score, score

