@@ -161,28 +161,14 @@ def test_calls_a_padded_batch_cannot_honour_are_refused(llama64: Any) -> None:
     store.close()
 
 
-@pytest.mark.parametrize(
-    "protected",
-    [
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the store's lookups must tell the trie how much they matched (PrefixStore._lookup: "
-                "self._trie.touch(m.node, m.length)); without it, one-off prompts sorted next to each other share "
-                "first tokens and protect each other",
-            ),
-        ),
-        False,
-    ],
-)
+@pytest.mark.parametrize("protected", [True, False])
 def test_a_scan_of_one_off_prompts_keeps_the_hot_ones(llama64: Any, protected: bool) -> None:
     """Four hot prompts used three times each, then a batch job of 1,000 one-off prompts through a store that
     holds a fraction of them: the hot ones still hit afterwards, and give stock's output. With the protection
     switched off (plain LRU) the scan evicts them: the test can fail."""
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=64)
     if not protected:
-        store._trie.protect_after = 10**9
+        store.blocks._trie.protect_after = 10**9
     hot = [[*random_tokens(16, seed=500 + h).tolist(), 3] for h in range(4)]
     for _ in range(3):
         prefixkv.generate_many(llama64, hot, store=store, max_new_tokens=1, progress=False)
@@ -199,5 +185,33 @@ def test_a_scan_of_one_off_prompts_keeps_the_hot_ones(llama64: Any, protected: b
     for g in out:
         assert g.cached_tokens == 16  # all but the one token each call computes
         assert_same(g, stock(llama64, g.prompt, max_new_tokens=4, output_logits=True))
+    store.check_invariants()
+    store.close()
+
+
+def test_a_soft_pin_outlasts_lower_priorities_but_never_blocks_the_store(llama64: Any) -> None:
+    """``store.pin(ids, priority=p)``: under a plain LRU (protection off) a scan of one-off prompts evicts every
+    unpinned prefix but leaves the soft-pinned one; the pin holds no budget (a store whose every block it fills
+    still serves a new prompt, evicting it), ``unpin`` needs the same priority, and what it kept matches stock."""
+    store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=16)
+    store.blocks._trie.protect_after = 10**9
+    kept, other = random_tokens(16, seed=700).tolist(), random_tokens(16, seed=701).tolist()
+    assert store.pin(kept, priority=90) == 16
+    assert store.stats.blocks_pinned == 0  # a soft pin counts against no budget
+    prefixkv.generate_many(llama64, [other], store=store, max_new_tokens=1, progress=False)
+    scan = [random_tokens(8, seed=2000 + i).tolist() for i in range(40)]
+    prefixkv.generate_many(llama64, scan, store=store, batch_size=4, max_new_tokens=1, progress=False)
+    assert store.cached_length(other) < 16 and store.cached_length(kept) == 16
+    (g,) = prefixkv.generate_many(
+        llama64, [[*kept, 3]], store=store, max_new_tokens=3, output_logits=True, progress=False
+    )
+    assert g.cached_tokens == 16
+    assert_same(g, stock(llama64, g.prompt, max_new_tokens=3, output_logits=True))
+    with pytest.raises(ValueError, match="not pinned at priority 50"):
+        store.unpin(kept, priority=50)
+    big = random_tokens(60, seed=702).tolist()  # 15 blocks of 16: only room if the soft pin gives way
+    (g,) = prefixkv.generate_many(llama64, [big], store=store, max_new_tokens=1, output_logits=True, progress=False)
+    assert_same(g, stock(llama64, g.prompt, max_new_tokens=1, output_logits=True))
+    store.unpin(kept, priority=90)
     store.check_invariants()
     store.close()

@@ -96,6 +96,7 @@ def test_eviction_takes_the_least_recently_used_leaf(llama64: Any) -> None:
 
 def test_a_parent_is_evicted_only_once_it_is_a_leaf(llama64: Any) -> None:
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=6)
+    store.blocks._trie.protect_after = 10**9  # the order among unprotected prefixes (the parent is reused twice)
     shared = random_tokens(8, seed=6)
     x, y = (torch.cat([shared, random_tokens(4, seed=s)]) for s in (7, 8))
     fill(llama64, store, x)

@@ -370,7 +370,7 @@ class BlockManager:
             matches = [self._trie.match(r, space) for r in rows]
             for m in matches:
                 if m.length:
-                    self._trie.touch(m.node)
+                    self._trie.touch(m.node, m.length)
             return matches
 
     def insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
@@ -655,17 +655,19 @@ class Room:
 
 
 class Pins:
-    """The prefixes pinned in a manager (``store.pin``): each keeps the trie node that ends it locked, so that
-    nothing under it is evicted, and counts against the budget. Pins nest: a prefix pinned twice holds two
-    locks."""
+    """The prefixes pinned in a manager (``store.pin``): a hard pin (``priority=None``) keeps the trie node that
+    ends it locked, so that nothing under it is evicted, and counts against the budget; a soft pin retains its
+    path at a priority (the trie's :meth:`~prefixkv.trie.RadixTrie.retain`: evicted after every leaf of lower
+    priority, but never kept when nothing else is left) and counts against nothing. Pins nest: a prefix pinned
+    twice holds two locks (or two retains)."""
 
     def __init__(self, blocks: BlockManager) -> None:
         self._blocks = blocks
-        self._pins: dict[tuple[Hashable, tuple[int, ...]], list[Node]] = {}
+        self._pins: dict[tuple[Hashable, tuple[int, ...], int | None], list[Node]] = {}
 
     def nodes(self) -> list[Node]:
-        """The node each pin locks (once per pin). Does not mutate."""
-        return [n for nodes in self._pins.values() for n in nodes]
+        """The node each hard pin locks (once per pin). Does not mutate."""
+        return [n for (_, _, priority), nodes in self._pins.items() if priority is None for n in nodes]
 
     def blocks(self, extra: Node | None = None) -> set[int]:
         """The blocks on the paths of every pin (and of ``extra``). Does not mutate."""
@@ -692,37 +694,45 @@ class Pins:
         if total > bm.max_blocks:
             raise self._error(len(tokens), total - len(pinned), len(pinned))
 
-    def add(self, ids: list[int], tokens: list[int], space: Hashable) -> bool:
-        """Pin ``tokens`` (the part of ``ids`` kept; ``ids`` is the pin's key) in namespace ``space`` if the trie
-        holds all of them, within the budget, and return whether it did. Mutates (the node's lock, and the split
-        that makes a node end at the last token); raises :class:`CapacityError` if the pin would exceed the
-        budget."""
+    def add(self, ids: list[int], tokens: list[int], space: Hashable, priority: int | None = None) -> bool:
+        """Pin ``tokens`` (the part of ``ids`` kept; ``ids`` and ``priority`` are the pin's key) in namespace
+        ``space`` if the trie holds all of them, within the budget, and return whether it did. Mutates (the node's
+        lock or retain, and the split that makes a node end at the last token); raises :class:`CapacityError` if
+        a hard pin would exceed the budget."""
         bm = self._blocks
         with bm.lock:
             end = bm._trie.end_node(tokens, space)
             if end is None:
                 return False
             bm._allocator.incref(end.added)  # a split made the straddled block occur twice
-            pinned = self.blocks()
-            total = len(self.blocks(end.node))
-            if bm.max_blocks is not None and total > bm.max_blocks:
-                raise self._error(len(ids), total - len(pinned), len(pinned))
-            bm._trie.lock(end.node)
-            self._pins.setdefault((space, tuple(ids)), []).append(end.node)
+            if priority is None:
+                pinned = self.blocks()
+                total = len(self.blocks(end.node))
+                if bm.max_blocks is not None and total > bm.max_blocks:
+                    raise self._error(len(ids), total - len(pinned), len(pinned))
+                bm._trie.lock(end.node)
+            else:
+                bm._trie.retain(end.node, priority)
+            self._pins.setdefault((space, tuple(ids), priority), []).append(end.node)
             return True
 
-    def remove(self, ids: list[int], space: Hashable) -> None:
-        """Undo one :meth:`add` of the same ids. Mutates; raises ``ValueError`` if they are not pinned."""
-        key = (space, tuple(ids))
+    def remove(self, ids: list[int], space: Hashable, priority: int | None = None) -> None:
+        """Undo one :meth:`add` of the same ids and priority. Mutates; raises ``ValueError`` if they are not
+        pinned so."""
+        key = (space, tuple(ids), priority)
         bm = self._blocks
         with bm.lock:
             nodes = self._pins.get(key)
             if not nodes:
                 raise ValueError(
-                    f"these {len(ids)} ids are not pinned ({len(self._pins)} prefixes are); "
-                    "pass the same ids that were given to pin()"
+                    f"these {len(ids)} ids are not pinned"
+                    + ("" if priority is None else f" at priority {priority}")
+                    + f" ({len(self._pins)} prefixes are); pass the same ids (and priority) that were given to pin()"
                 )
-            bm._trie.unlock(nodes.pop())
+            if priority is None:
+                bm._trie.unlock(nodes.pop())
+            else:
+                bm._trie.release(nodes.pop(), priority)
             if not nodes:
                 del self._pins[key]
 

@@ -186,7 +186,7 @@ def plan(rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens:
     [[0, 2], [1]]
     """
     bs = store.block_size
-    space = store.space()
+    space = store.blocks.space()
     cached = [store.cached_length(r, space) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     runs: list[list[int]] = []

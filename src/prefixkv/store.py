@@ -272,13 +272,18 @@ class PrefixStore:
         not mutate."""
         return self.blocks.cached_length(tokens, space)
 
-    def pin(self, ids: Sequence[int] | torch.Tensor) -> int:
+    def pin(self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None) -> int:
         """Keep the prefix ``ids`` (a system prompt) cached until :meth:`unpin`. Mutates.
 
         The part of ``ids`` not cached yet is computed first with the store's model (one forward; all
         of ``ids`` is kept, a last part-filled block included). Pinned blocks count against the budget:
         a pin that would take more blocks than the budget raises :class:`CapacityError` and pins
-        nothing. Pins nest: each ``pin`` needs its own ``unpin``. Returns how many tokens it keeps: ``len(ids)``,
+        nothing. Pins nest: each ``pin`` needs its own ``unpin``.
+
+        ``priority`` (0-100) makes a soft pin instead, as retention priorities do in serving engines: its
+        blocks are evicted only after every unpinned prefix of lower priority (unpinned prefixes have 35),
+        but they are never kept when nothing else is left, so a soft pin counts against no budget
+        (docs/generate.md, "Eviction during a long job"). ``unpin`` it with the same priority. Returns how many tokens it keeps: ``len(ids)``,
         or in an invariant store its whole chunks (the part a later call reuses; fewer than ``chunk_size`` ids
         raise ``ValueError``).
 
@@ -303,12 +308,13 @@ class PrefixStore:
         space = self.blocks.space()
         pins = self.blocks.pins
         with self.blocks.lock:
-            pins.check_budget(tokens, space)
-            if pins.add(ids_list, tokens, space):
+            if priority is None:
+                pins.check_budget(tokens, space)
+            if pins.add(ids_list, tokens, space, priority):
                 return len(tokens)
         # the prefill keeps the published tokens locked until the pin holds them
         with self.runner.prefill(self, tokens, keep_partial=True, count=True):
-            if not pins.add(ids_list, tokens, space):
+            if not pins.add(ids_list, tokens, space, priority):
                 raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
         return len(tokens)
 
@@ -319,9 +325,10 @@ class PrefixStore:
             return tokens
         return tokens[: len(tokens) // self.chunk_size * self.chunk_size]
 
-    def unpin(self, ids: Sequence[int] | torch.Tensor) -> None:
-        """Undo one :meth:`pin` of the same ids. Mutates; raises ``ValueError`` if they are not pinned."""
-        self.blocks.pins.remove(_as_token_list(ids), self.blocks.space())
+    def unpin(self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None) -> None:
+        """Undo one :meth:`pin` of the same ids and priority. Mutates; raises ``ValueError`` if they are not
+        pinned so."""
+        self.blocks.pins.remove(_as_token_list(ids), self.blocks.space(), priority)
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and everything the second
