@@ -4,12 +4,14 @@ brought back from a second tier), cold and then warm, matches stock ``generate``
 of the model taken before any store (``conftest.stock_twin``) within 1e-4, with identical tokens, while a spy
 counts that FlexAttention really read the pool, in prefill and in decode. The warm call after a flex cold one
 checks that nothing unproven was published. Where flex cannot serve (float64, an invariant store, soft-capping,
-CUDA block sizes, a kernel that does not compile) the store falls back to the gather and says why.
+CUDA block sizes, a mask it cannot express, a kernel that does not compile) the store falls back to the gather
+and says why. A sliding window (Mistral) is read through flex too.
 
 One model, one pool size and batches of 1 and 2 (padded to powers of two) keep the compiled kernels to a few."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,6 +150,32 @@ def test_blocks_brought_back_from_a_second_tier(llama32: Any, spy: Spy) -> None:
         _exact(warm)
         assert warm.cache.stats.cached_tokens == len(SYSTEM) and store.stats.offload.restored
         assert spy.prefill and spy.decode
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("window_known", [True, False])
+def test_a_sliding_window_is_read_through_flex(spy: Spy, monkeypatch: pytest.MonkeyPatch, window_known: bool) -> None:
+    # Mistral's window of 24 tokens hides the oldest columns of these 44-token prompts in prefill and decode.
+    # A plan made without the window implies another mask than the model's in prefill: the gather serves those
+    # calls, with a warning, and decode (where the pads-and-holes visibility alone expresses the window) stays on flex
+    model = prefixkv.models.tiny_model("mistral", dtype=torch.float32)
+    assert model.config.sliding_window == 24
+    if not window_known:
+        monkeypatch.setattr(flex, "_window", lambda call: None)
+    store = PrefixStore(model, block_size=BS, num_blocks=BLOCKS, attention="flex")
+    try:
+        _exact(compare(model, store, _prompt(seed=16, n=12)))  # the first forward only checks the layers (probe)
+        spy.reset()
+        for seed in (17, 18):  # the cold tail after the cached system prompt, twice
+            if window_known:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", UserWarning)  # no call falls back
+                    _exact(compare(model, store, _prompt(seed=seed, n=12)))
+            else:
+                with pytest.warns(UserWarning, match="mask is not padding, holes, causal or a sliding window"):
+                    _exact(compare(model, store, _prompt(seed=seed, n=12)))
+        assert spy.decode and bool(spy.prefill) == window_known
     finally:
         store.close()
 
