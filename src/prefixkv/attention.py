@@ -76,7 +76,7 @@ def prefixkv_attention_forward(
     return out
 
 
-def _servable(
+def sdpa_servable(
     module: torch.nn.Module,
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -453,7 +453,7 @@ class BlocksBackend:
         return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
-        return _servable(call.module, call.query, call.mask, call.kwargs, forward)
+        return sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward)
 
     def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
         scale = call.kwargs.get("scaling")
@@ -490,6 +490,19 @@ BACKENDS = ("auto", "blocks", "flex", "gather")
 
 # the backend each store asked for (``PrefixStore(attention=...)``), by its pool: what every cache of it reads
 _ASKED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+# a backend that a module above this one provides, by name: given the pool's device, dtype and block size and the
+# model's soft-capping, the backend (``None``: it cannot serve them) and the one-line reason
+Provider = Callable[[torch.device, torch.dtype, int, float | None], tuple[AttentionBackend | None, str]]
+# prefixkv.flex provides "flex" when it is imported (the store imports it); this module imports none of them
+_PROVIDED: dict[str, Provider] = {}
+
+
+def provide(name: str, provider: Provider) -> None:
+    """Make ``provider`` build the backend ``name`` of :data:`BACKENDS` (:func:`choose_backend`). Mutates module
+    state."""
+    _PROVIDED[check_backend(name)] = provider
 
 
 def check_backend(name: Any) -> str:
@@ -533,14 +546,11 @@ def choose_backend(
     if name == "flex":
         if not readable or isinstance(dtype, str):
             return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
-        try:
-            from . import flex
-        except ImportError as error:  # a torch without torch.nn.attention.flex_attention
-            return GatherBackend(), f"gather: FlexAttention does not import in torch {torch.__version__} ({error})"
-        ok, why = flex.can_serve(device, dtype, block_size, softcap=softcap)
-        if not ok:
-            return GatherBackend(), f"gather: {why}"
-        return flex.FlexBackend(block_size), f"flex: the pool is on {device.type} in {dtype}"
+        provider = _PROVIDED.get(name)
+        if provider is None:
+            return GatherBackend(), "gather: prefixkv.flex, which provides the 'flex' backend, was not imported"
+        backend, why = provider(device, dtype, block_size, softcap)
+        return (GatherBackend() if backend is None else backend), why
     if not readable:
         return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
     if device.type not in READ_DEVICES:

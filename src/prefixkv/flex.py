@@ -457,7 +457,7 @@ class FlexBackend:
         """Whether FlexAttention computes this call exactly: a call the blocks reader would serve, on a device and
         dtype it compiles for, with a mask it expresses. Warns (once per reason) when it does not. Mutates only the
         forward's plans."""
-        if not _attention._servable(call.module, call.query, call.mask, call.kwargs, forward):
+        if not _attention.sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward):
             return False
         ok, why = can_serve(call.query.device, call.query.dtype, self._bs)
         if not ok:
@@ -535,3 +535,16 @@ class FlexBackend:
 def _fall_back(reason: str) -> None:
     """Tell the user, once per reason (Python's default warning filter), that a call runs on whole rows."""
     warnings.warn(f"prefixkv: attention='flex' reads whole rows (the gather) here: {reason}", stacklevel=3)
+
+
+def _provide(
+    device: torch.device, dtype: torch.dtype, block_size: int, softcap: float | None
+) -> tuple[FlexBackend | None, str]:
+    """The ``"flex"`` backend of :func:`prefixkv.attention.choose_backend`, where :func:`can_serve` allows it."""
+    ok, why = can_serve(device, dtype, block_size, softcap=softcap)
+    if not ok:
+        return None, f"gather: {why}"
+    return FlexBackend(block_size), f"flex: the pool is on {device.type} in {dtype}"
+
+
+_attention.provide("flex", _provide)

@@ -126,6 +126,30 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     return dtype
 
 
+def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
+    """The one-line reason of the backend that reads the pool (``store.attention_backend``), after telling every
+    cache of the store to use ``name``; warns when an explicit ``"flex"`` (:mod:`prefixkv.flex`) falls back.
+    Mutates the choice."""
+    if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
+        from . import flex  # noqa: F401
+    reading.ask(store.pool, name)
+    if store.invariant:
+        reason = (
+            "gather: an invariant store reads each row whole, in logical order (its canonical read, "
+            "docs/correctness.md), which FlexAttention's split-and-merge prefill is not"
+        )
+    elif not serves:
+        reason = (
+            "gather: the model's attention is not 'sdpa' through transformers' AttentionInterface (eager, or its "
+            "own code), so update hands it whole rows"
+        )
+    else:
+        reason = reading.pool_backend(store.pool, store.hf_model, store.model_dtype)[1]
+    if name == "flex" and not reason.startswith("flex"):
+        warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
+    return reason
+
+
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
     cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
@@ -226,28 +250,8 @@ class PrefixStore:
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)
         self.runner = _the_runner()
-        self.attention_backend = self._choose_attention(attention, serves=reading.install(self.hf_model))
+        self.attention_backend = _choose_attention(self, attention, serves=reading.install(self.hf_model))
         self._hooks = self.runner.attach(self)
-
-    def _choose_attention(self, name: str, *, serves: bool) -> str:
-        """The one-line reason of the backend that reads the pool (``store.attention_backend``), after telling every
-        cache of the store to use ``name``; warns when an explicit ``"flex"`` falls back. Mutates the choice."""
-        reading.ask(self.pool, name)
-        if self.invariant:
-            reason = (
-                "gather: an invariant store reads each row whole, in logical order (its canonical read, "
-                "docs/correctness.md), which FlexAttention's split-and-merge prefill is not"
-            )
-        elif not serves:
-            reason = (
-                f"gather: the model runs {self.hf_model.config._attn_implementation!r} attention, not 'sdpa' "
-                "through transformers' AttentionInterface, so update hands it whole rows"
-            )
-        else:
-            reason = reading.pool_backend(self.pool, self.hf_model, self.model_dtype)[1]
-        if name == "flex" and not reason.startswith("flex"):
-            warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=3)
-        return reason
 
     def _budget(self, max_memory: int | str | None, num_blocks: int | None) -> int | None:
         if num_blocks is not None:
