@@ -9,7 +9,9 @@ forward's read plan (:class:`prefixkv.reads.ForwardReads`) that arrives on the K
 blocks shared by several rows read once for all of them), merging the parts by their log-sum-exp; the model's own
 mask decides what each query sees. Everything else (calls without such a cache, a first forward that checks every
 layer reaches this attention, dropout, position bias, CUDA pools, quantized pools: the ``"gather"`` backend) runs
-the original ``sdpa`` on whole rows, which ``update`` gathers. A model on ``eager`` (whose eager code may be its
+the original ``sdpa`` on whole rows, which ``update`` gathers. ``PrefixStore(attention="flex")`` reads the pool in
+place through torch's FlexAttention instead (:class:`prefixkv.flex.FlexBackend`, registered with :func:`provide`
+by that module), on the CPU and CUDA alike. A model on ``eager`` (whose eager code may be its
 own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
 implementation and is served through ``update`` alone. docs/architectures.md lists the path of each family.
 """

@@ -23,7 +23,7 @@ which materialises the scores: a reference, not a fast path), and it compiles on
 given (empty ones serve).
 
 :func:`can_serve` says, in one line, why FlexAttention cannot serve a configuration; the caller then reads the
-pool another way.
+pool another way. :class:`FlexBackend` is this kernel behind the attention seam (``PrefixStore(attention="flex")``).
 
 >>> import torch
 >>> from prefixkv import flex
