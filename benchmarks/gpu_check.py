@@ -4,21 +4,22 @@ on a machine with CUDA:
 1. the FlexAttention kernel (``prefixkv.flex``) against a float64 reference computed on the CPU, on random block
    layouts (rows sharing leading blocks, padding, holes, grouped-query heads), decode and prefill, block sizes 16
    and 64, float32 (bound 1e-4) and bfloat16 (beside SDPA's own bfloat16 error on the same inputs);
-2. generate with a ``PagedPrefixCache`` against stock ``generate`` with ``DynamicCache`` (the path that runs on
-   CUDA today, the gather): a tiny Llama in float64 (every step's logits within 1e-6), the ~100M model in float32
-   and bfloat16, cold with left padding, warm, and rows on a shared prefix;
+2. generate with a ``PagedPrefixCache`` against stock ``generate`` with ``DynamicCache``, with the store's default
+   backend (the gather on CUDA) and with ``attention="flex"``: a tiny Llama in float64 (every step's logits within
+   1e-6; flex does not serve float64) and float32 (1e-4), the ~100M model in float32 and bfloat16, cold with left
+   padding, warm, and rows on a shared prefix;
 3. attention per decode step, all layers of a Llama-shaped ~1.5B model (28 layers, 12 query and 2 KV heads of
    128): the FlexAttention kernel reading the pool in place, against the gather (each row's K/V copied together,
    then SDPA), ``DynamicCache``'s read (its append, then SDPA) and ``StaticCache``'s (SDPA over the whole
    allocation with a mask), at 512 and 4096 tokens, batch 1, 8 and 16, block sizes 16 and 64, float32 and
    bfloat16, and 16 rows on a shared 2048-token prefix; and how long planning one step's reads takes;
 4. milliseconds per new token of ``generate``: ``DynamicCache``, ``StaticCache``, ``StaticCache`` under
-   ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64) on the ~100M model (float32,
-   bfloat16) and the ~1.5B model with random weights (bfloat16);
+   ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64, the default backend and
+   ``attention="flex"``) on the ~100M model (float32, bfloat16) and the ~1.5B model with random weights (bfloat16);
 5. time to the first token on a warm 2048-token prefix against stock.
 
-prefixkv's ``generate`` on CUDA runs the gather until the FlexAttention backend is plugged in behind the attention
-seam; section 3 measures the kernel that backend calls.
+prefixkv's ``generate`` on CUDA runs the gather by default (``attention="auto"``) until these numbers show the
+FlexAttention backend (``attention="flex"``) faster; sections 2 and 4 run both, section 3 the kernel alone.
 
 Run: ``python benchmarks/gpu_check.py --out gpu_check.md``; ``--cpu-smoke`` runs a tiny version of every
 measurement on the CPU (to check the script). Writes ``results/gpu_check.json`` (and ``$OUT/gpu_check.json``,
@@ -215,7 +216,7 @@ def kernel_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
     return rows
 
 
-# -- 2. generate against stock (the gather, today's CUDA path) --------------------------------------------------------
+# -- 2. generate against stock (the default backend, the gather on CUDA, and flex) ------------------------------------
 
 
 def logits_diff(
@@ -240,20 +241,34 @@ def logits_diff(
 
 
 def generate_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
-    """Three cases per model: cold with left padding, the same warm, rows on a shared prefix (``system`` tokens)."""
+    """Three cases per model and backend (the default; ``"flex"`` where the dtype is not float64): cold with left
+    padding, the same warm, rows on a shared prefix (``system`` tokens)."""
     rows = []
-    cases = [("tiny llama", prefixkv.models.tiny_model("llama", dtype=torch.float64), torch.float64, 1e-6)]
+    cases = [
+        ("tiny llama", prefixkv.models.tiny_model("llama", dtype=torch.float64), torch.float64, 1e-6),
+        ("tiny llama", prefixkv.models.tiny_model("llama", dtype=torch.float32), torch.float32, 1e-4),
+    ]
     system_len, tails, rows_shared = (300, (20, 37), 6) if sizes.big else (40, (5, 9), 2)
     if sizes.big:
         cases += [
             ("100M", prefixkv.models.bench_model(), torch.float32, 1e-3),
             ("100M", prefixkv.models.bench_model(), torch.bfloat16, None),
         ]
-    for name, model, dtype, tol in cases:
-        model = model.to(device=device, dtype=dtype)
-        stock = copy.deepcopy(model)  # before the store: the reference never runs prefixkv's code
+    runs = [
+        (*case, backend)
+        for case in cases
+        for backend in ("auto", "flex")
+        if backend == "auto" or case[2] != torch.float64
+    ]
+    stocks: dict[int, Any] = {}
+    for name, model, dtype, tol, backend in runs:
+        if id(model) not in stocks:
+            model = model.to(device=device, dtype=dtype)
+            stocks[id(model)] = copy.deepcopy(model)  # before any store: the reference never runs prefixkv's code
+        stock = stocks[id(model)]
         vocab = model.config.vocab_size
-        store = prefixkv.PrefixStore(model, block_size=16)
+        store = prefixkv.PrefixStore(model, block_size=16, attention=backend)
+        read = store.attention_backend.split(":")[0]
         system = batch_ids(system_len, 1, 0, vocab, seed=1)[0]
         a = torch.cat([system, batch_ids(tails[0], 1, 0, vocab, seed=2)[0]])
         b = torch.cat([system, batch_ids(tails[1], 1, 0, vocab, seed=3)[0]])
@@ -272,7 +287,7 @@ def generate_exactness(device: str, sizes: Sizes) -> list[list[Any]]:
             )
             ok = "-" if tol is None else ("met" if diff <= tol and same else "MISSED")
             tie = "-" if margin is None else f"{margin:.2e}"
-            rows.append([name, str(dtype).replace("torch.", ""), case, cached, f"{diff:.2e}", same, tie, ok])
+            rows.append([name, str(dtype).replace("torch.", ""), read, case, cached, f"{diff:.2e}", same, tie, ok])
         store.close()
     return rows
 
@@ -388,7 +403,7 @@ def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
 
 
 def generate_case(
-    model: Any, ids: torch.Tensor, sizes: Sizes, stores: dict[int, prefixkv.PrefixStore], with_compile: bool
+    model: Any, ids: torch.Tensor, sizes: Sizes, stores: dict[str, prefixkv.PrefixStore], with_compile: bool
 ) -> dict[str, float]:
     """The fastest of ``min(repeat, 2)`` calls per cache, taking turns; ``with_compile``: also ``StaticCache`` under
     transformers' default ``torch.compile`` (inductor with CUDA graphs)."""
@@ -399,8 +414,8 @@ def generate_case(
     }
     if with_compile:
         variants["static compiled"] = lambda: decode_ms(model, ids, new, "static", any_store)
-    for bs, store in stores.items():
-        variants[f"prefixkv {bs}"] = lambda store=store: decode_ms(
+    for label, store in stores.items():
+        variants[f"prefixkv {label}"] = lambda store=store: decode_ms(
             model, ids, new, "prefixkv", store, disable_compile=True
         )  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in variants}
@@ -427,7 +442,11 @@ def generate_speed(device: str, sizes: Sizes) -> list[list[Any]]:
     for name, make, with_compile in todo:
         model = make()
         dtype = str(model.dtype).replace("torch.", "")
-        stores = {bs: prefixkv.PrefixStore(model, block_size=bs) for bs in sizes.block_sizes}
+        stores: dict[str, prefixkv.PrefixStore] = {}
+        for bs in sizes.block_sizes:
+            for backend in ("auto", "flex"):  # the default (the gather on CUDA, the blocks on the CPU) and flex
+                store = prefixkv.PrefixStore(model, block_size=bs, attention=backend)
+                stores[f"{store.attention_backend.split(':')[0]} {bs}"] = store
         for prompt, batch, shared in cases:
             ids = batch_ids(prompt, batch, shared, model.config.vocab_size, seed=7).to(device)
             # StaticCache under torch.compile compiles per shape (a minute each on the 1.5B model): the targets' cases
@@ -507,8 +526,18 @@ SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]
     ),
     (
         "generate exactness",
-        "generate with a PagedPrefixCache (the gather) against stock DynamicCache, to the first differing token",
-        ["model", "dtype", "case", "cached", "max logit diff", "same tokens", "stock's top-2 margin", "1e-6 / 1e-3"],
+        "generate with a PagedPrefixCache (each backend) against stock DynamicCache, to the first differing token",
+        [
+            "model",
+            "dtype",
+            "attention",
+            "case",
+            "cached",
+            "max logit diff",
+            "same tokens",
+            "stock's top-2 margin",
+            "1e-6 / 1e-4 / 1e-3",
+        ],
         generate_exactness,
     ),
     (
@@ -534,7 +563,7 @@ SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]
     ),
     (
         "generate speed",
-        "ms per new token of generate (prefixkv on CUDA runs the gather until the flex backend is plugged in)",
+        "ms per new token of generate (prefixkv with its default backend and with attention='flex')",
         ["model", "dtype", "prompt", "batch", "shared", "cache", "ms/token", "/ Dynamic"],
         generate_speed,
     ),

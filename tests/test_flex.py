@@ -163,7 +163,7 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
     pool = SimpleNamespace(keys=[pool_k], values=[pool_v])
-    forward = attention.BlocksForward(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
+    forward = attention.ForwardReads(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
     return attention.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
 
 

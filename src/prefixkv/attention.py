@@ -9,7 +9,9 @@ forward's read plan (:class:`prefixkv.reads.ForwardReads`) that arrives on the K
 blocks shared by several rows read once for all of them), merging the parts by their log-sum-exp; the model's own
 mask decides what each query sees. Everything else (calls without such a cache, a first forward that checks every
 layer reaches this attention, dropout, position bias, CUDA pools, quantized pools: the ``"gather"`` backend) runs
-the original ``sdpa`` on whole rows, which ``update`` gathers. A model on ``eager`` (whose eager code may be its
+the original ``sdpa`` on whole rows, which ``update`` gathers. ``PrefixStore(attention="flex")`` reads the pool in
+place through torch's FlexAttention instead (:class:`prefixkv.flex.FlexBackend`, registered with :func:`provide`
+by that module), on the CPU and CUDA alike. A model on ``eager`` (whose eager code may be its
 own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
 implementation and is served through ``update`` alone. docs/architectures.md lists the path of each family.
 """
@@ -76,7 +78,7 @@ def prefixkv_attention_forward(
     return out
 
 
-def _servable(
+def sdpa_servable(
     module: torch.nn.Module,
     query: torch.Tensor,
     mask: torch.Tensor | None,
@@ -453,7 +455,7 @@ class BlocksBackend:
         return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
-        return _servable(call.module, call.query, call.mask, call.kwargs, forward)
+        return sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward)
 
     def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
         scale = call.kwargs.get("scaling")
@@ -486,18 +488,53 @@ class GatherBackend:
         return out.transpose(1, 2).contiguous()
 
 
-BACKENDS = ("auto", "blocks", "gather")
+BACKENDS = ("auto", "blocks", "flex", "gather")
+
+# the backend each store asked for (``PrefixStore(attention=...)``), by its pool: what every cache of it reads
+_ASKED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+# a backend that a module above this one provides, by name: given the pool's device, dtype and block size and the
+# model's soft-capping, the backend (``None``: it cannot serve them) and the one-line reason
+Provider = Callable[[torch.device, torch.dtype, int, float | None], tuple[AttentionBackend | None, str]]
+# prefixkv.flex provides "flex" when it is imported (the store imports it); this module imports none of them
+_PROVIDED: dict[str, Provider] = {}
+
+
+def provide(name: str, provider: Provider) -> None:
+    """Make ``provider`` build the backend ``name`` of :data:`BACKENDS` (:func:`choose_backend`). Mutates module
+    state."""
+    _PROVIDED[check_backend(name)] = provider
+
+
+def check_backend(name: Any) -> str:
+    """``name`` if it names a backend of :data:`BACKENDS`, else a ``ValueError`` that lists them."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    return name
+
+
+def ask(pool: Any, name: str) -> None:
+    """Have every cache reading ``pool`` use the backend ``name`` (:func:`choose_backend`). Mutates module state."""
+    _ASKED[pool] = check_backend(name)
 
 
 def choose_backend(
-    name: str, device: torch.device, dtype: torch.dtype | str, *, model_dtype: torch.dtype
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | str,
+    *,
+    model_dtype: torch.dtype,
+    block_size: int = 16,
+    softcap: float | None = None,
 ) -> tuple[AttentionBackend, str]:
-    """The attention backend called ``name`` (``"blocks"``, ``"gather"``, or ``"auto"``: ``"blocks"`` where the
-    pool is on a device of :data:`READ_DEVICES` and stored in the dtype the model computes in, else ``"gather"``)
-    for a pool on ``device`` stored as ``dtype`` (a torch dtype, or a quantized storage: ``"int8"``, ``"fp8"``),
-    and a one-line reason. A fresh backend each call: it keeps its own metadata. Does not mutate."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    """The attention backend called ``name`` (``"blocks"``, ``"gather"``, ``"flex"`` where FlexAttention serves the
+    pool, else ``"gather"``, or ``"auto"``: ``"blocks"`` where the pool is on a device of :data:`READ_DEVICES` and
+    stored in the dtype the model computes in, else ``"gather"``) for a pool on ``device`` stored as ``dtype`` (a
+    torch dtype, or a quantized storage: ``"int8"``, ``"fp8"``) in blocks of ``block_size``, for a model whose
+    attention soft-caps its logits at ``softcap``, and a one-line reason. A fresh backend each call: it keeps its
+    own metadata. Does not mutate."""
+    check_backend(name)
     readable = dtype == model_dtype
     if name == "blocks" and not readable:
         raise ValueError(
@@ -508,6 +545,14 @@ def choose_backend(
         return GatherBackend(), "gather: asked for by name"
     if name == "blocks":
         return BlocksBackend(), "blocks: asked for by name"
+    if name == "flex":
+        if not readable or isinstance(dtype, str):
+            return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
+        provider = _PROVIDED.get(name)
+        if provider is None:
+            return GatherBackend(), "gather: prefixkv.flex, which provides the 'flex' backend, was not imported"
+        backend, why = provider(device, dtype, block_size, softcap)
+        return (GatherBackend() if backend is None else backend), why
     if not readable:
         return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
     if device.type not in READ_DEVICES:
@@ -515,11 +560,30 @@ def choose_backend(
     return BlocksBackend(), f"blocks: the pool is on {device.type} in {dtype}"
 
 
+def pool_backend(pool: Any, model: Any, model_dtype: torch.dtype) -> tuple[AttentionBackend | None, str]:
+    """The backend the store of ``pool`` asked for (:func:`ask`; ``"auto"`` if none), as :func:`choose_backend`
+    resolves it for the pool, and why; ``None`` for layers split across devices or dtypes (whole rows, read layer
+    by layer). Does not mutate."""
+    specs = pool.specs
+    if not specs or len({s.device for s in specs}) > 1 or len({s.dtype for s in specs}) > 1:
+        return None, "gather: the pool's layers lie on several devices or dtypes"
+    stored = pool.kv_dtype if pool.kv_dtype is not None else specs[0].dtype
+    softcap = getattr(model.config, "attn_logit_softcapping", None)
+    return choose_backend(
+        _ASKED.get(pool, "auto"),
+        specs[0].device,
+        stored,
+        model_dtype=model_dtype,
+        block_size=pool.block_size,
+        softcap=softcap,
+    )
+
+
 class Reader:
-    """How one cache's K/V reach the attention: the backend ``"auto"`` chooses for the pool (``None`` for layers
-    split across devices or dtypes: whole rows, read layer by layer) and the whole-row reader. A backend reads in
-    place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every layer
-    handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
+    """How one cache's K/V reach the attention: the backend the store asked for (:func:`pool_backend`; ``None``
+    for layers split across devices or dtypes: whole rows, read layer by layer) and the whole-row reader. A backend
+    reads in place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
+    layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
     invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
     "Outputs that never depend on the cache")."""
 
@@ -535,11 +599,7 @@ class Reader:
     ) -> None:
         self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
         self._whole = reads.WholeRows(gather, block_size)
-        specs = pool.specs
-        self._backend: AttentionBackend | None = None
-        if specs and len({s.device for s in specs}) == 1 and len({s.dtype for s in specs}) == 1:
-            stored = pool.kv_dtype if pool.kv_dtype is not None else specs[0].dtype
-            self._backend, _ = choose_backend("auto", specs[0].device, stored, model_dtype=model_dtype)
+        self._backend, _ = pool_backend(pool, model, model_dtype)
 
     def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
         """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads

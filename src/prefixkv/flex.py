@@ -23,7 +23,7 @@ which materialises the scores: a reference, not a fast path), and it compiles on
 given (empty ones serve).
 
 :func:`can_serve` says, in one line, why FlexAttention cannot serve a configuration; the caller then reads the
-pool another way.
+pool another way. :class:`FlexBackend` is this kernel behind the attention seam (``PrefixStore(attention="flex")``).
 
 >>> import torch
 >>> from prefixkv import flex
@@ -37,19 +37,22 @@ torch.Size([1, 1, 4, 16])
 
 from __future__ import annotations
 
+import importlib
 import threading
 import warnings
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from prefixkv import attention as _attention
 from prefixkv.attention import _merge
 from prefixkv.attention import attend as attend_columns
 from prefixkv.errors import PrefixKVError
+from prefixkv.reads import AttentionCall, ForwardReads, Layout
 
-__all__ = ["FlexPlan", "FlexUnavailable", "attend", "can_serve", "compiles", "plan"]
+__all__ = ["FlexBackend", "FlexPlan", "FlexUnavailable", "attend", "can_serve", "compiles", "plan"]
 
 # queries per tile of the BlockMask (FlexAttention's default); decode's single query sits in one tile
 Q_TILE = 128
@@ -63,6 +66,12 @@ _failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why 
 class FlexUnavailable(PrefixKVError, RuntimeError):
     """FlexAttention could not compile for these inputs; the message says why. Read the pool another way (the
     gather or the blocks reader): :func:`can_serve` refuses this device and dtype from now on."""
+
+
+def _aux_request() -> Any:
+    """torch's ``AuxRequest`` (what asks FlexAttention for the log-sum-exp), or ``None`` where this torch lacks it."""
+    module = importlib.import_module("torch.nn.attention.flex_attention")
+    return getattr(module, "AuxRequest", None)
 
 
 def can_serve(
@@ -104,6 +113,11 @@ def can_serve(
         return False, f"soft-capping ({softcap}): not implemented by this backend; the model's own attention serves it"
     if custom_mask:
         return False, "the model's mask is not padding, holes, causal or a sliding window over logical columns"
+    if _aux_request() is None:
+        return False, (
+            f"torch {torch.__version__} has no flex_attention AuxRequest (the log-sum-exp request of newer torch): "
+            "upgrade torch"
+        )
     failed = _failed.get((kind, dtype))
     if failed is not None:
         return False, failed
@@ -120,7 +134,8 @@ class FlexPlan(NamedTuple):
 
     ``block_mask`` lists every row's blocks (batch padded to ``padded_batch``, queries to ``padded_queries``);
     ``new_mask`` ``[B, 1, q, q]``: what each query sees of the forward's new columns (``None`` for decode, where
-    they are in the pool); ``key``: the compiled kernel's shape bucket, without the tensors' own shapes."""
+    they are in the pool); ``num_blocks``: the pool blocks it reads (a pool grown since is read up to them);
+    ``key``: the compiled kernel's shape bucket, without the tensors' own shapes."""
 
     block_mask: BlockMask
     batch: int
@@ -128,6 +143,7 @@ class FlexPlan(NamedTuple):
     padded_batch: int
     padded_queries: int
     new_mask: torch.Tensor | None
+    num_blocks: int
     key: tuple[Any, ...]
 
 
@@ -260,7 +276,7 @@ def plan(
             new_mask &= positions[:, :, None] - positions[:, None, :] < window
         new_mask = new_mask[:, None]
     key = (device.type, padded_batch, padded_q, num_blocks, block_size, window)
-    return FlexPlan(block_mask, batch, q, padded_batch, padded_q, new_mask, key)
+    return FlexPlan(block_mask, batch, q, padded_batch, padded_q, new_mask, num_blocks, key)
 
 
 def _flex(
@@ -273,7 +289,7 @@ def _flex(
     compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention over the pool views; compiled (the log-sum-exp only off the CPU) or torch's eager version."""
-    aux = AuxRequest(lse=True) if lse else None
+    aux = _aux_request()(lse=True) if lse else None
     result: Any
     if not compiled:
         with warnings.catch_warnings():  # eager is chosen on purpose (the CPU's log-sum-exp, or a reference)
@@ -335,8 +351,9 @@ def attend(
     kv_heads = pool_k.shape[0]
     # [B, Hkv, blocks * block_size, D]: the pool itself, its batch a stride-0 dimension (every kernel takes K/V
     # with the queries' batch; not every one broadcasts a batch of 1)
-    k_view = pool_k.view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
-    v_view = pool_v.view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
+    n = reads.num_blocks
+    k_view = pool_k[:, :n].view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
+    v_view = pool_v[:, :n].view(1, kv_heads, -1, dim).expand(reads.padded_batch, -1, -1, -1)
     on_cpu = query.device.type == "cpu"
     out, lse = _flex(
         reads,
@@ -355,3 +372,179 @@ def attend(
         held_lse = lse[:batch, :, :q].to(work)
         out, _ = _merge(out, held_lse, new_out, new_lse.to(work))
     return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+# -- the backend behind the attention seam (prefixkv.reads.AttentionBackend) --------------------------------------
+
+
+class FlexForward(ForwardReads):
+    """A forward's reads for :class:`FlexBackend`: its :class:`~prefixkv.reads.Layout`, and the :class:`FlexPlan`
+    of each model mask and window (``None``: FlexAttention cannot express that mask), made on the first layer
+    that attends with it."""
+
+    def __init__(self, layout: Layout, *, probe: bool, backend: FlexBackend) -> None:
+        super().__init__(layout.pool, [], layout.start + layout.q, None, layout.gather, probe=probe, backend=backend)
+        self.layout = layout
+        self.plans: dict[tuple[int, int | None], tuple[torch.Tensor | None, FlexPlan | None]] = {}
+
+
+def _window(call: AttentionCall) -> int | None:
+    """The call's sliding window: what the model passes the attention (Mistral, Qwen 2), or its module's."""
+    window = call.kwargs.get("sliding_window", getattr(call.module, "sliding_window", None))
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
+def _logical(layout: Layout, q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row, the held tokens FlexAttention reads from the pool (decode: its new one too, ``update`` wrote it
+    there), each query's logical column, and the mask column of logical column 0 (its pads)."""
+    pads = torch.tensor(layout.pads, dtype=torch.int64)
+    held = layout.start + (1 if q == 1 else 0) - pads
+    positions = (layout.start - pads)[:, None] + torch.arange(q)[None, :]
+    return held.clamp(min=0), positions, pads
+
+
+def _implied(
+    lengths: torch.Tensor,
+    positions: torch.Tensor,
+    pads: torch.Tensor,
+    visible: torch.Tensor | None,
+    new_visible: torch.Tensor | None,
+    window: int | None,
+    start: int,
+    columns: int,
+) -> torch.Tensor:
+    """``[B, q, columns]``: what :func:`plan` with these inputs lets each query see, over the model's mask columns
+    (a query sees column ``pads + c`` of its row's logical column ``c``), for comparing with the model's mask."""
+    col = torch.arange(columns)[None, None, :]
+    c = col - pads[:, None, None]  # [B, 1, columns] logical columns, negative over the pads
+    p = positions[:, :, None]
+    held_cols = (c >= 0) & (c < lengths[:, None, None])
+    if visible is not None:
+        seen = visible.gather(1, c[:, 0].clamp(min=0, max=visible.shape[1] - 1))[:, None, :]
+        held_cols = held_cols & seen
+    sees = held_cols & (c <= p)
+    q = positions.shape[1]
+    if q > 1:  # the new columns, attended from the arguments: causal, by index
+        j = col - start
+        new_cols = (j >= 0) & (j <= torch.arange(q)[None, :, None])
+        if new_visible is not None:
+            index = j[:, 0].clamp(min=0, max=q - 1).expand(new_visible.shape[0], -1)
+            new_cols = new_cols & new_visible.gather(1, index)[:, None, :]
+        sees = sees | new_cols
+    if window is not None:
+        sees = sees & (p - c < window)
+    return sees
+
+
+class FlexBackend:
+    """``"flex"``: every row's held K/V read where they lie in the pool by torch's FlexAttention (:func:`attend`),
+    one :func:`plan` per forward and mask (one per window for sliding-window layers) made from the rows' block
+    tables, lengths, the visibility the model's mask gives each logical column (pads, holes) and the queries'
+    positions. A plan is used only when the mask it implies equals the model's mask, column for column; a call it
+    cannot serve (another mask, dropout, soft-capping) or a kernel that does not compile runs on whole rows (the
+    gather), with a warning that says why."""
+
+    name = "flex"
+
+    def __init__(self, block_size: int) -> None:
+        self._bs = block_size
+
+    def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
+        """The forward's layout; its FlexAttention plans are made by the layers that attend. Does not mutate."""
+        return FlexForward(layout, probe=probe, backend=self)
+
+    def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
+        """Whether FlexAttention computes this call exactly: a call the blocks reader would serve, on a device and
+        dtype it compiles for, with a mask it expresses. Warns (once per reason) when it does not. Mutates only the
+        forward's plans."""
+        if not _attention.sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward):
+            return False
+        ok, why = can_serve(call.query.device, call.query.dtype, self._bs)
+        if not ok:
+            _fall_back(why)
+            return False
+        assert isinstance(forward, FlexForward)
+        if self._plan(forward, call) is None:
+            _fall_back(can_serve(call.query.device, call.query.dtype, self._bs, custom_mask=True)[1])
+            return False
+        return True
+
+    def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
+        """One layer's attention from the forward's plan, ``[B, q, Hq, D]``; where the kernel does not compile,
+        the same attention on whole rows (and a warning). Mutates only the forward's plans."""
+        assert isinstance(forward, FlexForward)
+        reads = self._plan(forward, call)
+        assert reads is not None
+        try:
+            return attend(
+                reads,
+                call.query,
+                forward.pool.keys[layer],
+                forward.pool.values[layer],
+                scale=call.kwargs.get("scaling"),
+                key=call.key if reads.new_mask is not None else None,
+                value=call.value if reads.new_mask is not None else None,
+            )
+        except FlexUnavailable as error:
+            _fall_back(str(error))
+            return _attention.GatherBackend().attend(forward, layer, call)
+
+    def _plan(self, forward: FlexForward, call: AttentionCall) -> FlexPlan | None:
+        """The plan of the call's mask and window, made once per forward. Mutates the forward's plans."""
+        mask, window = call.mask, _window(call)
+        key = (id(mask), window if mask is not None else None)
+        hit = forward.plans.get(key)
+        if hit is not None and hit[0] is mask:
+            return hit[1]
+        layout, q = forward.layout, call.query.shape[2]
+        lengths, positions, pads = _logical(layout, q)
+        visible = new_visible = None
+        if mask is None:
+            window = None  # sdpa's plain causal mask: no window cuts any column
+        else:
+            seen = mask[:, 0].any(dim=1).cpu()  # [B or 1, columns]: what some query of the row sees
+            seen = seen.expand(len(layout.pads), -1)
+            width = max(int(lengths.max()), 1)
+            index = (pads[:, None] + torch.arange(width)[None, :]).clamp(max=seen.shape[1] - 1)
+            visible = seen.gather(1, index)
+            if q > 1:
+                new_visible = seen[:, layout.start : layout.start + q]
+            implied = _implied(lengths, positions, pads, visible, new_visible, window, layout.start, forward.columns)
+            if not bool((implied[:, None] == mask.cpu()).all()):
+                forward.plans[key] = (mask, None)
+                return None
+        bs = self._bs
+        width = max(-(-int(lengths.max()) // bs), 1)
+        tables = [t[:width] + [0] * (width - len(t[:width])) for t in layout.tables]
+        reads = plan(
+            tables,
+            lengths,
+            positions,
+            block_size=bs,
+            num_blocks=forward.pool.keys[0].shape[1],
+            device=call.query.device,
+            visible=visible,
+            new_visible=new_visible,
+            window=window,
+            prefill=q > 1,
+        )
+        forward.plans[key] = (mask, reads)
+        return reads
+
+
+def _fall_back(reason: str) -> None:
+    """Tell the user, once per reason (Python's default warning filter), that a call runs on whole rows."""
+    warnings.warn(f"prefixkv: attention='flex' reads whole rows (the gather) here: {reason}", stacklevel=3)
+
+
+def _provide(
+    device: torch.device, dtype: torch.dtype, block_size: int, softcap: float | None
+) -> tuple[FlexBackend | None, str]:
+    """The ``"flex"`` backend of :func:`prefixkv.attention.choose_backend`, where :func:`can_serve` allows it."""
+    ok, why = can_serve(device, dtype, block_size, softcap=softcap)
+    if not ok:
+        return None, f"gather: {why}"
+    return FlexBackend(block_size), f"flex: the pool is on {device.type} in {dtype}"
+
+
+_attention.provide("flex", _provide)

@@ -330,8 +330,9 @@ class AttentionBackend(Protocol):
     :class:`Layout` (a plan not ``in_place`` has ``update`` hand the model's own attention whole rows; with
     ``probe``, whole rows while the forward checks that every layer reaches the attention); ``servable`` says
     whether ``attend`` computes what the model's own attention would for a call (its mask, dropout,
-    soft-capping), and ``attend`` runs one layer's attention from the plan alone, returning ``[B, q, Hq, D]``. A
-    FlexAttention kernel plugs in here: its plan holds per-row block tables and lengths."""
+    soft-capping), and ``attend`` runs one layer's attention from the plan alone, returning ``[B, q, Hq, D]``.
+    :class:`prefixkv.flex.FlexBackend` plugs in here: its plan keeps the layout, and makes from it one FlexAttention
+    plan per model mask and window."""
 
     name: str
 

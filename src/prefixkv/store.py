@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import operator
 import os
+import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -16,7 +17,8 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from . import attention, display, persist
+from . import attention as reading
+from . import display, persist
 from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
@@ -124,6 +126,30 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     return dtype
 
 
+def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
+    """The one-line reason of the backend that reads the pool (``store.attention_backend``), after telling every
+    cache of the store to use ``name``; warns when an explicit ``"flex"`` (:mod:`prefixkv.flex`) falls back.
+    Mutates the choice."""
+    if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
+        from . import flex  # noqa: F401
+    reading.ask(store.pool, name)
+    if store.invariant:
+        reason = (
+            "gather: an invariant store reads each row whole, in logical order (its canonical read, "
+            "docs/correctness.md), which FlexAttention's split-and-merge prefill is not"
+        )
+    elif not serves:
+        reason = (
+            "gather: the model's attention is not 'sdpa' through transformers' AttentionInterface (eager, or its "
+            "own code), so update hands it whole rows"
+        )
+    else:
+        reason = reading.pool_backend(store.pool, store.hf_model, store.model_dtype)[1]
+    if name == "flex" and not reason.startswith("flex"):
+        warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
+    return reason
+
+
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
     cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
@@ -142,6 +168,15 @@ class PrefixStore:
     "Outputs that never depend on the cache"): prompt K/V are computed in chunks of ``chunk_size`` tokens (a
     multiple of ``block_size``; ``4 * block_size`` by default) at fixed positions, one row at a time, and only
     those chunks are cached and reused.
+
+    ``attention`` chooses how attention reads the pool (``store.attention_backend`` says which reads it, and why):
+    ``"auto"`` (the default) reads the blocks in place on the CPU (``"blocks"``) and gathers every row's K/V into one
+    tensor for the model's own attention elsewhere (``"gather"``: on CUDA until GPU measurements show FlexAttention
+    faster); ``"flex"`` reads them in place with torch's FlexAttention (compiled), and falls back to the gather, with
+    a warning that says why, where FlexAttention cannot compute exactly what the model would (float64, CUDA block
+    sizes that are not a power of two >= 16, soft-capping, a mask it cannot express, invariant stores, a kernel that
+    does not compile). It changes no K/V: files and keys leave it out (docs/generate.md, "Choosing the attention
+    backend").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -167,6 +202,7 @@ class PrefixStore:
         offload_dir: str | os.PathLike[str] | None = None,
         invariant: bool = False,
         chunk_size: int | None = None,
+        attention: str = "auto",
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -176,6 +212,8 @@ class PrefixStore:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
         store_dtype = _check_dtype(dtype)
         check_kv_dtype(kv_dtype)
+        # how attention reads the pool; it changes no K/V, so keys and files leave it out
+        self.attention = reading.check_backend(attention)
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
@@ -212,7 +250,7 @@ class PrefixStore:
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)
         self.runner = _the_runner()
-        attention.install(self.hf_model)
+        self.attention_backend = _choose_attention(self, attention, serves=reading.install(self.hf_model))
         self._hooks = self.runner.attach(self)
 
     def _budget(self, max_memory: int | str | None, num_blocks: int | None) -> int | None:
@@ -451,7 +489,7 @@ class PrefixStore:
         self.blocks.close()
         for handle in self._hooks:
             handle.remove()
-        attention.uninstall(self.hf_model)
+        reading.uninstall(self.hf_model)
 
     def __enter__(self) -> PrefixStore:
         return self
