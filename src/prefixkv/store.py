@@ -316,14 +316,14 @@ class PrefixStore:
         The part of ``ids`` not cached yet is computed first with the store's model (one forward; all
         of ``ids`` is kept, a last part-filled block included). Pinned blocks count against the budget:
         a pin that would take more blocks than the budget raises :class:`CapacityError` and pins
-        nothing. Pins nest: each ``pin`` needs its own ``unpin``.
+        nothing. Pins nest: each ``pin`` needs its own ``unpin``. Returns how many tokens it keeps: ``len(ids)``,
+        or in an invariant store its whole chunks (the part a later call reuses; fewer than ``chunk_size`` ids
+        raise ``ValueError``).
 
         ``priority`` (0-100) makes a soft pin instead, as retention priorities do in serving engines: its
         blocks are evicted only after every unpinned prefix of lower priority (unpinned prefixes have 35),
         but they are never kept when nothing else is left, so a soft pin counts against no budget
-        (docs/generate.md, "Eviction during a long job"). ``unpin`` it with the same priority. Returns how many tokens it keeps: ``len(ids)``,
-        or in an invariant store its whole chunks (the part a later call reuses; fewer than ``chunk_size`` ids
-        raise ``ValueError``).
+        (docs/generate.md, "Eviction during a long job"). ``unpin`` it with the same priority.
 
         >>> import prefixkv, torch
         >>> model = prefixkv.models.tiny_model("llama")
