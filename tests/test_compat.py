@@ -28,25 +28,32 @@ TOL = 1e-6  # float64
 PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
 
 
+RANGE = "transformers>={}.{},<{}".format(*_compat.TRANSFORMERS_RANGE[0], _compat.TRANSFORMERS_RANGE[1][0])
+
+
 def test_unsupported_names_the_range() -> None:
     assert _compat.unsupported(transformers.__version__, torch.__version__) is None
-    assert _compat.unsupported("5.13.0", "2.6.0") is None
+    (major, minor), _ = _compat.TRANSFORMERS_RANGE
+    assert _compat.unsupported(f"{major}.{minor}.0", "2.6.0") is None
     assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
-    old = _compat.unsupported("5.12.0", "2.13.0")
-    assert old is not None and "transformers 5.12.0 is installed" in old and "transformers>=5.13,<6" in old
+    below = f"{major}.{minor - 1}.0"
+    old = _compat.unsupported(below, "2.13.0")
+    assert old is not None and f"transformers {below} is installed" in old and RANGE in old
     assert "torch 2.13.0" not in old
     for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
         reason = _compat.unsupported(tf, th)
-        assert reason is not None and named in reason and "pip install 'transformers>=5.13,<6'" in reason
+        assert reason is not None and named in reason and f"pip install '{RANGE}'" in reason
     torch_old = _compat.unsupported("5.24.0", "2.5.1")
     assert torch_old is not None and "torch 2.5.1 is installed; prefixkv supports torch>=2.6,<3" in torch_old
 
 
 def test_first_use_refuses_an_unsupported_transformers() -> None:
-    code = "import transformers; transformers.__version__ = '5.12.0'; import prefixkv; prefixkv.PrefixStore"
+    (major, minor), _ = _compat.TRANSFORMERS_RANGE
+    below = f"{major}.{minor - 1}.0"
+    code = f"import transformers; transformers.__version__ = '{below}'; import prefixkv; prefixkv.PrefixStore"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
-    assert "ImportError: transformers 5.12.0 is installed; prefixkv supports transformers>=5.13,<6" in run.stderr
+    assert f"ImportError: transformers {below} is installed; prefixkv supports {RANGE}" in run.stderr
 
 
 def _generate_takes_cache_keyword() -> bool:

@@ -194,6 +194,7 @@ USER_FACING = {
     "close",
     "closed",
     "is_compileable",
+    "get_seq_length",
 }
 
 

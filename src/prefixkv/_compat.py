@@ -15,8 +15,7 @@ comparing version numbers:
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
   5.14 and later do themselves (:func:`_recording_past`).
 
-Older releases are refused. 5.4-5.12 run prefixkv's tests once the cache-layer class is decorated with
-:func:`adapt_cache` too (it is not yet, so their abstract ``get_max_cache_shape`` stops it); 5.0-5.3 give a
+Older releases are refused: 5.0-5.3 give a
 layer's ``get_mask_sizes`` the step's ``cache_position`` instead of its query length, and 5.0-5.2 slice every
 step's inputs by ``cache_position`` instead of asking for ``next_sequence_length``, the protocol by which a cache
 tells ``generate`` how many prompt columns it holds; 4.x differ in the cache-layer and mask interfaces as well.
@@ -37,11 +36,11 @@ import torch
 import transformers
 
 # the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
-# transformers runs on (5.13-5.23 accept 2.4). The blocks path calls torch's CPU flash-attention kernel
+# transformers runs on (older transformers accept 2.4). The blocks path calls torch's CPU flash-attention kernel
 # (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
 # its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
 # verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
-TRANSFORMERS_RANGE = ((5, 13), (6, 0))
+TRANSFORMERS_RANGE = ((5, 4), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
 

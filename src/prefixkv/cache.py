@@ -36,6 +36,7 @@ from .stats import CacheStats, RowStats
 from .store import PrefixStore
 
 
+@_compat.adapt_cache
 class _PagedLayer(CacheLayerMixin):
     """The per-layer face transformers expects; all state lives in the owning cache."""
 

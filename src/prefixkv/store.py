@@ -531,10 +531,18 @@ class PrefixStore:
     @property
     def is_compileable(self) -> bool:
         """``generate`` asks a cache this first; a store is not a cache, so say what to pass instead."""
-        raise CacheMisuseError(
-            "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-            "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
-        )
+        raise _not_a_cache()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """What transformers 5.4-5.12 ask a cache first (before ``is_compileable``): the same refusal."""
+        raise _not_a_cache()
+
+
+def _not_a_cache() -> CacheMisuseError:
+    return CacheMisuseError(
+        "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
+        "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
+    )
 
 
 def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
