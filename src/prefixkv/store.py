@@ -237,7 +237,7 @@ class PrefixStore:
             # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
             # directory serves a model under each of its adapters
             model_print = persist.fingerprint(model, adapters=False)
-            meta = self._meta(model_print, BLOCK_FORMAT) if offload == "disk" else {}
+            meta = _file_meta(self, model_print, BLOCK_FORMAT) if offload == "disk" else {}
             self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self.blocks = BlockManager(
             self.pool,
@@ -274,26 +274,6 @@ class PrefixStore:
     def invariant(self) -> bool:
         """Whether the store computes prompt K/V in the canonical schedule (``PrefixStore(invariant=True)``)."""
         return self.chunk_size is not None
-
-    def _meta(self, model_print: str, format: str = persist.FORMAT) -> dict[str, str]:
-        """The metadata of a file of this store's K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
-        store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
-        tiers carry the schedule")."""
-        meta = persist.store_meta(self, model_print, format)
-        if self.chunk_size is not None:
-            meta["chunk_size"] = str(self.chunk_size)
-        return meta
-
-    def _check_schedule(self, file: persist.PrefixFile, path: str | os.PathLike[str]) -> None:
-        """Refuse a file whose K/V were computed in another prefill schedule. Does not mutate."""
-        theirs = file.meta.get("chunk_size")
-        if theirs != (None if self.chunk_size is None else str(self.chunk_size)):
-            kept = "the default schedule" if theirs is None else f"the invariant schedule (chunk_size={theirs})"
-            ours = "the default schedule" if self.chunk_size is None else f"chunk_size={self.chunk_size}"
-            raise PersistError(
-                f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
-                "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
-            )
 
     @property
     def stats(self) -> StoreStats:
@@ -437,7 +417,7 @@ class PrefixStore:
             )
         model_print = persist.fingerprint(self.model)
         nodes, tensors, blocks = self.blocks.room.export(wanted, self.blocks.space())
-        return persist.write(path, tensors, self._meta(model_print), nodes, blocks)
+        return persist.write(path, tensors, _file_meta(self, model_print), nodes, blocks)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
@@ -457,7 +437,7 @@ class PrefixStore:
         )
         store = cls(model, **kwargs)
         try:
-            store._check_schedule(file, path)
+            _check_schedule(store.chunk_size, file, path)
             store.blocks.room.add_file(file, store.blocks.space())
         except BaseException:
             store.close()
@@ -479,7 +459,7 @@ class PrefixStore:
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
         file = persist.read(path)
         persist.check_compatible(file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
-        self._check_schedule(file, path)
+        _check_schedule(self.chunk_size, file, path)
         return self.blocks.room.add_file(file, self.blocks.space())
 
     def close(self) -> None:
@@ -536,6 +516,28 @@ class PrefixStore:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """What transformers 5.4-5.12 ask a cache first (before ``is_compileable``): the same refusal."""
         raise _not_a_cache()
+
+
+def _file_meta(store: PrefixStore, model_print: str, format: str = persist.FORMAT) -> dict[str, str]:
+    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
+    store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
+    tiers carry the schedule")."""
+    meta = persist.store_meta(store, model_print, format)
+    if store.chunk_size is not None:
+        meta["chunk_size"] = str(store.chunk_size)
+    return meta
+
+
+def _check_schedule(chunk_size: int | None, file: persist.PrefixFile, path: str | os.PathLike[str]) -> None:
+    """Refuse a file whose K/V were computed in another prefill schedule than ``chunk_size``'s. Does not mutate."""
+    theirs = file.meta.get("chunk_size")
+    if theirs != (None if chunk_size is None else str(chunk_size)):
+        kept = "the default schedule" if theirs is None else f"the invariant schedule (chunk_size={theirs})"
+        ours = "the default schedule" if chunk_size is None else f"chunk_size={chunk_size}"
+        raise PersistError(
+            f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
+            "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
+        )
 
 
 def _not_a_cache() -> CacheMisuseError:
