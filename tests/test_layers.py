@@ -12,7 +12,7 @@ import pytest
 PACKAGE = Path(__file__).parent.parent / "src" / "prefixkv"
 
 # No exceptions: every cross-module use goes through public names (the pool write and the whole-row reads of
-# `PagedPrefixCache.update` through `PrefixStore.write` and `PrefixStore.gather`, which hold the store's lock).
+# `PagedPrefixCache.update` through `store.blocks.write` and `store.blocks.gather`, which hold the store's lock).
 ALLOWED: set[tuple[str, str, str]] = set()
 
 
