@@ -129,7 +129,7 @@ def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str,
             a = time.perf_counter()
             begin_forward(cache, forward)
             b = time.perf_counter()
-            cache._seen = [t + 1] * layers  # stands in for update(): every layer stored the step's column
+            cache._rowset.seen = [t + 1] * layers  # stands in for update(): every layer stored the step's column
             end_forward(cache, True)
             begin[t], end[t] = b - a, time.perf_counter() - b
         assert store.cached_length([int(x) for x in ids]) == length // block_size * block_size

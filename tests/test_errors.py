@@ -46,7 +46,7 @@ def test_attention_mask_shape_and_padding_side(store: prefixkv.PrefixStore) -> N
         prefixkv.PagedPrefixCache(store, ids, torch.ones(2, 4, dtype=torch.long))
     # right padding is accepted: the hidden token is keyed apart (tests/test_never_wrong.py checks the logits)
     right = prefixkv.PagedPrefixCache(store, ids, torch.tensor([[1, 1, 0], [1, 1, 1]]))
-    assert right._rows[0].keys == [ids[0, 0].item(), ids[0, 1].item(), -1 - ids[0, 2].item()]
+    assert right._rowset.rows[0].keys == [ids[0, 0].item(), ids[0, 1].item(), -1 - ids[0, 2].item()]
     right.close()
     with pytest.raises(ValueError, match="all padding"):
         prefixkv.PagedPrefixCache(store, ids, torch.tensor([[0, 0, 0], [1, 1, 1]]))

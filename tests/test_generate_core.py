@@ -74,7 +74,7 @@ def test_partial_block_is_copied_not_shared(model: object) -> None:
     with prefixkv.PagedPrefixCache(store, other) as cache:
         assert cache.stats.cached_tokens == 13
         assert store.stats.blocks_used == used_before + 1
-        shared, copied = cache._rows[0].table
+        shared, copied = cache._rowset.rows[0].table
         assert store.blocks.refcount(shared) == 2 and store.blocks.refcount(copied) == 1
     comparison = compare(model, store, other)
     assert comparison.same_tokens and comparison.max_diff <= TOL
@@ -104,7 +104,7 @@ def test_blocks_are_released_on_close_and_on_garbage_collection(model: object) -
     prompt = random_tokens(18, seed=13)[None]
     cache = prefixkv.PagedPrefixCache(store, prompt)
     model.generate(prompt, **cache_kw(cache), max_new_tokens=5, do_sample=False)
-    held = sum(cache._held_blocks().values())
+    held = sum(cache._rowset.held_blocks().values())
     assert held == 6  # 18 prompt + 4 fed generated tokens = 22 -> 6 blocks
     del cache
     gc.collect()
@@ -172,7 +172,9 @@ def test_both_gather_paths_match_stock_and_padding_is_never_stored(model: object
     ids, mask = left_pad([long, long[pads[1] :]])
     cache = prefixkv.PagedPrefixCache(store, ids, mask)
     whole = WholeRows(store.blocks.gather, 4)
-    whole.begin([row.pad for row in cache._rows], [row.table for row in cache._rows], cache.get_seq_length())
+    whole.begin(
+        [row.pad for row in cache._rowset.rows], [row.table for row in cache._rowset.rows], cache.get_seq_length()
+    )
     aligned = whole.by_table
     assert aligned == (pads[1] % 4 == 0)
     cache.close()

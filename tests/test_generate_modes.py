@@ -237,12 +237,12 @@ def test_num_return_sequences_share_the_prompt_blocks(llama64: Any, store: Prefi
         out = _paged(llama64, cache, ids, seed=11, logits_processor=LogitsProcessorList([probe]), **kw)
         _assert_same(out, ref, tol)
         assert cache.stats.cached_tokens == 34
-        shared = cache._rows[0].table[:8]
-        assert all(row.table[:8] == shared for row in cache._rows)
+        shared = cache._rowset.rows[0].table[:8]
+        assert all(row.table[:8] == shared for row in cache._rowset.rows)
         assert all(store.blocks.refcount(b) == 1 + 3 for b in shared)  # the trie and the 3 sequences
         # each sequence wrote into the shared part-block (copy-on-write), then published it whole with the same
         # keys: all three read the first one's copy and gave theirs back
-        assert len({row.table[8] for row in cache._rows}) == 1
+        assert len({row.table[8] for row in cache._rowset.rows}) == 1
     # per sequence: 37 prompt + 7 fed tokens = 11 blocks, of which 8 are shared and 1 the first's: 2 of its own
     assert probe.blocks_used[-1] == before + 1 + 3 * 2
     assert probe.blocks_used[-1] < before + 3 * 11  # what a copy of the prefix per sequence would take
@@ -268,7 +268,7 @@ def test_beam_search_shares_blocks_through_reorder(
         if torch.equal(out.sequences, ref.sequences):
             assert torch.allclose(out.sequences_scores, ref.sequences_scores, atol=tol.logits, rtol=0)
         assert cache.stats.cached_tokens == 32
-        assert all(store.blocks.refcount(b) == 1 + 3 for b in cache._rows[0].table[:8])
+        assert all(store.blocks.refcount(b) == 1 + 3 for b in cache._rowset.rows[0].table[:8])
     # each beam holds at most its 3 blocks past the shared prefix (37 + 7 tokens = 11 blocks);
     # reorder shares the beams' common blocks, so the pool never holds a prefix copy per beam
     assert max(probe.blocks_used) <= before + 3 * 3
@@ -430,7 +430,7 @@ def test_inputs_embeds_only_stores_but_never_matches(llama64: Any, store: Prefix
             inputs_embeds=embeds, **cache_kw(cache), max_new_tokens=8, do_sample=False, pad_token_id=0,
             output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
-        assert sum(cache._held_blocks().values()) == 11  # 37 + 7 columns stored
+        assert sum(cache._rowset.held_blocks().values()) == 11  # 37 + 7 columns stored
     _assert_same(out, ref, tol)
     assert store.stats.cached_tokens == cached_before  # nothing published: the ids were never seen
     assert PagedPrefixCache(store, torch.cat([ids, out.sequences], dim=1)).stats.cached_tokens == 32

@@ -210,7 +210,7 @@ def test_close_from_another_thread_mid_forward_defers_the_release(model: Any) ->
     thread.start()
     try:
         assert inside.wait(10)
-        held = list(cache._held_blocks())
+        held = list(cache._rowset.held_blocks())
         cache.close()  # returns at once; the blocks stay with the running forward
         assert all(store.blocks.refcount(b) > 0 for b in held)
         store.check_invariants()
@@ -221,7 +221,7 @@ def test_close_from_another_thread_mid_forward_defers_the_release(model: Any) ->
     assert (
         len(errors) == 1 and isinstance(errors[0], CacheMisuseError) and "closed during the forward" in str(errors[0])
     )
-    assert cache._rows == []  # released when the forward ended
+    assert cache._rowset.rows == []  # released when the forward ended
     assert_no_leak(store)
     reuse_is_exact(model, store, ids, reused=False)  # the cancelled forward published nothing
     reuse_is_exact(model, store, ids)

@@ -228,7 +228,7 @@ class StoreMachine(RuleBasedStateMachine):
         best = max((lcp(tuple(prompt), s) for s in self.ever), default=0)
         surely = max((lcp(tuple(prompt), s) for s in self.must_hold()), default=0)
         assert min(surely, len(prompt) - 1) <= reused <= min(best, len(prompt) - 1)
-        assert_blocks_hold(self.store, prompt, cache._rows[0].table, reused)
+        assert_blocks_hold(self.store, prompt, cache._rowset.rows[0].table, reused)
         live = Live(cache, [prompt])
         del cache
         self.live.append(live)
@@ -329,7 +329,7 @@ class StoreMachine(RuleBasedStateMachine):
         thread = threading.Thread(target=forward)
         thread.start()
         inside.wait(10)
-        held = list(cache._held_blocks())
+        held = list(cache._rowset.held_blocks())
         cache.close()
         if paused:  # else the forward had already failed (no room) and ended
             event("cancelled mid-forward")
@@ -338,7 +338,7 @@ class StoreMachine(RuleBasedStateMachine):
         resume.set()
         thread.join(10)
         assert len(outcome) == 1 and isinstance(outcome[0], prefixkv.CacheMisuseError if paused else CapacityError)
-        assert cache._rows == [], "the forward's end did not give the blocks back"
+        assert cache._rowset.rows == [], "the forward's end did not give the blocks back"
         self.live.remove(live)
 
     @precondition(lambda self: self.live)
@@ -423,7 +423,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert m.length == len(seq), f"{seq} was dropped while it had to stay"
             assert_blocks_hold(store, list(seq), m.blocks, m.length)
         for live in self.live:
-            for seq, row in zip(live.rows, live.cache._rows):
+            for seq, row in zip(live.rows, live.cache._rowset.rows):
                 assert row.proven and row.keys == seq
                 assert_blocks_hold(store, seq, row.table, len(seq))
 

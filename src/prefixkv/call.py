@@ -5,11 +5,13 @@ sequence, the only place where it is visible. A cache that has computed nothing 
 reused; if the call's mask, namespace or inputs differ from what that reuse assumed, the reuse is redone for the
 call as it is (:class:`Redo`) or dropped (:class:`Drop`). A cache that has computed must be continued: the call
 passes its last output plus new tokens (:meth:`GenerateCall.check_continues`), or only the new tokens placed right
-after the held columns (:meth:`GenerateCall.check_new_tokens`). :class:`GenerateCall` decides; the cache applies
-the decisions (docs/how-it-works.md, "One forward, and the first step of a call")."""
+after the held columns (:meth:`GenerateCall.check_new_tokens`). :class:`GenerateCall` decides and applies its
+decisions to the cache's :class:`prefixkv.rows.RowSet` (docs/how-it-works.md, "One forward, and the first step of
+a call"); it never calls the cache."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -17,6 +19,7 @@ import torch
 
 from . import proof, rows
 from .errors import CacheMisuseError
+from .store import PrefixStore
 
 
 class Drop(NamedTuple):
@@ -47,6 +50,62 @@ class GenerateCall:
         """Whether the forward about to run re-feeds the sequence, once. Mutates."""
         refeed, self.refeed = self.refeed, False
         return refeed
+
+    def plan(
+        self, held: rows.RowSet, store: PrefixStore, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]
+    ) -> int | None:
+        """:func:`prefixkv.cache.plan_call`: make what ``held`` holds fit the call, and return the
+        ``next_sequence_length`` (``length``: what ``generate`` asked for) to feed. Mutates ``held`` and this."""
+        refeed = self.take_refeed()
+        if input_ids.dim() != 2:
+            return length
+        if not self.computed and self._redo(held, store, input_ids, kwargs):
+            embeds = kwargs.get("inputs_embeds")
+            width = embeds.shape[1] if isinstance(embeds, torch.Tensor) else input_ids.shape[1]
+            return None if length is None and held.length == 0 else width - held.length
+        columns = held.length
+        if columns == 0:
+            return length
+        if length is None and not refeed:
+            self.check_new_tokens(
+                held.rows, columns, input_ids.shape[1], kwargs.get("attention_mask"), kwargs.get("position_ids")
+            )
+            return None
+        self.check_continues(held.rows, columns, input_ids)
+        if length is not None:
+            return length
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            warnings.warn(
+                "prefixkv: assisted or prompt-lookup decoding with output_attentions/output_hidden_states "
+                "recomputes the whole prompt, so prefix reuse is off for this generate call",
+                stacklevel=5,
+            )
+            held.drop_reuse()
+            return None
+        return input_ids.shape[1] - columns
+
+    def _redo(self, held: rows.RowSet, store: PrefixStore, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+        """Redo or drop construction's reuse as :meth:`replan` decides; whether what ``held`` holds changed.
+        Mutates ``held``."""
+        training = store.hf_model.training
+        decision = self.replan(
+            held.rows, input_ids, kwargs, training=training, space=held.space_now(), held_space=held.space
+        )
+        if decision is None:
+            return False
+        if isinstance(decision, Drop):
+            had = held.length
+            held.drop_reuse()
+            for row in held.rows:
+                row.forget()
+            warnings.warn(
+                f"prefixkv: {decision.why}: this PagedPrefixCache neither reuses nor publishes cached K/V in this "
+                "generate call",
+                stacklevel=6,
+            )
+            return had > 0
+        held.reattach(store, decision.pads, decision.keys, decision.space)
+        return True
 
     def replan(
         self,

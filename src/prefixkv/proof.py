@@ -10,7 +10,6 @@ or a generate call passes makes its rows unproven."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
@@ -53,8 +52,7 @@ def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) ->
     )
 
 
-@dataclass(frozen=True)
-class ForwardInputs:
+class ForwardInputs(NamedTuple):
     """One forward's inputs as the cache needs them: the ids (``None``: embeddings only), the embeddings, the
     mask and positions as passed, ``use_cache``, the other inputs that may change K/V (:func:`changing_inputs`),
     whether the model's K/V depend on ``position_ids`` (Bloom's ALiBi does not take them), and whether this is a

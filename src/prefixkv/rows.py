@@ -9,16 +9,27 @@ table for all layers.
 
 Keys. A row's ``keys`` are the token ids where the attention mask is 1, and ``-1 - id`` where a mask with holes
 hides a token (a hole shifts the positions after it, so the K/V that follow are not those of the unmasked ids).
-Leading padding is not part of a row."""
+Leading padding is not part of a row.
+
+The rows of one cache are a :class:`RowSet`: it attaches a prompt, allocates a forward's columns, applies the
+proof's verdicts, publishes, crops, selects and forks rows, all through the block manager's claim contract
+(docs/how-it-works.md, "The block manager"); it never calls the cache."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-from .blocks import Claim
+from . import proof
+from .blocks import BlockManager, Claim
+from .errors import CacheMisuseError
 from .reads import column_slots
+from .stats import CacheStats, RowStats
+from .store import PrefixStore
 
 
 class Row:
@@ -156,3 +167,218 @@ def check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[l
         row = int((~mask.any(dim=1)).nonzero()[0])
         raise ValueError(f"row {row} of attention_mask is all padding")
     return layout(input_ids, mask)
+
+
+class RowSet:
+    """The rows of one ``PagedPrefixCache`` over a store's ``blocks``: the columns every row has (``length``), how
+    many of them each layer stored (``seen``), the pool slots of the forward's new columns and which of them to
+    store (``new``, ``keep``: ``None`` for all), the namespace the reused and published K/V belong to (``space``;
+    ``space_now`` says the store's namespace now), whether forwards publish the blocks they fill, and what the
+    prompt reused (``stats``)."""
+
+    def __init__(self, blocks: BlockManager, num_layers: int, space_now: Callable[[], Hashable]) -> None:
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.rows: list[Row] = []
+        self.length = 0
+        self.seen = [0] * num_layers
+        self.new = torch.zeros((0, 0), dtype=torch.long)
+        self.keep: torch.Tensor | None = None
+        self.space_now = space_now
+        self.space: Hashable = space_now()
+        # in an invariant store only the runner's chunk forwards publish
+        self.publishes = blocks.chunk_size is None
+        self.stats = CacheStats(0, 0, 0, ())
+
+    # -- a prompt --------------------------------------------------------------------------------
+
+    def attach(
+        self, store: PrefixStore, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
+    ) -> None:
+        """:func:`prefixkv.cache.attach_prompt`. Mutates."""
+        bs, chunk = self.block_size, store.chunk_size
+        self.publishes = chunk is None or chunks
+        # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
+        caps = [len(r) - 1 for r in rows]
+        held: list[int] | None = None
+        offset = 0
+
+        def choose(lengths: list[int]) -> list[int]:
+            nonlocal offset
+            matched = [min(n, c) for n, c in zip(lengths, caps)]
+            if chunk is not None:
+                matched = [m // chunk * chunk for m in matched]
+            offset = min(p + m for p, m in zip(pads, matched))  # one offset per batch
+            return [max(0, offset - p) for p in pads]
+
+        with contextlib.ExitStack() as prefills:
+            if chunk is None:
+                prefilled = store.runner.prefill_shared(store, rows) if len(rows) > 1 else []
+            elif chunks:
+                caps, prefilled = [len(r) for r in rows], []
+            else:
+                caps, prefilled = [chunk_end(r, chunk) for r in rows], []
+                # what the runner computes stays locked until the rows hold it
+                held = prefills.enter_context(store.runner.prefill_chunks(store, [r[:c] for r, c in zip(rows, caps)]))
+            claims, reused = self.blocks.claim(rows, self.space, choose)
+        self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, claims, reused)]
+        for row, r in zip(self.rows, reused):
+            row.real = real_count(row.keys[:r])
+        self.length = offset
+        self.seen = [offset] * len(self.seen)
+        if held is not None:  # what the canonical prefill computed was computed by this call
+            reused = [min(h, r) for h, r in zip(held, reused)]
+        # the shared prefill's tokens were computed by this call: charge them to a row that reused them
+        for cost, members in prefilled:
+            j = max(members, key=lambda i: reused[i])
+            reused[j] -= min(cost, reused[j])
+        per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
+        self.stats = CacheStats(
+            sum(s.prompt_tokens for s in per_row), sum(reused), sum(s.computed_tokens for s in per_row), per_row
+        )
+        if count:
+            self.blocks.count_query([len(t) for t in rows], reused)
+
+    def reattach(self, store: PrefixStore, pads: list[int], rows: list[list[int]], space: Hashable) -> None:
+        """Give back what construction reused and attach ``rows`` again, under ``space``, as the lookup of the
+        same call (the store counts it once). Mutates."""
+        before = self.stats.per_row
+        self.release()
+        self.length = 0
+        self.space = space
+        self.blocks.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
+        self.attach(store, pads, rows)
+
+    def drop_reuse(self) -> None:
+        """Give back every held column, so the next forward recomputes the sequence from its start. Mutates."""
+        self.truncate(0)
+        before = self.stats.per_row
+        per_row = tuple(RowStats(r.prompt_tokens, 0, r.prompt_tokens) for r in before)
+        self.stats = CacheStats(self.stats.prompt_tokens, 0, self.stats.prompt_tokens, per_row)
+        # the store counted this lookup's reuse at construction: count it as the miss it has become
+        prompts = [r.prompt_tokens for r in before]
+        self.blocks.count_query(prompts, [r.cached_tokens for r in before], undo=True)
+        self.blocks.count_query(prompts, [0] * len(prompts))
+
+    # -- one forward -----------------------------------------------------------------------------
+
+    def allocate(self, forward: proof.ForwardInputs, batch: int, q: int) -> int:
+        """Fit the rows to the forward's ``batch``, then claim blocks (and copies of shared part-blocks about to be
+        written) for its ``q`` new columns; where they start. Mutates."""
+        if self.length != min(self.seen):
+            self.truncate(min(self.seen))  # an earlier forward raised half-way: drop its columns
+        self._fit_batch(batch, forward)
+        start, rows = self.length, self.rows
+        self.blocks.extend(
+            [row.claim for row in rows], [(max(0, start - row.pad), start + q - row.pad) for row in rows]
+        )
+        self.new, self.keep = new_slots(rows, start, q, self.block_size)
+        self.length = start + q
+        return start
+
+    def _fit_batch(self, batch: int, forward: proof.ForwardInputs) -> None:
+        """Rows for a first forward of a cache built without a prompt, or the rows repeated for a batch that
+        ``generate`` expanded (``num_return_sequences``, beams). Mutates."""
+        if not self.rows:
+            pads = [0] * batch
+            mask, q = forward.attention_mask, forward.fed.shape[1] if forward.fed is not None else 0
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= q:
+                pads = (mask[:, : self.length + q].to(torch.long).cpu().cumsum(dim=1) == 0).sum(dim=1).tolist()
+            known = forward.input_ids is not None and self.length == 0
+            claims = self.blocks.empty_claims(batch)
+            self.rows = [Row(p, [] if known else None, c, 0) for p, c in zip(pads, claims)]
+        elif batch != len(self.rows):
+            if batch % len(self.rows):
+                raise CacheMisuseError(
+                    f"this cache holds {len(self.rows)} rows but the forward feeds {batch}; "
+                    "build the cache from the same batch you pass to generate"
+                )
+            self.select([i for i in range(len(self.rows)) for _ in range(batch // len(self.rows))])
+
+    def prove(self, forward: proof.ForwardInputs, start: int, *, training: bool, reused: bool) -> None:
+        """Apply the proof's verdicts (docs/correctness.md, "Publish only what is proven") to every row: record
+        the new keys of a proven row, forget an unproven one, raise where the forward contradicts the prompt or
+        what construction ``reused``. Mutates."""
+        rows = self.rows
+        why = proof.unproven(forward, training=training, space=self.space_now, held_space=self.space)
+        verdicts = None if why else proof.prove_rows(forward, rows, start, reused=reused)
+        if verdicts is None:
+            for row in rows:
+                row.forget()
+            return
+        for row, verdict in zip(rows, verdicts):
+            if verdict is None:
+                continue
+            if verdict.error is not None:
+                raise CacheMisuseError(verdict.error)
+            if verdict.keys is None:
+                row.forget()
+                continue
+            row.keys.extend(verdict.keys)
+            row.real += verdict.shown
+
+    def publish_full(self) -> None:
+        """Publish every proven row's blocks that became full, so later calls can reuse them. Mutates."""
+        bs = self.block_size
+        for row in self.rows:
+            if not row.proven:
+                continue
+            full = max(0, self.length - row.pad) // bs
+            if full > row.published:
+                known = row.published * bs  # on the path of the row's trie node: publish continues from it
+                self.blocks.publish(row.claim, row.keys, known=known, end=full * bs, space=self.space)
+                row.published = full
+
+    def publish_all(self) -> None:
+        """:func:`prefixkv.cache.publish_all`. Mutates."""
+        (row,) = self.rows
+        if not row.proven:
+            raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
+        bs = self.block_size
+        self.blocks.publish(row.claim, row.keys, known=row.published * bs, end=len(row.keys), space=self.space)
+
+    # -- row surgery -----------------------------------------------------------------------------
+
+    def select(self, indices: list[int]) -> None:
+        """Row ``i`` becomes old row ``indices[i]``, sharing its blocks. Mutates."""
+        if indices == list(range(len(self.rows))):
+            return
+        claims = self.blocks.fork([self.rows[j].claim for j in indices])
+        rows = [self.rows[j].clone(c) for j, c in zip(indices, claims)]
+        self.release()
+        self.rows = rows
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` columns. Mutates."""
+        bs = self.block_size
+        keeps = [max(0, length - row.pad) for row in self.rows]
+        self.blocks.truncate([row.claim for row in self.rows], [-(-keep // bs) for keep in keeps])
+        for row, keep in zip(self.rows, keeps):
+            row.truncate(keep, bs)
+        self.length = length
+        self.seen = [length] * len(self.seen)
+
+    def fork(self) -> RowSet:
+        """A second row set holding the same columns, sharing their blocks (copy-on-write)."""
+        other = RowSet(self.blocks, len(self.seen), self.space_now)
+        claims = self.blocks.fork([row.claim for row in self.rows])
+        other.rows = [row.clone(c) for row, c in zip(self.rows, claims)]
+        other.length, other.seen = self.length, list(self.seen)
+        other.stats, other.space, other.publishes = self.stats, self.space, self.publishes
+        return other
+
+    def release(self) -> None:
+        """Give every row's blocks back and forget the rows (the columns stay counted until :meth:`reset`).
+        Mutates."""
+        rows, self.rows = self.rows, []
+        self.blocks.release([row.claim for row in rows])
+
+    def reset(self) -> None:
+        """Give every block back, forget the rows and their columns. Mutates."""
+        self.release()
+        self.length = 0
+        self.seen = [0] * len(self.seen)
+
+    def held_blocks(self) -> Counter[int]:
+        """How many of the rows' table entries name each block. Does not mutate."""
+        return Counter(b for row in self.rows for b in row.table)
