@@ -491,7 +491,6 @@ class GatherBackend:
 BACKENDS = ("auto", "blocks", "flex", "gather")
 
 # the backend each store asked for (``PrefixStore(attention=...)``), by its pool: what every cache of it reads
-_ASKED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 # a backend that a module above this one provides, by name: given the pool's device, dtype and block size and the
@@ -512,11 +511,6 @@ def check_backend(name: Any) -> str:
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
     return name
-
-
-def ask(pool: Any, name: str) -> None:
-    """Have every cache reading ``pool`` use the backend ``name`` (:func:`choose_backend`). Mutates module state."""
-    _ASKED[pool] = check_backend(name)
 
 
 def choose_backend(
@@ -560,9 +554,9 @@ def choose_backend(
     return BlocksBackend(), f"blocks: the pool is on {device.type} in {dtype}"
 
 
-def pool_backend(pool: Any, model: Any, model_dtype: torch.dtype) -> tuple[AttentionBackend | None, str]:
-    """The backend the store of ``pool`` asked for (:func:`ask`; ``"auto"`` if none), as :func:`choose_backend`
-    resolves it for the pool, and why; ``None`` for layers split across devices or dtypes (whole rows, read layer
+def pool_backend(name: str, pool: Any, model: Any, model_dtype: torch.dtype) -> tuple[AttentionBackend | None, str]:
+    """The backend ``name`` (the store's ``attention=``), as :func:`choose_backend` resolves it for the pool, and
+    why; ``None`` for layers split across devices or dtypes (whole rows, read layer
     by layer). Does not mutate."""
     specs = pool.specs
     if not specs or len({s.device for s in specs}) > 1 or len({s.dtype for s in specs}) > 1:
@@ -570,7 +564,7 @@ def pool_backend(pool: Any, model: Any, model_dtype: torch.dtype) -> tuple[Atten
     stored = pool.kv_dtype if pool.kv_dtype is not None else specs[0].dtype
     softcap = getattr(model.config, "attn_logit_softcapping", None)
     return choose_backend(
-        _ASKED.get(pool, "auto"),
+        name,
         specs[0].device,
         stored,
         model_dtype=model_dtype,
@@ -580,8 +574,9 @@ def pool_backend(pool: Any, model: Any, model_dtype: torch.dtype) -> tuple[Atten
 
 
 class Reader:
-    """How one cache's K/V reach the attention: the backend the store asked for (:func:`pool_backend`; ``None``
-    for layers split across devices or dtypes: whole rows, read layer by layer) and the whole-row reader. A backend
+    """How one cache's K/V reach the attention: the backend ``name`` the store was built with
+    (:func:`pool_backend`; ``None`` for layers split across devices or dtypes: whole rows, read layer by layer) and
+    the whole-row reader. A backend
     reads in place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
     layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
     invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
@@ -593,13 +588,14 @@ class Reader:
         gather: reads.Gather,
         block_size: int,
         *,
+        name: str,
         model: Any,
         model_dtype: torch.dtype,
         invariant: bool,
     ) -> None:
         self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
         self._whole = reads.WholeRows(gather, block_size)
-        self._backend, _ = pool_backend(pool, model, model_dtype)
+        self._backend, _ = pool_backend(name, pool, model, model_dtype)
 
     def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
         """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads

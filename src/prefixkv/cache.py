@@ -117,18 +117,18 @@ class PagedPrefixCache(Cache):
         self._rowset = RowSet(blocks, num_layers, space_now=blocks.space)
         self._plan: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
-            blocks.pool, blocks.gather, blocks.block_size, model=store.hf_model, model_dtype=store.model_dtype,
-            invariant=store.invariant,
+            blocks.pool, blocks.gather, blocks.block_size, name=store.attention, model=store.hf_model,
+            model_dtype=store.model_dtype, invariant=store.invariant,
         )  # fmt: skip
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._is_closed = False
         self._release_pending = False  # closed from another thread mid-forward: that forward releases at its end
         blocks.ensure_open()
-        self._generate: GenerateCall = GenerateCall(None)
+        self._gen_call: GenerateCall = GenerateCall(None)
         if input_ids is not None:
             pads, keys = check_prompt(input_ids, attention_mask)
-            self._generate = GenerateCall(input_ids.cpu().tolist())
+            self._gen_call = GenerateCall(input_ids.cpu().tolist())
             self._rowset.attach(store, pads, keys)
         elif attention_mask is not None:
             raise ValueError("attention_mask was given without input_ids")
@@ -144,13 +144,13 @@ class PagedPrefixCache(Cache):
         """Assisted and prompt-lookup decoding call this before their first forward, which feeds the whole
         sequence again (docs/how-it-works.md, "One forward, and the first step of a call"); that forward will
         then skip the columns already held. Mutates."""
-        self._generate.refeed = True
+        self._gen_call.refeed = True
 
     def _plan_call(self, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]) -> int | None:
         """:func:`plan_call`. Mutates."""
         if self._is_closed:
             raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
-        return self._generate.plan(self._rowset, self.store, input_ids, length, kwargs)
+        return self._gen_call.plan(self._rowset, self.store, input_ids, length, kwargs)
 
     # -- one forward -----------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class PagedPrefixCache(Cache):
         x = forward.fed
         if x is None:
             raise CacheMisuseError("a forward with a PagedPrefixCache needs input_ids or inputs_embeds")
-        held, call, q = self._rowset, self._generate, x.shape[1]
+        held, call, q = self._rowset, self._gen_call, x.shape[1]
         # allocation first: it may raise CapacityError, and the keys the proof records must then not be there yet;
         # if the proof raises, the next forward drops the allocated columns (RowSet.allocate)
         start = held.allocate(forward, x.shape[0], q)
@@ -309,8 +309,8 @@ class PagedPrefixCache(Cache):
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
         other = PagedPrefixCache(self.store)
         other._rowset = self._rowset.fork()
-        other._generate = GenerateCall(self._generate.prompt_ids)
-        other._generate.computed = self._generate.computed
+        other._gen_call = GenerateCall(self._gen_call.prompt_ids)
+        other._gen_call.computed = self._gen_call.computed
         return other
 
     @property

@@ -127,12 +127,11 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
 
 
 def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
-    """The one-line reason of the backend that reads the pool (``store.attention_backend``), after telling every
-    cache of the store to use ``name``; warns when an explicit ``"flex"`` (:mod:`prefixkv.flex`) falls back.
-    Mutates the choice."""
+    """The one-line reason of the backend ``name`` resolves to for the store's pool (``store.attention_backend``;
+    every cache of the store reads through ``store.attention``); warns when an explicit ``"flex"``
+    (:mod:`prefixkv.flex`) falls back. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
         from . import flex  # noqa: F401
-    reading.ask(store.pool, name)
     if store.invariant:
         reason = (
             "gather: an invariant store reads each row whole, in logical order (its canonical read, "
@@ -144,7 +143,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
             "own code), so update hands it whole rows"
         )
     else:
-        reason = reading.pool_backend(store.pool, store.hf_model, store.model_dtype)[1]
+        reason = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
     if name == "flex" and not reason.startswith("flex"):
         warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
     return reason
