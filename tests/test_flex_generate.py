@@ -106,6 +106,23 @@ def test_generate_modes_cold_then_warm_match_stock(llama32: Any, store: PrefixSt
     assert spy.prefill and spy.decode
 
 
+@pytest.mark.parametrize("extra", ["assistant_model", "embeddings"])
+def test_an_assistant_model_and_embeddings_match_stock(llama32: Any, store: PrefixStore, spy: Spy, extra: str) -> None:
+    """Assisted decoding with a draft model of its own (its candidates verified through the flex reads), and a
+    call that also returns the hidden states, cold then warm."""
+    kwargs: dict[str, Any] = (
+        {"assistant_model": prefixkv.models.tiny_model("llama", dtype=torch.float32, seed=7), "do_sample": False}
+        if extra == "assistant_model"
+        else {"output_hidden_states": True, "do_sample": False}
+    )
+    for seed in (5, 6):
+        result = compare(llama32, store, _prompt(seed=seed), **kwargs)
+        _exact(result)
+        assert spy.prefill and spy.decode, (spy.prefill, spy.decode)
+        spy.reset()
+    assert result.cache.stats.cached_tokens >= len(SYSTEM)
+
+
 def test_padded_batch_and_a_mask_with_a_hole(llama32: Any, store: PrefixStore, spy: Spy) -> None:
     _exact(compare(llama32, store, _prompt(seed=5, n=10)))  # caches SYSTEM and the first question
     ids, mask = left_pad([_prompt(seed=5, n=10)[0], _prompt(seed=6, n=3)[0]])
