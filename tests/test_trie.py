@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import prefixkv.trie as trie_module
-from prefixkv.trie import Node, RadixTrie
+from prefixkv.trie import Node, RadixTrie, path_tokens
 
 # a small alphabet makes shared prefixes and mid-edge splits common
 seqs = st.lists(st.integers(0, 3), min_size=1, max_size=24)
@@ -139,7 +139,7 @@ def test_publishing_a_long_chain_compares_no_edge(monkeypatch: pytest.MonkeyPatc
         node = ins.node
     assert calls == []
     assert len(trie.nodes()) == 1024 and all(n.lock == 1 for n in trie.nodes())  # one locked path
-    assert trie.path_tokens(node) == seq
+    assert path_tokens(node) == seq
 
 
 class EagerTrie(RadixTrie):

@@ -27,7 +27,7 @@ from .namespace import Namespace, WeightsChanged
 from .pool import BlockPool
 from .stats import StoreStats
 from .tier import OffloadTier, chunk_keys
-from .trie import Match, Node, NodeView, RadixTrie
+from .trie import Match, Node, NodeView, RadixTrie, path_tokens
 
 # tokens of room kept free after each row of a batch's prefill, for the blocks its decode steps add
 _RESERVE_TOKENS = 128
@@ -581,7 +581,7 @@ class Room:
         space = bm._trie.space_of(node)
         if end <= first or isinstance(space, WeightsChanged):
             return
-        keys = chunk_keys(bm._trie.path_tokens(node), bs, end, space)
+        keys = chunk_keys(path_tokens(node), bs, end, space)
         for c in range(first, end):
             if not tier.touch(keys[c]):
                 tier.put(keys[c], bm.pool.read_blocks([node.blocks[c - first]]), repr(space))

@@ -118,6 +118,17 @@ def _common_prefix(edge: list[int], seq: list[int], pos: int, end: int | None = 
     return lo
 
 
+def path_tokens(node: Node) -> list[int]:
+    """The tokens from position 0 to the end of ``node``'s edge (also for a node just evicted). Does not
+    mutate."""
+    parts: list[list[int]] = []
+    n: Node | None = node
+    while n is not None:
+        parts.append(n.tokens)
+        n = n.parent
+    return [t for part in reversed(parts) for t in part]
+
+
 class RadixTrie:
     """Token-granular radix trie over block ids.
 
@@ -190,17 +201,6 @@ class RadixTrie:
                 break
             node = child
         return Match(pos, blocks, last)
-
-    @staticmethod
-    def path_tokens(node: Node) -> list[int]:
-        """The tokens from position 0 to the end of ``node``'s edge (also for a node just evicted). Does not
-        mutate."""
-        parts: list[list[int]] = []
-        n: Node | None = node
-        while n is not None:
-            parts.append(n.tokens)
-            n = n.parent
-        return [t for part in reversed(parts) for t in part]
 
     def is_leaf(self, node: Node) -> bool:
         return not node.children and node.parent is not None
