@@ -10,7 +10,8 @@ No trie and no transformers here: the pool writes and reads *slots* (``block * b
 that the cache computes. Each layer's tensors live on that layer's device, in the pool's dtype. The pool
 starts small and grows (a copy, amortised by doubling) up to whatever capacity the store allows.
 
-Users call ``generate`` under ``torch.inference_mode()`` and ``torch.no_grad()`` alike (DESIGN.md rule 12). A
+Users call ``generate`` under ``torch.inference_mode()`` and ``torch.no_grad()`` alike (docs/correctness.md,
+"Releasing caches"). A
 tensor made inside ``inference_mode`` is an inference tensor, which refuses in-place writes outside it; so
 the pool's tensors are always made as normal tensors (:func:`_normal_tensors`), which accept writes in both.
 

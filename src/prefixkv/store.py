@@ -302,7 +302,7 @@ class PrefixStore:
         ``priority`` (0-100) makes a soft pin instead, as retention priorities do in serving engines: its
         blocks are evicted only after every unpinned prefix of lower priority (unpinned prefixes have 35),
         but they are never kept when nothing else is left, so a soft pin counts against no budget
-        (docs/generate.md, "Eviction during a long job"). ``unpin`` it with the same priority.
+        (docs/generate.md, "Many prompts at once"). ``unpin`` it with the same priority.
 
         >>> import prefixkv, torch
         >>> model = prefixkv.models.tiny_model("llama")

@@ -4,7 +4,7 @@ prefixkv keeps, per attention layer, one K and one V vector per token, all layer
 (``[num_blocks, block_size, kv_heads, head_dim]``), and reuses a prefix by handing those back. A model
 is supported when that is all its cache holds: every layer attends with full, sliding-window or chunked
 attention over per-token K/V of one shape. Everything else is refused with the family and the reason
-(DESIGN.md rule 8), never served with wrong output. ``docs/architectures.md`` lists the families.
+(docs/architectures.md, "Refused families"), never served with wrong output; that page lists the families.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ the KV of that chunk *along this node's path* (valid at least up to the end of t
 a split is touched by both halves, so its block occurs twice; the trie reports every occurrence it adds
 or drops so that the owner of the refcounts (the store) keeps them true.
 
-Namespaces keep apart K/V that the same tokens get under different model states (an active adapter, DESIGN.md
-rule 9): each namespace has its own root, and every query or insert names its namespace (``None`` by
-default). Eviction is one LRU over all of them.
+Namespaces keep apart K/V that the same tokens get under different model states (an active adapter: docs/correctness.md,
+"Adapters and changed weights"): each namespace has its own root, and every query or insert names its
+namespace (``None`` by default). Eviction is one segmented LRU over all of them (docs/generate.md, "Many
+prompts at once").
 
 Eviction follows SGLang: unlocked leaves wait in a heap by last access; evicting one may turn its parent
 into an unlocked leaf, which then joins the heap. Locks count per path: locking a node locks every
