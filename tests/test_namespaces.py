@@ -193,3 +193,26 @@ def test_save_keeps_the_shared_namespace_only(llama64: Any, tmp_path: Path) -> N
             out = compare(llama64, store, _prompt(22, shared), namespace=name, do_sample=False)
             _exact(out)
             assert out.cache.stats.cached_tokens == hits, name
+
+
+def test_after_a_weight_change_a_namespace_offloads_nothing(llama64: Any) -> None:
+    """K/V computed after the weights changed stay out of the second tier in a user's namespace too (only this
+    process can tell such weights apart): evicted, they are gone, and the request after recomputes them."""
+    prompts = [random_tokens(37, seed=s)[None] for s in range(3)]
+    weight = next(llama64.parameters())
+    before = weight.detach().clone()
+    try:
+        with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="cpu") as store:
+            with torch.no_grad():
+                weight.mul_(1.5)  # a training step, as far as the store can tell
+            for ids in prompts:
+                _exact(compare(llama64, store, ids, namespace="alice", do_sample=False))
+            assert store.stats.evictions > 0
+            o = store.stats.offload
+            assert o is not None and o.blocks == 0
+            again = compare(llama64, store, prompts[0], namespace="alice", do_sample=False)
+            _exact(again)
+            assert again.cache.stats.cached_tokens == 0
+    finally:
+        with torch.no_grad():
+            weight.copy_(before)  # the module's model, for the tests after this one
