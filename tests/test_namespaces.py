@@ -216,3 +216,16 @@ def test_after_a_weight_change_a_namespace_offloads_nothing(llama64: Any) -> Non
     finally:
         with torch.no_grad():
             weight.copy_(before)  # the module's model, for the tests after this one
+
+
+def test_an_invariant_store_computes_its_chunks_in_the_namespace(llama64: Any) -> None:
+    """The canonical chunk prefill of an invariant store runs in the caller's namespace: another user gets no hit
+    and the shared namespace holds nothing, the same user reuses the chunks."""
+    system = random_tokens(24, seed=23)
+    with PrefixStore(llama64, block_size=BS, invariant=True, chunk_size=8) as store:
+        for name, hits in (("alice", 0), ("bob", 0), ("alice", 24)):
+            out = compare(llama64, store, _prompt(24, system), namespace=name, do_sample=False)
+            _exact(out)
+            assert out.cache.stats.cached_tokens == hits, name
+        assert store.cached_length(system.tolist(), namespace="alice") == 24
+        assert store.cached_length(system.tolist()) == 0
