@@ -180,11 +180,12 @@ def compare(
     seed: int = 0,
     spelling: str = GENERATE_CACHE_KWARG,
     max_new_tokens: int = 8,
+    namespace: str | None = None,
     **kwargs: Any,
 ) -> Comparison:
     """Run generate with a fresh :func:`reference_cache` (``DynamicCache``; for an 8-bit store, one that quantizes
     as it does) on :func:`stock_twin` ``(model)`` and with a PagedPrefixCache from ``store`` on ``model``, both
-    passing the cache as ``spelling`` (under :func:`spelled`)."""
+    passing the cache as ``spelling`` (under :func:`spelled`); the cache is user ``namespace``'s."""
 
     def run(cache: Any, on: Any = model) -> Any:
         torch.manual_seed(seed)
@@ -203,7 +204,7 @@ def compare(
     twin = stock_twin(model)
     ref = run(reference_cache(twin, store.kv_dtype), twin)
     counter = FeedCounter(model)
-    cache = prefixkv.PagedPrefixCache(store, ids, mask)
+    cache = prefixkv.PagedPrefixCache(store, ids, mask, namespace=namespace)
     try:
         out = run(cache)
     finally:

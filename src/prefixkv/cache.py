@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import _compat, attention, display, proof, reads
 from .call import GenerateCall
 from .errors import CacheMisuseError
+from .namespace import user_space
 from .rows import RowSet, check_prompt
 from .stats import CacheStats
 from .store import PrefixStore
@@ -89,7 +90,9 @@ class PagedPrefixCache(Cache):
     Build one per ``generate`` call. With ``input_ids`` (and, for a padded batch, ``attention_mask``)
     each row's longest cached prefix is attached at construction, so ``generate`` only prefills the rest;
     at least the last prompt token is always recomputed. Close it (``close()``, ``with``) to give its
-    blocks back; what it computed stays cached in the store for later calls.
+    blocks back; what it computed stays cached in the store for later calls. ``namespace="alice"`` (a str)
+    reuses and publishes only the K/V of caches built with the same name; ``None``, the default, is the one
+    namespace every user shares (docs/generate.md, "Isolation between users").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -106,6 +109,8 @@ class PagedPrefixCache(Cache):
         store: PrefixStore,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
+        namespace: str | None = None,
     ) -> None:
         if not isinstance(store, PrefixStore):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
@@ -113,8 +118,12 @@ class PagedPrefixCache(Cache):
         self._blocks = blocks = store.blocks  # the store's claim contract
         num_layers = len(blocks.pool.specs)
         super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
-        # the rows, their columns and claims; the namespace K/V computed now are cached under is read here only
-        self._rowset = RowSet(blocks, num_layers, space_now=blocks.space)
+        # the rows, their columns and claims; the namespace K/V computed now are cached under is read here only:
+        # the store's, within the user's `namespace` (docs/generate.md, "Isolation between users")
+        user_space(namespace, None)  # a wrong name fails here, before any block is claimed
+        self.namespace = namespace
+        space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
+        self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
         self._plan: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
             blocks.pool, blocks.gather, blocks.block_size, name=store.attention, model=store.hf_model,
@@ -307,7 +316,7 @@ class PagedPrefixCache(Cache):
             raise CacheMisuseError("this PagedPrefixCache is closed; there is nothing to copy")
         if self._owner is not None:
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
-        other = PagedPrefixCache(self.store)
+        other = PagedPrefixCache(self.store, namespace=self.namespace)
         other._rowset = self._rowset.fork()
         other._gen_call = GenerateCall(self._gen_call.prompt_ids)
         other._gen_call.computed = self._gen_call.computed

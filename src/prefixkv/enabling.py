@@ -15,7 +15,7 @@ import torch
 from . import _compat
 from .cache import PagedPrefixCache
 from .hooks import MethodPatch, bound_to_copies, has_open_store
-from .namespace import transformers_model
+from .namespace import transformers_model, user_space
 from .proof import CACHE_KWARGS
 from .store import PrefixStore
 
@@ -27,11 +27,12 @@ class _Enabled:
     store: PrefixStore
     owns_store: bool
     patch: MethodPatch
+    namespace: str | None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Enabled:
         """What a ``copy.deepcopy`` of the enabled model holds: the same store, not a copy (its lock and pool are
         not the copy's to share; :func:`_enabled_generate` runs the copy stock), and the patch of the copy."""
-        return _Enabled(self.store, False, copy.deepcopy(self.patch, memo))
+        return _Enabled(self.store, False, copy.deepcopy(self.patch, memo), self.namespace)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ def _inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Te
     return None if int(pad) in eos_ids else ids != pad
 
 
-def _plan_enabled_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _CallPlan:
+def _plan_enabled_call(
+    model: Any, store: PrefixStore, args: tuple[Any, ...], kwargs: dict[str, Any], namespace: str | None
+) -> _CallPlan:
     """How an enabled model's ``generate`` call runs. Stock when the call brings its own cache, turns caching
     off, asks for a cache implementation itself, is an assistant model's draft call (which threads its own
     cache from call to call), or has inputs the cache cannot take (a warning says why). A cache implementation
@@ -102,19 +105,23 @@ def _plan_enabled_call(model: Any, store: PrefixStore, args: tuple[Any, ...], kw
     ids = named.get("inputs", named.get("input_ids"))
     if ids is None or named.get("inputs_embeds") is not None:
         # the prompt's K/V comes from the embeddings, which need not be those of the ids (a soft prompt)
-        return _CallPlan(PagedPrefixCache(store), extra, returned)  # stores, never publishes or matches
+        # stores, never publishes or matches
+        return _CallPlan(PagedPrefixCache(store, namespace=namespace), extra, returned)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
         return _STOCK
     mask = named.get("attention_mask")
     try:
-        cache = PagedPrefixCache(store, ids, mask if mask is not None else _inferred_mask(ids, setting))
+        mask = mask if mask is not None else _inferred_mask(ids, setting)
+        cache = PagedPrefixCache(store, ids, mask, namespace=namespace)
     except ValueError as e:
         warnings.warn(f"prefixkv: this generate call runs without prefix reuse: {e}", stacklevel=3)
         return _STOCK
     return _CallPlan(cache, extra, returned)
 
 
-def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) -> PrefixStore:
+def enable(
+    model: Any, store: PrefixStore | None = None, *, namespace: str | None = None, **store_kwargs: Any
+) -> PrefixStore:
     """Zero-code-change mode: every ``model.generate`` call that passes no cache gets a ``PagedPrefixCache``
     of ``store`` (built from the call's ``input_ids`` and ``attention_mask``, or the mask ``generate`` infers
     from the pad token; closed when the call returns, or, with ``return_dict_in_generate=True``, when the
@@ -123,7 +130,8 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
     (positional ``inputs`` and ``generation_config`` too). Calls that pass ``cache=``/``past_key_values=``,
     ``use_cache=False`` or a ``cache_implementation`` of their own are left alone; one that only the
     checkpoint's ``generation_config`` names gives way to prefixkv's cache. Without ``store`` one is built
-    with ``store_kwargs`` (see :class:`PrefixStore`). Returns the store.
+    with ``store_kwargs`` (see :class:`PrefixStore`). Every call's cache is built with ``namespace``
+    (:class:`PagedPrefixCache`; ``None``: the one shared namespace). Returns the store.
     Mutates the model (an instance attribute ``generate``); :func:`disable` undoes it.
 
     >>> import prefixkv, torch
@@ -141,7 +149,7 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         disable(model)
         current = None
     if current is not None:
-        if store is None and not store_kwargs:
+        if store is None and not store_kwargs and namespace == current.namespace:
             return current.store
         raise ValueError(
             "prefixkv is already enabled on this model; call prefixkv.disable(model) before enabling again"
@@ -155,10 +163,11 @@ def enable(model: Any, store: PrefixStore | None = None, **store_kwargs: Any) ->
         raise TypeError(f"pass a store or arguments to build one, not both (got {sorted(store_kwargs)})")
     if store is not None and store.model is not model:
         raise ValueError("this PrefixStore was built for another model; build one with PrefixStore(model)")
+    user_space(namespace, None)  # a wrong name fails before anything is built
     owns = store is None
     target = PrefixStore(model, **store_kwargs) if store is None else store
     generate = bound_to_copies(_enabled_generate, model, model.generate)
-    setattr(model, _ENABLED, _Enabled(target, owns, MethodPatch(model, "generate", generate)))
+    setattr(model, _ENABLED, _Enabled(target, owns, MethodPatch(model, "generate", generate), namespace))
     return target
 
 
@@ -168,7 +177,7 @@ def _enabled_generate(model: Any, original: Callable[..., Any], *args: Any, **kw
     state: _Enabled | None = model.__dict__.get(_ENABLED)
     if state is None or state.store.model is not model:
         return original(*args, **kwargs)
-    plan = _plan_enabled_call(model, state.store, args, kwargs)
+    plan = _plan_enabled_call(model, state.store, args, kwargs, state.namespace)
     if plan.cache is None:
         return original(*args, **kwargs)
     rest = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}  # drop an explicit `cache=None`

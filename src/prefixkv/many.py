@@ -22,6 +22,7 @@ from transformers import StopStringCriteria
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
+from .namespace import user_space
 from .store import PrefixStore
 
 if importlib.util.find_spec("ipywidgets") is not None:
@@ -71,6 +72,7 @@ def generate_many(
     batch_size: int = ...,
     tokenizer: Any = ...,
     progress: bool = ...,
+    namespace: str | None = ...,
     stream: Literal[False] = ...,
     **generate_kwargs: Any,
 ) -> list[Generation]: ...
@@ -85,6 +87,7 @@ def generate_many(
     batch_size: int = ...,
     tokenizer: Any = ...,
     progress: bool = ...,
+    namespace: str | None = ...,
     stream: Literal[True],
     **generate_kwargs: Any,
 ) -> Iterator[Generation]: ...
@@ -98,6 +101,7 @@ def generate_many(
     batch_size: int = 32,
     tokenizer: Any = None,
     progress: bool = True,
+    namespace: str | None = None,
     stream: bool = False,
     **generate_kwargs: Any,
 ) -> list[Generation] | Iterator[Generation]:
@@ -109,7 +113,8 @@ def generate_many(
     closes it after; pass one to keep the prefixes for later calls. At most ``batch_size`` rows go in one
     ``generate`` call. Returns one :class:`Generation` per prompt, in input order; with ``stream=True``, an
     iterator that yields them batch by batch as each finishes (``index`` says which prompt). A ``tqdm`` progress
-    bar counts the prompts unless ``progress=False``. Mutates the store.
+    bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
+    reuse and publish only its K/V. Mutates the store.
 
     Every row equals ``generate`` on its prompt alone: in float64 the same tokens and logits within 1e-6, for
     greedy and beam search. Sampling draws from the same distributions but not with the same random numbers (a
@@ -140,7 +145,8 @@ def generate_many(
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
         raise ValueError("generate_many() needs the PrefixStore built for this model: PrefixStore(model)")
     rows = [_prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
-    results = _generate(model, rows, store, batch_size, tokenizer, progress, generate_kwargs)
+    user_space(namespace, None)  # a wrong name fails before anything runs
+    results = _generate(model, rows, store, batch_size, tokenizer, progress, generate_kwargs, namespace)
     if stream:
         return results
     return sorted(results, key=lambda g: g.index)
@@ -171,12 +177,15 @@ def _common_length(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def plan(rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int) -> list[list[int]]:
+def plan(
+    rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
+) -> list[list[int]]:
     """The batches (lists of row indices) in the order to run them. Rows are sorted by their tokens, so that rows
     sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
-    store holds most of first (before other work can evict it); then consecutive rows fill batches of at most
-    ``batch_size`` rows and, in a store with a budget, of at most half the blocks it holds beside its pins (each row
-    needs its prompt and new tokens, less the whole blocks it reuses from the store or the row before it): the
+    store holds most of first (before other work can evict it; what it holds for user ``namespace``); then
+    consecutive rows fill batches of at most ``batch_size`` rows and, in a store with a budget, of at most half
+    the blocks it holds beside its pins (each row needs its prompt and new tokens, less the whole blocks it
+    reuses from the store or the row before it): the
     other half keeps what was cached before, so that a long job cannot flush a hot prefix by its batches' size
     alone. A row larger than that goes in a batch of its own. Does not mutate.
 
@@ -186,8 +195,7 @@ def plan(rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens:
     [[0, 2], [1]]
     """
     bs = store.block_size
-    space = store.blocks.space()
-    cached = [store.cached_length(r, space) for r in rows]
+    cached = [store.cached_length(r, store.blocks.space(), namespace=namespace) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     runs: list[list[int]] = []
     shared = [0] * len(rows)  # tokens, in whole blocks, that row i shares with the row before it in `order`
@@ -241,6 +249,7 @@ def _generate(
     tokenizer: Any,
     progress: bool,
     generate_kwargs: dict[str, Any],
+    namespace: str | None,
 ) -> Iterator[Generation]:
     """Run the batches of :func:`plan` and yield each row's :class:`Generation` as its batch finishes. Mutates the
     store (closing it if it builds it)."""
@@ -268,10 +277,10 @@ def _generate(
     store = PrefixStore(model) if store is None else store
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
-            for batch in plan(rows, store, batch_size, new_tokens):
+            for batch in plan(rows, store, batch_size, new_tokens, namespace):
                 prompts = [rows[i] for i in batch]
                 ids, mask = _left_pad(prompts, pad)
-                with PagedPrefixCache(store, ids, mask) as cache:
+                with PagedPrefixCache(store, ids, mask, namespace=namespace) as cache:
                     out = model.generate(ids, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **kwargs)
                 width = ids.shape[1]
                 for j, (i, prompt) in enumerate(zip(batch, prompts)):

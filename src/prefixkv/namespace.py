@@ -93,6 +93,35 @@ class WeightsChanged:
     state: int
 
 
+@dataclass(frozen=True)
+class UserSpace:
+    """The namespace of K/V cached for one user (``PagedPrefixCache(..., namespace=name)``): ``name`` and the
+    store's own namespace ``space``, so that users never reuse each other's K/V (docs/generate.md, "Isolation
+    between users")."""
+
+    name: str
+    space: Hashable
+
+
+def user_space(name: str | None, space: Hashable) -> Hashable:
+    """The namespace K/V of user ``name`` are cached under when the store's is ``space``: ``space`` itself for
+    ``None`` (the one shared namespace, whose keys saved files and tiers hold), else a :class:`UserSpace`; one of
+    :class:`WeightsChanged` stays one (the second tier keeps none of its blocks). Does not mutate.
+
+    >>> user_space(None, None), user_space("alice", None)
+    (None, UserSpace(name='alice', space=None))
+    """
+    if name is None:
+        return space
+    if not isinstance(name, str):
+        raise TypeError(f"namespace= is a user's name, a str (or None: the one shared namespace), got {name!r}")
+    if not name:
+        raise ValueError("namespace= is a user's name and cannot be empty; pass None for the one shared namespace")
+    if isinstance(space, WeightsChanged):
+        return WeightsChanged(UserSpace(name, space.adapters), space.state)
+    return UserSpace(name, space)
+
+
 class Namespace:
     """The key of a store's K/V besides the tokens, for one model: its adapters and the state of its weights
     when the store was built."""

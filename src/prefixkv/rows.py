@@ -173,11 +173,15 @@ class RowSet:
     """The rows of one ``PagedPrefixCache`` over a store's ``blocks``: the columns every row has (``length``), how
     many of them each layer stored (``seen``), the pool slots of the forward's new columns and which of them to
     store (``new``, ``keep``: ``None`` for all), the namespace the reused and published K/V belong to (``space``;
-    ``space_now`` says the store's namespace now), whether forwards publish the blocks they fill, and what the
+    ``space_now`` says the store's namespace now, within user ``namespace``: the runner's prefills for these rows
+    run in it too), whether forwards publish the blocks they fill, and what the
     prompt reused (``stats``)."""
 
-    def __init__(self, blocks: BlockManager, num_layers: int, space_now: Callable[[], Hashable]) -> None:
+    def __init__(
+        self, blocks: BlockManager, num_layers: int, space_now: Callable[[], Hashable], namespace: str | None = None
+    ) -> None:
         self.blocks = blocks
+        self.namespace = namespace
         self.block_size = blocks.block_size
         self.rows: list[Row] = []
         self.length = 0
@@ -213,13 +217,14 @@ class RowSet:
 
         with contextlib.ExitStack() as prefills:
             if chunk is None:
-                prefilled = store.runner.prefill_shared(store, rows) if len(rows) > 1 else []
+                prefilled = store.runner.prefill_shared(store, rows, self.namespace) if len(rows) > 1 else []
             elif chunks:
                 caps, prefilled = [len(r) for r in rows], []
             else:
                 caps, prefilled = [chunk_end(r, chunk) for r in rows], []
                 # what the runner computes stays locked until the rows hold it
-                held = prefills.enter_context(store.runner.prefill_chunks(store, [r[:c] for r, c in zip(rows, caps)]))
+                kept = [r[:c] for r, c in zip(rows, caps)]
+                held = prefills.enter_context(store.runner.prefill_chunks(store, kept, self.namespace))
             claims, reused = self.blocks.claim(rows, self.space, choose)
         self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, claims, reused)]
         for row, r in zip(self.rows, reused):
@@ -360,7 +365,7 @@ class RowSet:
 
     def fork(self) -> RowSet:
         """A second row set holding the same columns, sharing their blocks (copy-on-write)."""
-        other = RowSet(self.blocks, len(self.seen), self.space_now)
+        other = RowSet(self.blocks, len(self.seen), self.space_now, self.namespace)
         claims = self.blocks.fork([row.claim for row in self.rows])
         other.rows = [row.clone(c) for row, c in zip(self.rows, claims)]
         other.length, other.seen = self.length, list(self.seen)

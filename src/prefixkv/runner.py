@@ -22,22 +22,25 @@ from .store import Handle, PrefixStore, set_runner
 
 
 @contextlib.contextmanager
-def prefill(store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool) -> Iterator[RowStats]:
+def prefill(
+    store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
+) -> Iterator[RowStats]:
     """Compute the uncached rest of ``tokens`` with the store's model (one forward, whose whole blocks the
     forward hook publishes) and, with ``keep_partial``, publish the last part-filled block too (what
     ``PrefixStore.pin`` keeps; ``PrefixStore.warm`` keeps whole blocks). In an invariant store only the whole
     chunks of ``tokens`` are computed and published, each by a forward of its own (:func:`prefill_chunks`).
     Yields the prompt tokens reused and computed; what was published stays locked until the block exits.
-    ``count=False`` keeps the lookup out of the store's statistics. Mutates the store."""
+    ``count=False`` keeps the lookup out of the store's statistics. All of it in user ``namespace``
+    (:class:`PagedPrefixCache`). Mutates the store."""
     if store.chunk_size is not None:
         kept = tokens[: len(tokens) // store.chunk_size * store.chunk_size]
-        with prefill_chunks(store, [kept]) as (held,):
+        with prefill_chunks(store, [kept], namespace) as (held,):
             if count:
                 store.blocks.count_query([len(tokens)], [held])
             yield RowStats(len(tokens), held, len(kept) - held)
         return
     ids = torch.tensor([tokens], dtype=torch.long) if count else None
-    with PagedPrefixCache(store, ids) as cache:
+    with PagedPrefixCache(store, ids, namespace=namespace) as cache:
         if not count:
             attach_prompt(cache, [0], [tokens], count=False)
         _forward(cache, tokens[cache.get_seq_length() :])
@@ -47,27 +50,27 @@ def prefill(store: PrefixStore, tokens: list[int], *, keep_partial: bool, count:
 
 
 @contextlib.contextmanager
-def prefill_chunks(store: PrefixStore, prefixes: list[list[int]]) -> Iterator[list[int]]:
+def prefill_chunks(store: PrefixStore, prefixes: list[list[int]], namespace: str | None = None) -> Iterator[list[int]]:
     """The canonical prefill of an invariant store (docs/correctness.md, "Outputs that never depend on the
     cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.chunk_size`` tokens), computing
     every chunk it lacks with a forward of its own, one row, ``[1, chunk_size]``, after the earlier chunks read
     from the pool, so that a chunk's K/V are a function of its tokens and those before it alone. A chunk computed
     for one prefix serves every later one that starts with it. Yields how many tokens of each prefix the store
-    held before (whole chunks); everything the prefixes hold stays locked until the block exits. Mutates the
-    store."""
+    held before (whole chunks); everything the prefixes hold stays locked until the block exits. All of it in
+    user ``namespace``. Mutates the store."""
     chunk = store.chunk_size
     if chunk is None:
         raise ValueError("prefill_chunks is the prefill of an invariant store: PrefixStore(model, invariant=True)")
     with contextlib.ExitStack() as holds:
         held = []
         for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
-            cache = holds.enter_context(PagedPrefixCache(store))
+            cache = holds.enter_context(PagedPrefixCache(store, namespace=namespace))
             if tokens:
                 attach_prompt(cache, [0], [tokens], count=False, chunks=True)
             held.append(cache.get_seq_length())
         for tokens, before in zip(prefixes, held):
             if before < len(tokens):
-                cache = holds.enter_context(PagedPrefixCache(store))
+                cache = holds.enter_context(PagedPrefixCache(store, namespace=namespace))
                 attach_prompt(cache, [0], [tokens], count=False, chunks=True)  # with what earlier prefixes computed
                 for start in range(cache.get_seq_length(), len(tokens), chunk):
                     _forward(cache, tokens[start : start + chunk])
@@ -111,18 +114,19 @@ def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[
     return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
 
 
-def _prefill_shared(store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
+def _prefill_shared(store: PrefixStore, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
     """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
     beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
-    row. Returns, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
+    row, in the rows' user ``namespace``. Returns, per prefix computed, the tokens computed and the rows sharing
+    it. Mutates the store."""
     computed = []
     space = store.blocks.space()
     for prefix, members in _shared_prefixes(rows, store.block_size):
         if any(k < 0 for k in prefix):
             continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
-        if store.blocks.cached_length(prefix, space) >= len(prefix):
+        if store.cached_length(prefix, space, namespace=namespace) >= len(prefix):
             continue
-        with prefill(store, prefix, keep_partial=False, count=False) as row:
+        with prefill(store, prefix, keep_partial=False, count=False, namespace=namespace) as row:
             computed.append((row.computed_tokens, members))
     return computed
 
@@ -134,17 +138,19 @@ class _Runner:
         return attach_hooks(store.hf_model, store)
 
     def prefill(
-        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool
+        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
     ) -> contextlib.AbstractContextManager[RowStats]:
-        return prefill(store, tokens, keep_partial=keep_partial, count=count)
+        return prefill(store, tokens, keep_partial=keep_partial, count=count, namespace=namespace)
 
-    def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
-        return _prefill_shared(store, rows)
+    def prefill_shared(
+        self, store: PrefixStore, rows: list[list[int]], namespace: str | None
+    ) -> list[tuple[int, list[int]]]:
+        return _prefill_shared(store, rows, namespace)
 
     def prefill_chunks(
-        self, store: PrefixStore, prefixes: list[list[int]]
+        self, store: PrefixStore, prefixes: list[list[int]], namespace: str | None
     ) -> contextlib.AbstractContextManager[list[int]]:
-        return prefill_chunks(store, prefixes)
+        return prefill_chunks(store, prefixes, namespace)
 
 
 set_runner(_Runner())

@@ -51,6 +51,7 @@ def score(
     continuation_mask: torch.Tensor | None = None,
     batch_size: int = 8,
     softmax_dtype: torch.dtype | None = None,
+    namespace: str | None = None,
 ) -> list[Score]:
     """Log-probabilities of each continuation's tokens given its context, reusing the context's cached K/V.
 
@@ -59,8 +60,9 @@ def score(
     either side. One context with several continuations is scored against each (a multiple-choice question).
     Rows are scored ``batch_size`` at a time, longest first; in each batch the part of each context the store
     holds is read from it, only the rest and the continuation are computed, and what is computed is cached
-    for later calls (``generate`` or ``score``). The result is, per continuation and in the order given,
-    what a full forward over context + continuation gives (float64: within 1e-6). Mutates the store.
+    for later calls (``generate`` or ``score``) in user ``namespace`` (:class:`PagedPrefixCache`). The result
+    is, per continuation and in the order given, what a full forward over context + continuation gives
+    (float64: within 1e-6). Mutates the store.
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -91,7 +93,8 @@ def score(
     results: list[Score | None] = [None] * len(ctx)
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]
-        rows = logprob_rows(store, [ctx[i] for i in batch], [cont[i] for i in batch], softmax_dtype=softmax_dtype)
+        contexts_now, continuations_now = [ctx[i] for i in batch], [cont[i] for i in batch]
+        rows = logprob_rows(store, contexts_now, continuations_now, softmax_dtype=softmax_dtype, namespace=namespace)
         for i, lp in zip(batch, rows):
             target = torch.tensor(cont[i], device=lp.device)
             results[i] = Score(lp.gather(-1, target[:, None]).squeeze(-1), lp.argmax(dim=-1) == target)
@@ -104,11 +107,13 @@ def logprob_rows(
     continuations: list[list[int]],
     *,
     softmax_dtype: torch.dtype | None = None,
+    namespace: str | None = None,
 ) -> list[torch.Tensor]:
     """One batched forward: for row ``i``, the log-softmax over the vocabulary at the positions that predict
     ``continuations[i]`` (``[len(continuations[i]), vocab]``). Rows are left-padded to one width; each reuses
     the cached part of its context (never of its continuation: the logits of the last context token are
-    needed). Mutates the store (publishes what the forward computed)."""
+    needed), in user ``namespace`` (:class:`PagedPrefixCache`). Mutates the store (publishes what the forward
+    computed)."""
     model = store.model
     # the last continuation token predicts nothing that is scored: it is not fed, so a row of n + 1 tokens runs at
     # most n positions (a model's position limit, as lm-eval's ``hf`` feeds it)
@@ -124,7 +129,7 @@ def logprob_rows(
     keep = max(len(k) for k in continuations)  # the logits needed: the last context token onwards
     params = inspect.signature(model.forward).parameters
     device = store.pool.specs[0].device  # the first layer's (model.device is `meta` under offloading)
-    with PagedPrefixCache(store) as cache:
+    with PagedPrefixCache(store, namespace=namespace) as cache:
         # the cache knows each row's context only: it matches (and reuses) at most all but its last token,
         # and checks the fed ids against it; the continuation is recorded as it is fed
         attach_prompt(cache, pads, [list(c) for c in contexts])  # its rows grow as tokens are fed

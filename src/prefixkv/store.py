@@ -22,7 +22,7 @@ from . import display, persist
 from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
 from .memory import attention_shape, format_bytes, parse_bytes
-from .namespace import Namespace, layer_devices, transformers_model
+from .namespace import Namespace, layer_devices, transformers_model, user_space
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
 from .stats import CacheStats, RowStats, StoreStats
 from .support import check_supported
@@ -52,19 +52,24 @@ class ModelRunner(Protocol):
         ...
 
     def prefill(
-        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool
+        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
     ) -> AbstractContextManager[RowStats]:
-        """Compute and publish the uncached rest of ``tokens`` with one forward; the published tokens stay
-        locked until the context exits."""
+        """Compute and publish the uncached rest of ``tokens`` with one forward, in user ``namespace``; the
+        published tokens stay locked until the context exits."""
         ...
 
-    def prefill_shared(self, store: PrefixStore, rows: list[list[int]]) -> list[tuple[int, list[int]]]:
-        """In-batch sharing: compute once each whole-block prefix that several ``rows`` share; return, per
-        prefix computed, the tokens computed and the rows sharing it."""
+    def prefill_shared(
+        self, store: PrefixStore, rows: list[list[int]], namespace: str | None
+    ) -> list[tuple[int, list[int]]]:
+        """In-batch sharing: compute once each whole-block prefix that several ``rows`` (of user ``namespace``)
+        share; return, per prefix computed, the tokens computed and the rows sharing it."""
         ...
 
-    def prefill_chunks(self, store: PrefixStore, prefixes: list[list[int]]) -> AbstractContextManager[list[int]]:
-        """An invariant store's canonical prefill: compute and publish the chunks of ``prefixes`` the store lacks,
+    def prefill_chunks(
+        self, store: PrefixStore, prefixes: list[list[int]], namespace: str | None
+    ) -> AbstractContextManager[list[int]]:
+        """An invariant store's canonical prefill: compute and publish, in user ``namespace``, the chunks of
+        ``prefixes`` the store lacks,
         each with a forward of its own; yield how many tokens of each the store held before. What the prefixes
         hold stays locked until the context exits."""
         ...
@@ -284,12 +289,14 @@ class PrefixStore:
         cache rows), or the trie is malformed. Does not mutate."""
         self.blocks.check_invariants()
 
-    def cached_length(self, tokens: Sequence[int], space: Hashable = None) -> int:
-        """How many leading ``tokens`` namespace ``space`` holds (``None``: the model without adapters). Does
-        not mutate."""
-        return self.blocks.cached_length(tokens, space)
+    def cached_length(self, tokens: Sequence[int], space: Hashable = None, *, namespace: str | None = None) -> int:
+        """How many leading ``tokens`` namespace ``space`` holds (``None``: the model without adapters) for user
+        ``namespace`` (``None``: the one shared namespace; see :class:`PagedPrefixCache`). Does not mutate."""
+        return self.blocks.cached_length(tokens, user_space(namespace, space))
 
-    def pin(self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None) -> int:
+    def pin(
+        self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None, namespace: str | None = None
+    ) -> int:
         """Keep the prefix ``ids`` (a system prompt) cached until :meth:`unpin`. Mutates.
 
         The part of ``ids`` not cached yet is computed first with the store's model (one forward; all
@@ -303,6 +310,9 @@ class PrefixStore:
         blocks are evicted only after every unpinned prefix of lower priority (unpinned prefixes have 35),
         but they are never kept when nothing else is left, so a soft pin counts against no budget
         (docs/generate.md, "Many prompts at once"). ``unpin`` it with the same priority.
+
+        ``namespace`` pins the prefix for that user's caches only (:class:`PagedPrefixCache`; ``None``: the
+        shared namespace, which caches built with a namespace never read); ``unpin`` it with the same name.
 
         >>> import prefixkv, torch
         >>> model = prefixkv.models.tiny_model("llama")
@@ -322,7 +332,7 @@ class PrefixStore:
                 f"{len(ids_list)} ids hold none, so pinning them keeps nothing. Pin a longer prefix, or build the "
                 "store with a smaller chunk_size"
             )
-        space = self.blocks.space()
+        space = user_space(namespace, self.blocks.space())
         pins = self.blocks.pins
         with self.blocks.lock:
             if priority is None:
@@ -330,7 +340,7 @@ class PrefixStore:
             if pins.add(ids_list, tokens, space, priority):
                 return len(tokens)
         # the prefill keeps the published tokens locked until the pin holds them
-        with self.runner.prefill(self, tokens, keep_partial=True, count=True):
+        with self.runner.prefill(self, tokens, keep_partial=True, count=True, namespace=namespace):
             if not pins.add(ids_list, tokens, space, priority):
                 raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
         return len(tokens)
@@ -342,10 +352,12 @@ class PrefixStore:
             return tokens
         return tokens[: len(tokens) // self.chunk_size * self.chunk_size]
 
-    def unpin(self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None) -> None:
-        """Undo one :meth:`pin` of the same ids and priority. Mutates; raises ``ValueError`` if they are not
-        pinned so."""
-        self.blocks.pins.remove(_as_token_list(ids), self.blocks.space(), priority)
+    def unpin(
+        self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None, namespace: str | None = None
+    ) -> None:
+        """Undo one :meth:`pin` of the same ids, priority and namespace. Mutates; raises ``ValueError`` if they
+        are not pinned so."""
+        self.blocks.pins.remove(_as_token_list(ids), user_space(namespace, self.blocks.space()), priority)
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and everything the second
@@ -356,7 +368,13 @@ class PrefixStore:
         """
         return self.blocks.room.clear()
 
-    def warm(self, prompts: Iterable[Sequence[int] | torch.Tensor], *, progress: bool = True) -> CacheStats:
+    def warm(
+        self,
+        prompts: Iterable[Sequence[int] | torch.Tensor],
+        *,
+        progress: bool = True,
+        namespace: str | None = None,
+    ) -> CacheStats:
         """Compute the KV of each prompt now and cache it, so that later calls starting with one of
         them skip its prefill. Mutates (fills and may evict blocks).
 
@@ -365,7 +383,8 @@ class PrefixStore:
         ``tqdm.auto`` progress bar unless ``progress=False``. Only whole blocks are cached: the last
         ``len(prompt) % block_size`` tokens of a prompt are not (in an invariant store, only whole chunks are
         computed and cached). Warm-up lookups count in :attr:`stats` like any other. Returns the
-        prompt tokens reused and computed, per prompt (``per_row``) and in total.
+        prompt tokens reused and computed, per prompt (``per_row``) and in total. ``namespace`` caches them for
+        that user's caches only (:class:`PagedPrefixCache`).
 
         >>> import prefixkv, torch
         >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
@@ -377,7 +396,8 @@ class PrefixStore:
         rows = []
         with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
             for prompt in bar:
-                with self.runner.prefill(self, _as_token_list(prompt), keep_partial=False, count=True) as row:
+                tokens = _as_token_list(prompt)
+                with self.runner.prefill(self, tokens, keep_partial=False, count=True, namespace=namespace) as row:
                     rows.append(row)
                 reused = sum(r.cached_tokens for r in rows)
                 bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
