@@ -207,6 +207,12 @@ def test_a_soft_pin_outlasts_lower_priorities_but_never_blocks_the_store(llama64
     )
     assert g.cached_tokens == 16
     assert_same(g, stock(llama64, g.prompt, max_new_tokens=3, output_logits=True))
+    refused = random_tokens(16, seed=703).tolist()
+    before = store.cached_length(refused), store.stats
+    for bad in (101, -1, 2.5, True):  # refused before any prefill: nothing computed, nothing pinned
+        with pytest.raises(ValueError, match="an int from 0 to 100"):
+            store.pin(refused, priority=bad)  # type: ignore[arg-type]
+    assert (store.cached_length(refused), store.stats) == before
     with pytest.raises(ValueError, match="not pinned at priority 50"):
         store.unpin(kept, priority=50)
     big = random_tokens(60, seed=702).tolist()  # 15 blocks of 16: only room if the soft pin gives way

@@ -322,6 +322,10 @@ class PrefixStore:
         >>> store.stats.blocks_pinned
         3
         """
+        if priority is not None and (
+            isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
+        ):
+            raise ValueError(f"pin(priority=) is an int from 0 to 100 (or None: a hard pin), got {priority!r}")
         ids_list = _as_token_list(ids)
         if not ids_list:
             raise ValueError("pin() needs at least one token id")
