@@ -81,9 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         4 if q else 16,
         128 if q else 512,
         8 if q else 32,
-        ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"],
+        ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_many", "generate_batch"],
     )
     sections.append(("Throughput", throughput.report(r)))
+    variants = ["prefixkv_batched", "generate_many", "generate_many_batches", "generate_batch"]
+    r = throughput.run(size, 2 if q else 4, 4 if q else 16, 128 if q else 512, 8 if q else 64, variants, stops="varied")
+    sections.append(("Throughput, answers that end anywhere", throughput.report(r)))
     r = zero_hit.run(size, 128 if q else 512, 8 if q else 32, repeat=2 if q else 6)
     sections.append(("Zero-hit overhead", zero_hit.report(r)))
     r = trie_ops.run(2_000 if q else 100_000, 100, 1536, 64, 2000, 100 if q else 500, 16)

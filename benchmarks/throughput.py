@@ -34,9 +34,25 @@ def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def first_stop(row: list[int], eos: set[int]) -> list[int]:
+    """A row's new tokens up to and with its first end-of-sequence token (after it a batch feeds padding)."""
+    return next((row[: t + 1] for t, token in enumerate(row) if token in eos), row)
+
+
 def run(
-    size: str, systems: int, questions: int, system_len: int, new: int, variants: list[str], repeat: int = 1
+    size: str,
+    systems: int,
+    questions: int,
+    system_len: int,
+    new: int,
+    variants: list[str],
+    repeat: int = 1,
+    stops: str = "none",
 ) -> dict[str, Any]:
+    """Time ``variants`` on the workload. ``stops="none"``: every request gets ``new`` tokens (``min_new_tokens``);
+    ``"varied"``: each request ends at its first end-of-sequence token, the tokens set as such chosen from what
+    the model says (one at a random place of each request's answer), so that requests end anywhere from the first
+    token to the last, as a real model's answers do."""
     model = model_for(size)
     vocab = model.config.vocab_size
     prompts = [tokens(system_len, vocab, seed=s) for s in range(systems)]
@@ -46,14 +62,30 @@ def run(
         for s in range(systems)
         for q in range(questions)
     ]
-    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    gen: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     outputs: dict[str, list[list[int]]] = {}
+    eos: set[int] = set()
 
     def plain() -> None:
         outputs["plain"] = [
-            model.generate(ids[None], cache=DynamicCache(config=model.config), **gen)[0, -new:].tolist()
+            model.generate(ids[None], cache=DynamicCache(config=model.config), **gen)[0, len(ids) :].tolist()
             for _, ids in work
         ]
+
+    if stops == "varied":
+        # untimed, before any store touches the model: each request's whole answer, then one token of each (at a
+        # random place) ends every answer it appears in
+        gen.update(min_new_tokens=None, eos_token_id=None)
+        plain()
+        places = tokens(len(work), new, seed=7) - 3
+        eos = {answer[int(t)] for answer, t in zip(outputs["plain"], places)}
+        outputs["plain"] = [first_stop(answer, eos) for answer in outputs["plain"]]
+        gen["eos_token_id"] = sorted(eos)
+    elif stops != "none":
+        raise ValueError(f"stops must be 'none' or 'varied', got {stops!r}")
+
+    def rows(out: torch.Tensor, width: int) -> list[list[int]]:
+        return [first_stop(row, eos) for row in out[:, width:].tolist()]
 
     def deepcopy_recipe() -> None:
         filled = []
@@ -63,7 +95,7 @@ def run(
                 model(p[None], cache=c)
                 filled.append(c)
         outputs["deepcopy"] = [
-            model.generate(ids[None], cache=copy.deepcopy(filled[s]), **gen)[0, -new:].tolist() for s, ids in work
+            model.generate(ids[None], cache=copy.deepcopy(filled[s]), **gen)[0, len(ids) :].tolist() for s, ids in work
         ]
 
     def prefixkv_loop() -> None:
@@ -71,7 +103,7 @@ def run(
         out = []
         for _, ids in work:
             with prefixkv.PagedPrefixCache(store, ids[None]) as cache:
-                out.append(model.generate(ids[None], cache=cache, **gen)[0, -new:].tolist())
+                out.append(model.generate(ids[None], cache=cache, **gen)[0, len(ids) :].tolist())
         store.close()
         outputs["prefixkv"] = out
 
@@ -84,18 +116,22 @@ def run(
                 model.generate(prompts[s][None], cache=warm, max_new_tokens=1, pad_token_id=0)
             ids, mask = left_pad([ids for t, ids in work if t == s])
             with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
-                out.extend(model.generate(ids, attention_mask=mask, cache=cache, **gen)[:, -new:].tolist())
+                out.extend(rows(model.generate(ids, attention_mask=mask, cache=cache, **gen), ids.shape[1]))
         store.close()
         outputs["prefixkv_batched"] = out
 
-    def many() -> None:
+    def many(name: str, refill: bool | None) -> None:
         store = prefixkv.PrefixStore(model, block_size=16)
-        results = prefixkv.generate_many(model, [ids for _, ids in work], store=store, progress=False, **gen)
+        results = prefixkv.generate_many(
+            model, [ids for _, ids in work], store=store, progress=False, refill=refill, **gen
+        )
         store.close()
-        outputs["generate_many"] = [g.tokens for g in results]
+        outputs[name] = [g.tokens for g in results]
 
     def continuous_batching() -> None:
-        config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=new, do_sample=False, eos_token_id=gen.get("eos_token_id") or -1, pad_token_id=0
+        )
         # a cache sized for the workload (the default sizes itself from free accelerator memory)
         tokens_needed = sum(len(ids) + new for _, ids in work)
         cb = ContinuousBatchingConfig(page_size=16, num_blocks=tokens_needed // 16 + len(work), max_batch_tokens=2048)
@@ -105,17 +141,18 @@ def run(
             continuous_batching_config=cb,
             progress_bar=False,
         )
-        outputs["generate_batch"] = [r.generated_tokens[:new] for r in result.values()]
+        outputs["generate_batch"] = [first_stop(r.generated_tokens[:new], eos) for r in result.values()]
 
     table_ = {
         "plain": plain,
         "deepcopy": deepcopy_recipe,
         "prefixkv": prefixkv_loop,
         "prefixkv_batched": prefixkv_batched,
-        "generate_many": many,
+        "generate_many": lambda: many("generate_many", None),
+        "generate_many_batches": lambda: many("generate_many_batches", False),
         "generate_batch": continuous_batching,
     }
-    if "plain" not in variants:
+    if "plain" not in variants and "plain" not in outputs:
         plain()  # untimed, first (before any store touches the model): the tokens every variant must give
     runs: dict[str, list[float]] = {name: [] for name in variants}
     same = dict.fromkeys(variants, True)
@@ -126,11 +163,14 @@ def run(
             runs[name].append(time.perf_counter() - start)
             same[name] &= outputs[name] == outputs["plain"]
     seconds = {name: statistics.median(runs[name]) for name in variants}
+    answers = [len(a) for a in outputs["plain"]]
     return {
         "size": size,
         "requests": len(work),
         "system_len": system_len,
         "new_tokens": new,
+        "stops": stops,
+        "answer_tokens": {"mean": statistics.mean(answers), "min": min(answers), "max": max(answers)},
         "seconds": seconds,
         "runs": runs,
         "same_as_plain": same,
@@ -155,7 +195,12 @@ def report(r: dict[str, Any]) -> str:
         )
     return table(
         [
-            f"{r['requests']} requests, {r['system_len']}-token system prompts",
+            f"{r['requests']} requests, {r['system_len']}-token system prompts, "
+            + (
+                f"{r['new_tokens']} new tokens each"
+                if r["stops"] == "none"
+                else "answers of {min}-{max} tokens (mean {mean:.1f})".format(**r["answer_tokens"])
+            ),
             "seconds",
             "requests/s",
             "vs plain loop",
@@ -176,11 +221,34 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_many", "generate_batch"],
+        default=[
+            "plain",
+            "deepcopy",
+            "prefixkv",
+            "prefixkv_batched",
+            "generate_many",
+            "generate_many_batches",
+            "generate_batch",
+        ],
     )
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument(
+        "--stops",
+        choices=["none", "varied"],
+        default="none",
+        help="none: every request gets --new-tokens tokens; varied: requests end at end-of-sequence tokens, anywhere",
+    )
     args = ap.parse_args()
-    result = run(args.size, args.systems, args.questions, args.system_len, args.new_tokens, args.variants, args.repeat)
+    result = run(
+        args.size,
+        args.systems,
+        args.questions,
+        args.system_len,
+        args.new_tokens,
+        args.variants,
+        args.repeat,
+        args.stops,
+    )
     save("throughput", result)
     print(report(result))
 

@@ -66,9 +66,15 @@ def test_memory_smoke_shares_the_prefix() -> None:
     assert "ideal shared layout" in memory.report(r)
 
 
-def test_throughput_smoke_gives_the_same_tokens_everywhere() -> None:
-    r = throughput.run("tiny", 2, 2, 40, 4, ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_batch"])
+@pytest.mark.parametrize("stops", ["none", "varied"])
+def test_throughput_smoke_gives_the_same_tokens_everywhere(stops: str) -> None:
+    """Every variant, with answers of one length and answers that end anywhere (where generate_many refills its
+    batches): the same tokens as the plain loop."""
+    every = ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_many", "generate_many_batches"]
+    r = throughput.run("tiny", 2, 3, 40, 12, [*every, "generate_batch"], stops=stops)
     assert all(r["same_as_plain"].values()), r["same_as_plain"]
+    if stops == "varied":
+        assert r["answer_tokens"]["min"] < r["answer_tokens"]["max"]  # the answers do end apart
     assert "requests/s" in throughput.report(r)
 
 

@@ -31,6 +31,19 @@ def assert_same(g: prefixkv.Generation, ref: Any) -> None:
     assert (g.logits - torch.stack(ref.logits)[:, 0]).abs().max() <= 1e-6
 
 
+def assert_later_request_matches_stock(model: Any, store: prefixkv.PrefixStore, later: list[int], reused: int) -> None:
+    """An ordinary request after the job, reusing at least ``reused`` tokens of what it published: stock's tokens
+    and logits."""
+    with prefixkv.PagedPrefixCache(store, torch.tensor([later])) as cache:
+        mine = model.generate(
+            torch.tensor([later]), cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    ref = stock(model, later, max_new_tokens=5, do_sample=False, output_logits=True)
+    assert cache.stats.cached_tokens >= reused and torch.equal(mine.sequences, ref.sequences)
+    assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits, strict=True)) <= 1e-6
+
+
 def workload(systems: int, per_system: int, system_len: int = 40) -> list[list[int]]:
     """Prompts over a few shared system prompts, tails of 1 to 5 tokens (batches need padding), interleaved."""
     heads = [random_tokens(system_len, seed=s).tolist() for s in range(systems)]
@@ -54,15 +67,7 @@ def test_each_row_equals_generate_on_its_prompt_alone(llama64: Any) -> None:
         assert g.prompt == prompts[g.index]
         assert_same(g, ref)
     assert sum(g.cached_tokens > 0 for g in out) >= len(prompts) - 2  # one row per system prompt may compute it
-    later = prompts[1] + [7, 8, 9]
-    with prefixkv.PagedPrefixCache(store, torch.tensor([later])) as cache:
-        mine = llama64.generate(
-            torch.tensor([later]), cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    ref = stock(llama64, later, max_new_tokens=6, do_sample=False, output_logits=True)
-    assert cache.stats.cached_tokens >= 40 and torch.equal(mine.sequences, ref.sequences)
-    assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits)) <= 1e-6
+    assert_later_request_matches_stock(llama64, store, prompts[1] + [7, 8, 9], reused=40)
     store.check_invariants()
     store.close()
 
@@ -221,3 +226,102 @@ def test_a_soft_pin_outlasts_lower_priorities_but_never_blocks_the_store(llama64
     store.unpin(kept, priority=90)
     store.check_invariants()
     store.close()
+
+
+def _spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[list[int]], list[int]]]:
+    """Record every ``generate`` call of generate_many: its prompts and each row's cached prompt tokens."""
+    calls: list[tuple[list[list[int]], list[int]]] = []
+    original = prefixkv.many._Run.call
+
+    def call(self: Any, prompts: list[list[int]], **more: Any) -> Any:
+        out = original(self, prompts, **more)
+        calls.append(([list(p) for p in prompts], out[2]))
+        return out
+
+    monkeypatch.setattr(prefixkv.many._Run, "call", call)
+    return calls
+
+
+def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that end at very different lengths, three places: as half a call's rows end, the call ends and the
+    next carries on with the others (their tokens so far as prompts, read back from the store) and new prompts in
+    the free places. Every row still has the tokens, logits and scores of its own call, as with refill=False; a
+    later ordinary request matches stock."""
+    prompts = workload(2, 5)
+    answers = [stock(llama64, p, max_new_tokens=14, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    eos = sorted({answers[0][1], answers[3][6], answers[6][11]})  # tokens the model says: rows end at them
+    kw: dict[str, Any] = dict(max_new_tokens=14, do_sample=False, eos_token_id=eos, output_logits=True)
+    refs = [stock(llama64, p, output_scores=True, **kw) for p in prompts]
+    lengths = [ref.sequences.shape[1] - len(p) for ref, p in zip(refs, prompts, strict=True)]
+    assert min(lengths) <= 3 and max(lengths) == 14  # the rows do end far apart
+    calls = _spy_calls(monkeypatch)
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, progress=False, output_scores=True, **kw)
+    assert [g.index for g in out] == list(range(len(prompts)))
+    for g, ref in zip(out, refs, strict=True):
+        assert_same(g, ref)
+        assert g.scores is not None and (g.scores - torch.stack(ref.scores)[:, 0]).abs().max() <= 1e-6
+    continued = [
+        (p, c) for prompts_, cached in calls for p, c in zip(prompts_, cached, strict=True) if p not in prompts
+    ]
+    assert continued, "no row was carried on into a later call"
+    assert all(c >= (len(p) - 1) // 4 * 4 - 4 for p, c in continued)  # what it said before came from the store
+    assert len(calls) > len(plan(prompts, prefixkv.PrefixStore(llama64, block_size=4), 3, 14))
+    calls.clear()
+    batches = prefixkv.generate_many(llama64, prompts, batch_size=3, progress=False, refill=False, **kw)
+    assert [g.tokens for g in batches] == [g.tokens for g in out]
+    assert all(p in prompts for prompts_, _ in calls for p in prompts_)  # refill=False never carries a row on
+    assert_later_request_matches_stock(llama64, store, prompts[4] + [7, 8, 9], reused=40)
+    store.check_invariants()
+    store.close()
+
+
+def test_refilling_within_a_store_budget_and_streaming(llama64: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a store of 40 blocks the rows running at once never need more than half of them (what the planner
+    counts for each: prompt and new tokens, less the blocks it shares), where an unbounded store runs four at once;
+    streamed results come as rows end, not in the planner's order, and equal the listed ones."""
+    prompts = workload(3, 3)
+    answers = [stock(llama64, p, max_new_tokens=12, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    kw: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, eos_token_id=[answers[0][2], answers[2][3]])
+    listed = prefixkv.generate_many(llama64, prompts, batch_size=4, progress=False, **kw)
+    for g in listed:
+        assert g.tokens == stock(llama64, g.prompt, **kw).sequences[0, len(g.prompt) :].tolist()
+    assert min(len(g.tokens) for g in listed) <= 3 and max(len(g.tokens) for g in listed) == 12
+    calls = _spy_calls(monkeypatch)
+    store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=40)
+    order = prefixkv.many._order(prompts, store, 12, None)
+    need = dict(order)
+    streamed = list(
+        prefixkv.generate_many(llama64, prompts, store=store, batch_size=4, stream=True, progress=False, **kw)
+    )
+    of = [[next(i for i, q in enumerate(prompts) if p[: len(q)] == q) for p in prompts_] for prompts_, _ in calls]
+    assert all(sum(need[i] for i in rows) <= 20 for rows in of if len(rows) > 1)
+    assert max(len(rows) for rows in of) < 4
+    calls.clear()
+    prefixkv.generate_many(llama64, prompts, batch_size=4, progress=False, **kw)
+    assert max(len(prompts_) for prompts_, _ in calls) == 4
+    assert sorted(g.index for g in streamed) == list(range(len(prompts)))
+    assert [g.index for g in streamed] != [i for i, _ in order]  # rows come as they end
+    assert [(g.index, g.tokens) for g in sorted(streamed, key=lambda g: g.index)] == [
+        (g.index, g.tokens) for g in listed
+    ]
+    store.check_invariants()
+    store.close()
+
+
+def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
+    llama64: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beam search and processors that count from the start of a call (min_new_tokens, ...) cannot carry a row
+    on: refill=True says why, and the default runs such calls in whole batches (each row still as alone)."""
+    prompts = workload(1, 3)
+    for kw, why in ((dict(num_beams=2), "num_beams=2"), (dict(min_new_tokens=3), "min_new_tokens=3")):
+        with pytest.raises(ValueError, match=f"cannot refill a batch with {why}"):
+            prefixkv.generate_many(llama64, prompts, max_new_tokens=4, refill=True, progress=False, **kw)
+    calls = _spy_calls(monkeypatch)
+    answers = [stock(llama64, p, max_new_tokens=8, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    kw2: dict[str, Any] = dict(max_new_tokens=8, min_new_tokens=2, do_sample=False, eos_token_id=answers[0][3])
+    out = prefixkv.generate_many(llama64, prompts, batch_size=2, progress=False, **kw2)
+    assert all(p in prompts for prompts_, _ in calls for p in prompts_)
+    for g in out:
+        assert g.tokens == stock(llama64, g.prompt, **kw2).sequences[0, len(g.prompt) :].tolist()

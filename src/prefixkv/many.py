@@ -8,17 +8,22 @@ which computes a prefix that several rows share once and reads it once for all o
 What a batch computes stays in the store for the batches after it. Each row's result is that of ``generate`` on
 its prompt alone (docs/generate.md, "Many prompts at once"): rows that stop early (an end-of-sequence token, a
 stop string) are cut where that call would have stopped.
+
+Refilling: once half a call's rows have ended and prompts wait, the call ends there; the next call carries the
+rows still going on, each with its tokens so far as its prompt (whose K/V its call published, so only a partial
+last block is computed again), and waiting prompts take the free places. Greedy decoding and sampling compute the
+same thing so; beam search and processors that count from a call's start do not, and run in whole batches.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
-from transformers import StopStringCriteria
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
@@ -73,6 +78,7 @@ def generate_many(
     tokenizer: Any = ...,
     progress: bool = ...,
     namespace: str | None = ...,
+    refill: bool | None = ...,
     stream: Literal[False] = ...,
     **generate_kwargs: Any,
 ) -> list[Generation]: ...
@@ -88,6 +94,7 @@ def generate_many(
     tokenizer: Any = ...,
     progress: bool = ...,
     namespace: str | None = ...,
+    refill: bool | None = ...,
     stream: Literal[True],
     **generate_kwargs: Any,
 ) -> Iterator[Generation]: ...
@@ -102,6 +109,7 @@ def generate_many(
     tokenizer: Any = None,
     progress: bool = True,
     namespace: str | None = None,
+    refill: bool | None = None,
     stream: bool = False,
     **generate_kwargs: Any,
 ) -> list[Generation] | Iterator[Generation]:
@@ -111,8 +119,11 @@ def generate_many(
     ``tokenizer(text)`` encodes them) or chat conversations (lists of ``{"role": ..., "content": ...}``, through
     the tokenizer's chat template with the generation prompt). ``store=None`` builds a store for this call and
     closes it after; pass one to keep the prefixes for later calls. At most ``batch_size`` rows go in one
-    ``generate`` call. Returns one :class:`Generation` per prompt, in input order; with ``stream=True``, an
-    iterator that yields them batch by batch as each finishes (``index`` says which prompt). A ``tqdm`` progress
+    ``generate`` call. ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done
+    and refills it with waiting prompts, the other rows carrying on from the store (:func:`refill_refusal` says
+    which arguments do not allow it; ``refill=True`` with them raises ``ValueError``); ``refill=False`` runs each
+    batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
+    ``stream=True``, an iterator that yields them as each ends (``index`` says which prompt). A ``tqdm`` progress
     bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
     reuse and publish only its K/V. Mutates the store.
 
@@ -144,9 +155,22 @@ def generate_many(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
         raise ValueError("generate_many() needs the PrefixStore built for this model: PrefixStore(model)")
+    refusal = refill_refusal(model, generate_kwargs)
+    if refill and refusal is not None:
+        raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
     rows = [_prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
     user_space(namespace, None)  # a wrong name fails before anything runs
-    results = _generate(model, rows, store, batch_size, tokenizer, progress, generate_kwargs, namespace)
+    results = _generate(
+        model,
+        rows,
+        store,
+        batch_size,
+        tokenizer,
+        progress,
+        generate_kwargs,
+        namespace,
+        refusal is None and refill is not False,
+    )
     if stream:
         return results
     return sorted(results, key=lambda g: g.index)
@@ -180,20 +204,40 @@ def _common_length(a: list[int], b: list[int]) -> int:
 def plan(
     rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
 ) -> list[list[int]]:
-    """The batches (lists of row indices) in the order to run them. Rows are sorted by their tokens, so that rows
-    sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
-    store holds most of first (before other work can evict it; what it holds for user ``namespace``); then
-    consecutive rows fill batches of at most ``batch_size`` rows and, in a store with a budget, of at most half
-    the blocks it holds beside its pins (each row needs its prompt and new tokens, less the whole blocks it
-    reuses from the store or the row before it): the
-    other half keeps what was cached before, so that a long job cannot flush a hot prefix by its batches' size
-    alone. A row larger than that goes in a batch of its own. Does not mutate.
+    """The batches (lists of row indices) in the order to run them: the rows in :func:`_order`, consecutive rows
+    filling batches of at most ``batch_size`` rows and, in a store with a budget, of at most :func:`_room` blocks.
+    A row larger than that goes in a batch of its own. Does not mutate.
 
     >>> import prefixkv
     >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
     >>> plan([[5, 6, 7, 8, 1], [9, 9], [5, 6, 7, 8, 2]], store, batch_size=2, new_tokens=4)
     [[0, 2], [1]]
     """
+    room = _room(store)
+    batches: list[list[int]] = []
+    need = 0
+    for i, blocks in _order(rows, store, new_tokens, namespace):
+        if not batches or len(batches[-1]) >= batch_size or (room is not None and need + blocks > room):
+            batches.append([])
+            need = 0
+        batches[-1].append(i)
+        need += blocks
+    return batches
+
+
+def _room(store: PrefixStore) -> int | None:
+    """The most blocks the rows running at once may need, in a store with a budget: half the blocks it holds
+    beside its pins; the other half keeps what was cached before, so that a long job cannot flush a hot prefix by
+    its batches' size alone. ``None`` without a budget. Does not mutate."""
+    return None if store.max_blocks is None else (store.max_blocks - store.stats.blocks_pinned) // 2
+
+
+def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace: str | None) -> list[tuple[int, int]]:
+    """The rows to run, in order, each with the blocks it needs. Rows are sorted by their tokens, so that rows
+    sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
+    store holds most of first (before other work can evict it; what it holds for user ``namespace``). A row needs
+    its prompt and new tokens, less the whole blocks it reuses from the store or the row before it. Does not
+    mutate."""
     bs = store.block_size
     cached = [store.cached_length(r, store.blocks.space(), namespace=namespace) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
@@ -206,17 +250,7 @@ def plan(
         else:
             runs.append([i])
     runs.sort(key=lambda run: -cached[run[0]])  # stable: sorted order among equal hits
-    room = None if store.max_blocks is None else (store.max_blocks - store.stats.blocks_pinned) // 2
-    batches: list[list[int]] = []
-    need = 0
-    for i in (i for run in runs for i in run):
-        blocks = -(-(len(rows[i]) + new_tokens) // bs) - max(cached[i], shared[i]) // bs
-        if not batches or len(batches[-1]) >= batch_size or (room is not None and need + blocks > room):
-            batches.append([])
-            need = 0
-        batches[-1].append(i)
-        need += blocks
-    return batches
+    return [(i, -(-(len(rows[i]) + new_tokens) // bs) - max(cached[i], shared[i]) // bs) for run in runs for i in run]
 
 
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,15 +264,79 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-def _stop_length(prompt: list[int], new: list[int], eos: set[int], stop: StopStringCriteria | None) -> int:
+def _stop_length(prompt: list[int], new: list[int], eos: set[int], stop: StopStringCriteria | None) -> tuple[int, bool]:
     """How many of a row's ``new`` tokens ``generate`` on that row alone returns: up to and with its first
-    end-of-sequence token or the token that completes a stop string (after it the batch fed the row padding).
-    Does not mutate."""
-    n = next((t + 1 for t, token in enumerate(new) if token in eos), len(new))
+    end-of-sequence token or the token that completes a stop string (after it the batch fed the row padding);
+    and whether one of those ended it. Does not mutate."""
+    n = next((t + 1 for t, token in enumerate(new) if token in eos), None)
+    stopped, n = n is not None, len(new) if n is None else n
     if stop is not None:
         seq = torch.tensor([prompt + new[:n]])
-        n = next((t for t in range(1, n + 1) if bool(stop(seq[:, : len(prompt) + t], None)[0])), n)
-    return n
+        hit = next((t for t in range(1, n + 1) if bool(stop(seq[:, : len(prompt) + t], None)[0])), None)
+        stopped, n = (True, hit) if hit is not None else (stopped, n)
+    return n, stopped
+
+
+class _Refill(StoppingCriteria):
+    """Ends a ``generate`` call of :func:`_refilling` early, once ``enough`` of its rows are done and other
+    prompts wait for their places: a row is done at an end-of-sequence token, a stop string, or when it has its
+    ``budget`` of new tokens (as ``generate`` on it alone would end). Rows done go on being fed padding until
+    then, as in any batched call. ``enough=None`` never ends the call early."""
+
+    def __init__(
+        self, width: int, budgets: list[int], eos: set[int], stop: StoppingCriteria | None, enough: int | None
+    ):
+        self.width, self.enough, self.stop = width, enough, stop
+        self.budgets = torch.tensor(budgets)
+        self.eos = torch.tensor(sorted(eos), dtype=torch.long)
+        self.done = torch.zeros(len(budgets), dtype=torch.bool)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        last = input_ids[:, -1].cpu()
+        now = (input_ids.shape[1] - self.width >= self.budgets) | torch.isin(last, self.eos)
+        if self.stop is not None:
+            now |= self.stop(input_ids, scores).cpu()
+        self.done |= now
+        if self.enough is not None and int(self.done.sum()) >= self.enough:
+            return torch.ones_like(self.done, device=input_ids.device)  # type: ignore[return-value]
+        return self.done.to(input_ids.device)  # type: ignore[return-value]
+
+
+# the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
+# count from the start of the call (or the end of max_length), or keep state across steps
+_ONE_CALL = (
+    "min_length", "min_new_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+    "exponential_decay_length_penalty", "guidance_scale", "watermarking_config", "assistant_model",
+    "prompt_lookup_num_tokens", "logits_processor", "constraints", "force_words_ids",
+)  # fmt: skip
+
+
+def refill_refusal(model: Any, generate_kwargs: dict[str, Any]) -> str | None:
+    """Why the rows of these ``generate`` arguments cannot be refilled (:func:`_refilling`), or ``None``. A row
+    goes on in a later call with its tokens so far as its prompt: that is the same computation for greedy
+    decoding and sampling with processors that only look at the tokens, not for beam search or processors that
+    count from the start of the call. Does not mutate."""
+    config = model.generation_config
+    beams = generate_kwargs.get("num_beams", config.num_beams or 1)
+    if beams > 1:
+        return f"num_beams={beams}: a beam search keeps its beams within one call"
+    for key in _ONE_CALL:
+        value = generate_kwargs.get(key, getattr(config, key, None))
+        if value not in (None, 0, [], 1.0) or (key == "guidance_scale" and value not in (None, 1, 1.0)):
+            return f"{key}={value!r} counts from the start of one call"
+    return None
+
+
+@dataclass
+class _Running:
+    """A row of :func:`_refilling` in progress: its new tokens so far (and their logits and scores)."""
+
+    index: int
+    prompt: list[int]
+    cached: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
 
 
 def _generate(
@@ -250,9 +348,10 @@ def _generate(
     progress: bool,
     generate_kwargs: dict[str, Any],
     namespace: str | None,
+    refill: bool,
 ) -> Iterator[Generation]:
-    """Run the batches of :func:`plan` and yield each row's :class:`Generation` as its batch finishes. Mutates the
-    store (closing it if it builds it)."""
+    """Run the prompts, in batches of :func:`plan` or refilling them (:func:`_refilling`), and yield each row's
+    :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     config = model.generation_config
     new_tokens = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
     if new_tokens is None:
@@ -273,27 +372,102 @@ def _generate(
             raise ValueError("stop_strings= needs tokenizer= (generate needs it to find the strings)")
         kwargs["tokenizer"] = tokenizer
         stop = StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
-    own = store is None
-    store = PrefixStore(model) if store is None else store
+    run = _Run(model, rows, PrefixStore(model) if store is None else store, kwargs, eos, stop, tokenizer, namespace)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
-            for batch in plan(rows, store, batch_size, new_tokens, namespace):
-                prompts = [rows[i] for i in batch]
-                ids, mask = _left_pad(prompts, pad)
-                with PagedPrefixCache(store, ids, mask, namespace=namespace) as cache:
-                    out = model.generate(ids, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **kwargs)
-                width = ids.shape[1]
-                for j, (i, prompt) in enumerate(zip(batch, prompts)):
-                    new = out.sequences[j, width:].tolist()
-                    n = _stop_length(prompt, new, eos, stop)
-                    logits, scores = (
-                        None if steps is None else torch.stack([step[j] for step in steps[:n]])
-                        for steps in (out.get("logits"), out.get("scores"))
-                    )
-                    text = None if tokenizer is None else tokenizer.decode(new[:n], skip_special_tokens=True)
-                    yield Generation(i, prompt, new[:n], text, cache.stats.per_row[j].cached_tokens, logits, scores)
-                bar.update(len(batch))
-                bar.set_postfix(reused=store.stats.hit_tokens)
+            work = (
+                run.refilling(batch_size, new_tokens)
+                if refill
+                else run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
+            )
+            for g in work:
+                yield g
+                bar.update(1)
+                bar.set_postfix(reused=run.store.stats.hit_tokens)
     finally:
-        if own:
-            store.close()
+        if store is None:
+            run.store.close()
+
+
+@dataclass
+class _Run:
+    """One ``generate_many`` call's model, prompts, store and ``generate`` arguments."""
+
+    model: Any
+    rows: list[list[int]]
+    store: PrefixStore
+    kwargs: dict[str, Any]
+    eos: set[int]
+    stop: StopStringCriteria | None
+    tokenizer: Any
+    namespace: str | None
+
+    def call(self, prompts: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
+        """One left-padded ``generate`` call on ``prompts``: its output, the padded width and each row's cached
+        prompt tokens. Mutates the store."""
+        ids, mask = _left_pad(prompts, self.kwargs["pad_token_id"])
+        with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache:
+            out = self.model.generate(
+                ids, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **{**self.kwargs, **more}
+            )
+        return out, ids.shape[1], [row.cached_tokens for row in cache.stats.per_row]
+
+    def result(self, row: _Running) -> Generation:
+        logits, scores = (torch.stack(steps) if steps else None for steps in (row.logits, row.scores))
+        text = None if self.tokenizer is None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        return Generation(row.index, row.prompt, row.tokens, text, row.cached or 0, logits, scores)
+
+    def take(self, row: _Running, out: Any, j: int, width: int, budget: int) -> bool:
+        """Add batch row ``j``'s new tokens of ``out`` to ``row``, cut where ``generate`` on its prompt alone
+        stops; whether it stopped there. Mutates ``row``."""
+        new = out.sequences[j, width:].tolist()[:budget]
+        n, stopped = _stop_length(row.prompt + row.tokens, new, self.eos, self.stop)
+        row.tokens += new[:n]
+        for steps, mine in ((out.get("logits"), row.logits), (out.get("scores"), row.scores)):
+            if steps is not None:
+                mine.extend(step[j] for step in steps[:n])
+        return stopped or n == budget
+
+    def batches(self, order: list[list[int]]) -> Iterator[Generation]:
+        """Each batch of ``order`` in one ``generate`` call, to its longest row's end."""
+        for batch in order:
+            running = [_Running(i, self.rows[i]) for i in batch]
+            out, width, cached = self.call([r.prompt for r in running])
+            for j, row in enumerate(running):
+                row.cached = cached[j]
+                self.take(row, out, j, width, len(out.sequences[j]) - width)
+                yield self.result(row)
+
+    def refilling(self, batch_size: int, new_tokens: int) -> Iterator[Generation]:
+        """The rows in the order of :func:`_order`, at most ``batch_size`` (and :func:`_room`'s blocks) at a time,
+        refilled as they end: once half a call's rows are done and prompts wait, the call ends there, the done
+        rows are yielded, and the next call carries on with the others (their tokens so far as their prompts,
+        whose K/V the store holds now, but for a partial last block) and waiting prompts in the free places."""
+        waiting = _order(self.rows, self.store, new_tokens, self.namespace)[::-1]
+        room = _room(self.store)
+        running: list[tuple[_Running, int]] = []
+        while running or waiting:
+            need = sum(blocks for _, blocks in running)
+            while waiting and (
+                not running or (len(running) < batch_size and (room is None or need + waiting[-1][1] <= room))
+            ):
+                i, blocks = waiting.pop()
+                running.append((_Running(i, self.rows[i]), blocks))
+                need += blocks
+            rows = [row for row, _ in running]
+            budgets = [new_tokens - len(r.tokens) for r in rows]
+            prompts = [r.prompt + r.tokens for r in rows]
+            width = max(len(p) for p in prompts)
+            refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if waiting else None)
+            out, width, cached = self.call(
+                prompts, max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([refill])
+            )
+            still = []
+            for j, (row, budget) in enumerate(zip(rows, budgets)):
+                if row.cached is None:
+                    row.cached = cached[j]
+                if self.take(row, out, j, width, budget):
+                    yield self.result(row)
+                else:
+                    still.append(running[j])
+            running = still
