@@ -278,7 +278,7 @@ def _stop_length(prompt: list[int], new: list[int], eos: set[int], stop: StopStr
 
 
 class _Refill(StoppingCriteria):
-    """Ends a ``generate`` call of :func:`_refilling` early, once ``enough`` of its rows are done and other
+    """Ends a ``generate`` call of ``_Run.refilling`` early, once ``enough`` of its rows are done and other
     prompts wait for their places: a row is done at an end-of-sequence token, a stop string, or when it has its
     ``budget`` of new tokens (as ``generate`` on it alone would end). Rows done go on being fed padding until
     then, as in any batched call. ``enough=None`` never ends the call early."""
@@ -303,33 +303,45 @@ class _Refill(StoppingCriteria):
 
 
 # the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
-# count from the start of the call (or the end of max_length), or keep state across steps
-_ONE_CALL = (
-    "min_length", "min_new_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
-    "exponential_decay_length_penalty", "guidance_scale", "watermarking_config", "assistant_model",
-    "prompt_lookup_num_tokens", "logits_processor", "constraints", "force_words_ids",
+# count from the start of the call (or to max_length), keep state across steps, or run other models: refused when
+# set at all (_SET) or when not empty or zero (_COUNTING); guidance_scale when not 1
+_SET = (
+    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
+    "assistant_model", "prompt_lookup_num_tokens",
 )  # fmt: skip
+_COUNTING = (
+    "min_length",
+    "min_new_tokens",
+    "begin_suppress_tokens",
+    "logits_processor",
+    "constraints",
+    "force_words_ids",
+)
 
 
 def refill_refusal(model: Any, generate_kwargs: dict[str, Any]) -> str | None:
-    """Why the rows of these ``generate`` arguments cannot be refilled (:func:`_refilling`), or ``None``. A row
-    goes on in a later call with its tokens so far as its prompt: that is the same computation for greedy
-    decoding and sampling with processors that only look at the tokens, not for beam search or processors that
-    count from the start of the call. Does not mutate."""
+    """Why the rows of these ``generate`` arguments cannot be refilled (``generate_many(refill=...)``), or
+    ``None``. A row goes on in a later call with its tokens so far as its prompt: that is the same computation
+    for greedy decoding and sampling with processors that only look at the tokens, not for beam search or
+    processors that count from the start of the call. Does not mutate."""
     config = model.generation_config
     beams = generate_kwargs.get("num_beams", config.num_beams or 1)
     if beams > 1:
         return f"num_beams={beams}: a beam search keeps its beams within one call"
-    for key in _ONE_CALL:
+    for key in (*_SET, *_COUNTING, "guidance_scale"):
         value = generate_kwargs.get(key, getattr(config, key, None))
-        if value not in (None, 0, [], 1.0) or (key == "guidance_scale" and value not in (None, 1, 1.0)):
-            return f"{key}={value!r} counts from the start of one call"
+        if (
+            (key in _SET and value is not None)
+            or (key in _COUNTING and value)
+            or (key == "guidance_scale" and value not in (None, 1))
+        ):
+            return f"{key}={value!r}: it counts from the start of one call"
     return None
 
 
 @dataclass
 class _Running:
-    """A row of :func:`_refilling` in progress: its new tokens so far (and their logits and scores)."""
+    """A row of ``_Run.refilling`` in progress: its new tokens so far (and their logits and scores)."""
 
     index: int
     prompt: list[int]
@@ -350,7 +362,7 @@ def _generate(
     namespace: str | None,
     refill: bool,
 ) -> Iterator[Generation]:
-    """Run the prompts, in batches of :func:`plan` or refilling them (:func:`_refilling`), and yield each row's
+    """Run the prompts, in batches of :func:`plan` or refilling them (``_Run.refilling``), and yield each row's
     :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     config = model.generation_config
     new_tokens = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
