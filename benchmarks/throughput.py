@@ -52,8 +52,8 @@ def run(
 ) -> dict[str, Any]:
     """Time ``variants`` on the workload. ``stops="none"``: every request gets ``new`` tokens (``min_new_tokens``);
     ``"varied"``: each request ends at its first end-of-sequence token, the tokens set as such chosen from what
-    the model says (one at a random place of each request's answer), so that requests end anywhere from the first
-    token to the last, as a real model's answers do."""
+    the model says, so that requests end anywhere from the first token to the last (half as long as they may be,
+    on average), as a real model's answers do."""
     model = model_for(size)
     vocab = model.config.vocab_size
     prompts = [tokens(system_len, vocab, seed=s) for s in range(systems)]
@@ -74,13 +74,18 @@ def run(
         ]
 
     if stops == "varied":
-        # untimed, before any store touches the model: each request's whole answer, then one token of each (at a
-        # random place) ends every answer it appears in
+        # untimed, before any store touches the model: each request's whole answer; then the rarest tokens of the
+        # answers, one by one while the answers stay half as long as they may be on average, end every answer
+        # they appear in (a random model repeats itself, so a common token would end almost every answer at once)
         gen.update(min_new_tokens=None, eos_token_id=None)
         plain()
-        places = tokens(len(work), new, seed=7) - 3
-        eos = {answer[int(t)] for answer, t in zip(outputs["plain"], places)}
-        outputs["plain"] = [first_stop(answer, eos) for answer in outputs["plain"]]
+        answers = outputs["plain"]
+        seen = {t for a in answers for t in a}
+        for t in sorted(seen, key=lambda t: (sum(t in a for a in answers), t)):
+            if statistics.mean(len(first_stop(a, eos | {t})) for a in answers) < new / 2:
+                break
+            eos.add(t)
+        outputs["plain"] = [first_stop(answer, eos) for answer in answers]
         gen["eos_token_id"] = sorted(eos)
     elif stops != "none":
         raise ValueError(f"stops must be 'none' or 'varied', got {stops!r}")

@@ -256,7 +256,12 @@ def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.
     assert min(lengths) <= 3 and max(lengths) == 14  # the rows do end far apart
     calls = _spy_calls(monkeypatch)
     store = prefixkv.PrefixStore(llama64, block_size=4)
+    warmed: list[list[int]] = []
+    warm = store.warm
+    monkeypatch.setattr(store, "warm", lambda prompts, **kw: warmed.extend(map(list, prompts)) or warm(prompts, **kw))
     out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, progress=False, output_scores=True, **kw)
+    # the second system prompt is computed once, alone, while rows of the first run, so that its rows can join them
+    assert len(warmed) == 1 and warmed[0] in (prompts[0][:40], prompts[1][:40])
     assert [g.index for g in out] == list(range(len(prompts)))
     for g, ref in zip(out, refs, strict=True):
         assert_same(g, ref)
@@ -266,6 +271,10 @@ def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.
     ]
     assert continued, "no row was carried on into a later call"
     assert all(c >= (len(p) - 1) // 4 * 4 - 4 for p, c in continued)  # what it said before came from the store
+    # a prompt joins carried-on rows only with at most 4 blocks left to compute (every row computes that many)
+    for prompts_, cached in calls:
+        if any(p not in prompts for p in prompts_):
+            assert max(len(p) - c for p, c in zip(prompts_, cached, strict=True)) <= 16
     assert len(calls) > len(plan(prompts, prefixkv.PrefixStore(llama64, block_size=4), 3, 14))
     calls.clear()
     batches = prefixkv.generate_many(llama64, prompts, batch_size=3, progress=False, refill=False, **kw)

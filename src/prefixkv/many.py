@@ -452,25 +452,39 @@ class _Run:
 
     def refilling(self, batch_size: int, new_tokens: int) -> Iterator[Generation]:
         """The rows in the order of :func:`_order`, at most ``batch_size`` (and :func:`_room`'s blocks) at a time,
-        refilled as they end: once half a call's rows are done and prompts wait, the call ends there, the done
-        rows are yielded, and the next call carries on with the others (their tokens so far as their prompts,
-        whose K/V the store holds now, but for a partial last block) and waiting prompts in the free places."""
+        refilled as they end: once half a call's rows are done and a waiting prompt can join, the call ends there,
+        the done rows are yielded, and the next call carries on with the others (their tokens so far as their
+        prompts, whose K/V the store holds now, but for a partial last block) and waiting prompts in the free
+        places.
+
+        A call feeds every row the same number of last columns (``generate`` slices one width for the batch), so
+        a joining prompt's uncomputed part makes every carried-on row compute as many columns again. Hence a
+        prompt joins running rows only when at most :data:`_JOIN` blocks of it are not cached; and a prefix that
+        the next waiting prompts share and that neither the store nor a running row holds is computed once,
+        alone, before the call (the work it needs anyway), so that those prompts can join."""
         waiting = _order(self.rows, self.store, new_tokens, self.namespace)[::-1]
         room = _room(self.store)
+        limit = _JOIN * self.store.block_size
         running: list[tuple[_Running, int]] = []
         while running or waiting:
             need = sum(blocks for _, blocks in running)
             while waiting and (
-                not running or (len(running) < batch_size and (room is None or need + waiting[-1][1] <= room))
+                not running
+                or (
+                    len(running) < batch_size
+                    and (room is None or need + waiting[-1][1] <= room)
+                    and self.uncached(waiting[-1][0], running) <= limit
+                )
             ):
                 i, blocks = waiting.pop()
                 running.append((_Running(i, self.rows[i]), blocks))
                 need += blocks
+            joinable = bool(waiting) and self.ready(waiting, running) <= limit
             rows = [row for row, _ in running]
             budgets = [new_tokens - len(r.tokens) for r in rows]
             prompts = [r.prompt + r.tokens for r in rows]
             width = max(len(p) for p in prompts)
-            refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if waiting else None)
+            refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if joinable else None)
             out, width, cached = self.call(
                 prompts, max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([refill])
             )
@@ -483,3 +497,28 @@ class _Run:
                 else:
                     still.append(running[j])
             running = still
+
+    def uncached(self, i: int, running: list[tuple[_Running, Any]]) -> int:
+        """How many of prompt ``i``'s tokens neither the store nor (in whole blocks) a running row holds. Does not
+        mutate."""
+        prompt, bs = self.rows[i], self.store.block_size
+        held = max((_common_length(prompt, row.prompt) // bs * bs for row, _ in running), default=0)
+        return len(prompt) - max(
+            held, self.store.cached_length(prompt, self.store.blocks.space(), namespace=self.namespace)
+        )
+
+    def ready(self, waiting: list[tuple[int, int]], running: list[tuple[_Running, Any]]) -> int:
+        """:meth:`uncached` of the next waiting prompt, after computing alone the prefix (whole blocks) it shares
+        with the prompt after it where neither the store nor a running row holds more than :data:`_JOIN` blocks
+        short of it. Mutates the store then."""
+        i = waiting[-1][0]
+        prompt, bs = self.rows[i], self.store.block_size
+        shared = 0 if len(waiting) < 2 else _common_length(prompt, self.rows[waiting[-2][0]]) // bs * bs
+        missing = self.uncached(i, running) - (len(prompt) - shared)
+        if missing > _JOIN * bs:
+            self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)
+        return self.uncached(i, running)
+
+
+# how many blocks of a prompt may be left to compute when it joins running rows (``_Run.refilling``)
+_JOIN = 4
