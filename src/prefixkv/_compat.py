@@ -45,7 +45,7 @@ import transformers
 # alone needs less: torch's CPU flash-attention kernel aten._scaled_dot_product_flash_attention_for_cpu, with
 # attn_mask since torch 2.3 (pytorch#115913), which reads grouped K/V heads only since 2.9 (pytorch#157893; 2.6-2.8
 # return wrong numbers for them, so cpu_flash_attention repeats the heads there). Tested: 2.6.0 with transformers
-# 5.4.0 (CI's oldest job), 2.13.0 (CI's newest) and 2.15.0 with transformers 5.24.0
+# 5.4.0 (CI's oldest job), 2.13.0 (CI's newest), 2.14.1 and 2.15.0 with transformers 5.24.0
 TRANSFORMERS_RANGE = ((5, 4), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
