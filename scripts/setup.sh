@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs prefixkv with everything the demo, the tests and the docs need.
-# torch: the pinned CPU-friendly 2.13.0 unless a torch within the supported range (pyproject.toml) is already there.
+# torch: the pinned CPU-friendly 2.13.0 unless a torch within the supported range (TORCH_RANGE in
+# src/prefixkv/_compat.py, which pyproject.toml repeats) is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python - <<'PY' 2>/dev/null
+import ast
+import pathlib
 import sys
 import torch
+compat = ast.parse(pathlib.Path("src/prefixkv/_compat.py").read_text())
+low, high = next(
+    ast.literal_eval(node.value)
+    for node in ast.walk(compat)
+    if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "TORCH_RANGE" for target in node.targets)
+)
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-sys.exit(0 if (2, 6) <= (major, minor) < (3, 0) else 1)
+sys.exit(0 if tuple(low) <= (major, minor) < tuple(high) else 1)
 PY
 then
   "${PIP[@]}" "torch==2.13.0"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -29,12 +31,14 @@ PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
 
 
 RANGE = "transformers>={}.{},<{}".format(*_compat.TRANSFORMERS_RANGE[0], _compat.TRANSFORMERS_RANGE[1][0])
+TORCH_RANGE = "torch>={}.{},<{}".format(*_compat.TORCH_RANGE[0], _compat.TORCH_RANGE[1][0])
+TORCH_FLOOR = "{}.{}.0".format(*_compat.TORCH_RANGE[0])
 
 
 def test_unsupported_names_the_range() -> None:
     assert _compat.unsupported(transformers.__version__, torch.__version__) is None
     (major, minor), _ = _compat.TRANSFORMERS_RANGE
-    assert _compat.unsupported(f"{major}.{minor}.0", "2.6.0") is None
+    assert _compat.unsupported(f"{major}.{minor}.0", TORCH_FLOOR) is None
     assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
     below = f"{major}.{minor - 1}.0"
     old = _compat.unsupported(below, "2.13.0")
@@ -43,8 +47,18 @@ def test_unsupported_names_the_range() -> None:
     for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
         reason = _compat.unsupported(tf, th)
         assert reason is not None and named in reason and f"pip install '{RANGE}'" in reason
-    torch_old = _compat.unsupported("5.24.0", "2.5.1")
-    assert torch_old is not None and "torch 2.5.1 is installed; prefixkv supports torch>=2.6,<3" in torch_old
+    (torch_major, torch_minor), (torch_next, _) = _compat.TORCH_RANGE
+    for th in (f"{torch_major}.{torch_minor - 1}.1", f"{torch_next}.0.0"):
+        reason = _compat.unsupported("5.24.0", th)
+        assert reason is not None and f"torch {th} is installed; prefixkv supports {TORCH_RANGE}" in reason
+
+
+def test_the_package_and_ci_declare_the_torch_range() -> None:
+    """pyproject.toml requires the torch range that _compat checks, and CI's old-release job installs its floor."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert TORCH_RANGE in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"\nOLDEST_TORCH={TORCH_FLOOR}\n" in (root / ".ci" / "run").read_text()
 
 
 def test_first_use_refuses_an_unsupported_transformers() -> None:
@@ -65,6 +79,32 @@ def _generate_takes_cache_keyword() -> bool:
 def test_the_preferred_keyword_is_the_installed_one() -> None:
     want = "cache" if _generate_takes_cache_keyword() else "past_key_values"
     assert want == _compat.GENERATE_CACHE_KWARG
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "masked"])
+@pytest.mark.parametrize("kernel_groups", [True, False], ids=["kernel-groups", "heads-repeated"])
+def test_the_cpu_kernel_reads_grouped_heads_exactly(monkeypatch: Any, kernel_groups: bool, causal: bool) -> None:
+    """The blocks reader's CPU kernel over K/V heads that groups of query heads share, on strided views as the
+    pool hands out, is attention over the repeated heads in float64: through the kernel itself where the probe
+    found that it reads grouped heads, and through the repetition that older kernels get (on every torch)."""
+    if kernel_groups and not _compat._READS_GROUPED_HEADS:
+        pytest.skip(
+            f"the CPU kernel of torch {torch.__version__} does not read grouped heads; the repetition serves it"
+        )
+    monkeypatch.setattr(_compat, "_READS_GROUPED_HEADS", kernel_groups)
+    g = torch.Generator().manual_seed(0)
+    q, n = (7, 7) if causal else (3, 11)
+    query = torch.randn(2, 6, q, 8, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 2 * n, 8, generator=g, dtype=torch.float64)[:, :, ::2] for _ in range(2))
+    hidden = torch.rand(2, 1, q, n, generator=g) > 0.6
+    hidden[..., 0] = False  # every query sees a column
+    mask = None if causal else torch.zeros(hidden.shape, dtype=torch.float64).masked_fill_(hidden, -math.inf)
+    out, lse = _compat.cpu_flash_attention(query, key, value, mask, 0.3, causal=causal)
+    scores = query @ key.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.3
+    scores = scores.masked_fill(torch.ones(q, n, dtype=torch.bool).triu(1), -math.inf) if causal else scores + mask
+    want = scores.softmax(-1) @ value.repeat_interleave(3, dim=1)
+    assert (out - want).abs().max().item() < 1e-12
+    assert (lse - scores.logsumexp(-1)).abs().max().item() < 1e-12
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The rest of prefixkv is written against the newest transformers; this module checks the installed releases
 against the supported range (one ImportError outside it, raised when prefixkv's public names first load) and
-adapts what older releases name or call differently, found by looking at the installed transformers, never by
+adapts what older releases name or call differently, found by looking at the installed transformers and torch, never by
 comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
@@ -14,6 +14,10 @@ comparing version numbers:
   ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
   5.14 and later do themselves (:func:`_recording_past`).
+- torch's CPU flash-attention kernel gives a group of query heads its shared K/V head from torch 2.9; the kernel
+  of older releases reads K/V head ``h`` for query head ``h``, past the K/V heads of a grouped model, and returns
+  numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
+  probing the installed one (:func:`_kernel_reads_grouped_heads`).
 
 Older releases are refused: 5.0-5.3 give a
 layer's ``get_mask_sizes`` the step's ``cache_position`` instead of its query length, and 5.0-5.2 slice every
@@ -35,11 +39,13 @@ from typing import Any, TypeVar
 import torch
 import transformers
 
-# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
-# transformers runs on (older transformers accept 2.4). The blocks path calls torch's CPU flash-attention kernel
-# (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
-# its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
-# verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
+# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release on which every
+# supported transformers runs every family: transformers 5.24 requires it, and on 2.5 transformers 5.4 itself refuses
+# masks built with or_mask_function (stock generate of Falcon fails there; everything else passed). The blocks path
+# alone needs less: torch's CPU flash-attention kernel aten._scaled_dot_product_flash_attention_for_cpu, with
+# attn_mask since torch 2.3 (pytorch#115913), which reads grouped K/V heads only since 2.9 (pytorch#157893; 2.6-2.8
+# return wrong numbers for them, so cpu_flash_attention repeats the heads there). Tested: 2.6.0 with transformers
+# 5.4.0 (CI's oldest job), 2.13.0 (CI's newest), 2.14.1 and 2.15.0 with transformers 5.24.0
 TRANSFORMERS_RANGE = ((5, 4), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
@@ -138,3 +144,43 @@ def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]
 _mixin = _generation.GenerationMixin
 if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
     _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
+
+
+def _kernel_reads_grouped_heads() -> bool:
+    """Whether torch's CPU flash-attention kernel reads, for two query heads over one K/V head, that K/V head for
+    both. The K/V head is a view into a buffer of two heads whose second (what an older kernel reads for the
+    second query head) holds other values, so the probe reads only memory it owns."""
+    values = torch.ones(1, 2, 3, 4, dtype=torch.float64)
+    values[:, 1] = 2.0  # the head past the view
+    keys = torch.zeros(1, 2, 3, 4, dtype=torch.float64)
+    query = torch.zeros(1, 2, 1, 4, dtype=torch.float64)
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys[:, :1], values[:, :1], 0.0, False)
+    except RuntimeError:  # a kernel that checks the head counts instead
+        return False
+    return torch.allclose(out[0], torch.ones_like(out[0]))
+
+
+_READS_GROUPED_HEADS = _kernel_reads_grouped_heads()
+
+
+def cpu_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float | None,
+    *,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash-attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, no dropout):
+    the output ``[B, Hq, q, D]`` of ``query`` ``[B, Hq, q, D]`` over ``key``/``value`` ``[B, Hkv, n, D]`` (``Hq``
+    a multiple of ``Hkv``) under an additive ``attn_mask`` or ``causal``, and the log-sum-exp ``[B, Hq, q]``. On a
+    kernel that does not read grouped heads (torch before 2.9) the K/V heads are repeated first. Does not mutate."""
+    group = query.shape[1] // key.shape[1]
+    if group > 1 and not _READS_GROUPED_HEADS:
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, attn_mask=attn_mask, scale=scale
+    )
+    return out, lse

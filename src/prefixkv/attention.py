@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import reads
+from . import _compat, reads
 from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, Read
 
 NAME = "prefixkv"
@@ -247,9 +247,7 @@ def attend(
         else:
             additive = mask.to(query.dtype)
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=additive, scale=scale
-        )
+        out, lse = _compat.cpu_flash_attention(query, key, value, additive, scale, causal=causal)
     elif query.dtype != torch.float64 and query.device.type == "cuda":
         out, lse = _attend_cuda(query, key, value, additive, scale, causal)
     else:
