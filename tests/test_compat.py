@@ -31,12 +31,19 @@ PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
 RANGE = "transformers>={}.{},<{}".format(*_compat.TRANSFORMERS_RANGE[0], _compat.TRANSFORMERS_RANGE[1][0])
 
 
+def _below_the_floor() -> str:
+    """A transformers release just older than the oldest supported one (the last minor of the previous major when
+    the floor is a major's first release)."""
+    (major, minor), _ = _compat.TRANSFORMERS_RANGE
+    return f"{major}.{minor - 1}.0" if minor else f"{major - 1}.99.0"
+
+
 def test_unsupported_names_the_range() -> None:
     assert _compat.unsupported(transformers.__version__, torch.__version__) is None
     (major, minor), _ = _compat.TRANSFORMERS_RANGE
     assert _compat.unsupported(f"{major}.{minor}.0", "2.6.0") is None
     assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
-    below = f"{major}.{minor - 1}.0"
+    below = _below_the_floor()
     old = _compat.unsupported(below, "2.13.0")
     assert old is not None and f"transformers {below} is installed" in old and RANGE in old
     assert "torch 2.13.0" not in old
@@ -48,8 +55,7 @@ def test_unsupported_names_the_range() -> None:
 
 
 def test_first_use_refuses_an_unsupported_transformers() -> None:
-    (major, minor), _ = _compat.TRANSFORMERS_RANGE
-    below = f"{major}.{minor - 1}.0"
+    below = _below_the_floor()
     code = f"import transformers; transformers.__version__ = '{below}'; import prefixkv; prefixkv.PrefixStore"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0

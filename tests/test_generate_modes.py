@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FeedCounter, cache_kw, compare, left_pad, random_tokens, reference_cache, stock_twin
+from conftest import (
+    STOCK_TAKES_NEW_TOKENS,
+    FeedCounter,
+    cache_kw,
+    compare,
+    left_pad,
+    random_tokens,
+    reference_cache,
+    stock_twin,
+)
 from transformers import LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
 
 import prefixkv
@@ -455,6 +464,8 @@ def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any
 
 @pytest.mark.parametrize("style", ["whole_sequence", "new_tokens_and_full_mask"])
 def test_cache_continues_a_second_call(llama64: Any, store: PrefixStore, style: str, tol: Tol) -> None:
+    if style == "new_tokens_and_full_mask" and not STOCK_TAKES_NEW_TOKENS:
+        pytest.skip("this transformers' generate cannot continue a cache from only the new tokens (before 5.3)")
     ids = _prompt(seed=23)
     counter = FeedCounter(llama64)
     try:

@@ -7,18 +7,25 @@ comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
-- transformers 5.4-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
-  number of columns to drop), and 5.4-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
+- transformers 5.0-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
+  number of columns to drop), and 5.0-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
-- transformers 5.4-5.13 start assisted and prompt-lookup decoding without calling the cache's
+- transformers 5.0-5.3 give a cache layer's ``get_mask_sizes`` the step's ``cache_position`` where later releases
+  give its length (the query length): :func:`adapt_cache` turns the one into the other.
+- ``generate`` tells ``prepare_inputs_for_generation`` how many trailing columns of the inputs a step feeds, the
+  protocol by which a ``PagedPrefixCache`` chooses how many prompt columns its first step feeds (docs/how-it-works.md,
+  "One forward, and the first step of a call"): from 5.3 as ``next_sequence_length``; 5.0-5.2 slice the inputs by
+  the step's ``cache_position`` instead (counted from the cache's ``get_seq_length`` before the cache chose), and
+  5.3 still passes one to the model. :func:`asked_columns` reads what ``generate`` asks for and
+  :func:`ask_columns` asks for what the cache chose, in the installed release's terms; 5.3's ``_prefill`` cuts
+  ``inputs_embeds`` by the cache's length itself, so it is wrapped to keep the whole ones (:func:`_keeping_embeds`).
+- transformers 5.0-5.13 start assisted and prompt-lookup decoding without calling the cache's
   ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
-  5.14 and later do themselves (:func:`_recording_past`).
+  5.14 and later do themselves, and to start 5.0-5.3's ``cache_position`` from the whole sequence
+  (:func:`_recording_past`).
 
-Older releases are refused: 5.0-5.3 give a
-layer's ``get_mask_sizes`` the step's ``cache_position`` instead of its query length, and 5.0-5.2 slice every
-step's inputs by ``cache_position`` instead of asking for ``next_sequence_length``, the protocol by which a cache
-tells ``generate`` how many prompt columns it holds; 4.x differ in the cache-layer and mask interfaces as well.
+4.x releases are refused: their cache-layer and mask interfaces differ as well.
 
 docs/getting-started.md lists the supported range; README.md says which releases CI tests.
 """
@@ -29,18 +36,20 @@ import abc
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import transformers
 
-# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release the newest
+# the supported releases: transformers [low, high), every 5.x (4.x differ in the cache-layer and mask interfaces), and
+# torch [low, high). torch 2.6 is the oldest release the newest
 # transformers runs on (older transformers accept 2.4). The blocks path calls torch's CPU flash-attention kernel
 # (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
 # its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
 # verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
-TRANSFORMERS_RANGE = ((5, 4), (6, 0))
+TRANSFORMERS_RANGE = ((5, 0), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
 
@@ -93,17 +102,26 @@ GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "p
 
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 _ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
+_MASK_SIZES_OF_POSITIONS = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
+_KEEPS_CACHE_POSITION = hasattr(_generation.GenerationMixin, "_get_initial_cache_position")
+_PREPARE_TAKES_LENGTH = (
+    "next_sequence_length" in inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
+)
 
 _C = TypeVar("_C", bound=type)
 
 
 def adapt_cache(cls: _C) -> _C:
     """Give a cache or cache-layer class written for the newest transformers the methods the installed one calls
-    (a class decorator): ``crop`` that also takes a length to keep, and ``get_max_cache_shape`` for its
-    ``get_max_length``. On the newest transformers it is returned unchanged. Mutates ``cls``."""
+    (a class decorator): ``crop`` that also takes a length to keep, ``get_max_cache_shape`` for its
+    ``get_max_length``, and ``get_mask_sizes`` that also takes the step's ``cache_position``. On the newest
+    transformers it is returned unchanged. Mutates ``cls``."""
     own = vars(cls)
     if _CROP_TAKES_LENGTH and "crop" in own:
         setattr(cls, "crop", functools.wraps(own["crop"])(_crop_to_length(own["crop"])))  # noqa: B010
+    if _MASK_SIZES_OF_POSITIONS and "get_mask_sizes" in own:
+        sizes = own["get_mask_sizes"]
+        setattr(cls, "get_mask_sizes", functools.wraps(sizes)(_sizes_of_positions(sizes)))  # noqa: B010
     if _ASKS_MAX_CACHE_SHAPE and "get_max_length" in own:
         setattr(cls, "get_max_cache_shape", own["get_max_length"])  # noqa: B010
         abc.update_abstractmethods(cls)  # an abstract method of these releases' CacheLayerMixin until now
@@ -120,21 +138,114 @@ def _crop_to_length(own: Callable[..., Any]) -> Callable[..., Any]:
     return crop
 
 
+def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_mask_sizes`` as transformers 5.0-5.3 call it: with the step's ``cache_position`` (one position per
+    query column) where later releases pass the query length."""
+
+    def get_mask_sizes(self: Any, cache_position: torch.Tensor | int, *args: Any) -> Any:
+        query_length = cache_position.shape[-1] if isinstance(cache_position, torch.Tensor) else cache_position
+        return own(self, query_length, *args)
+
+    return get_mask_sizes
+
+
+# a cache -> the whole inputs_embeds of its call's first step, which transformers 5.3's _prefill cuts to those after the
+# columns the cache holds before the cache has chosen (:func:`_keeping_embeds`)
+_WHOLE_EMBEDS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def asked_columns(kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor, *, first: bool) -> int | None:
+    """How many trailing columns of its inputs a step of ``generate`` asks ``prepare_inputs_for_generation``
+    (called with ``kwargs``, ``input_ids`` and ``cache``) to feed; ``None``: all of them (before
+    ``next_sequence_length``, a ``cache_position`` as long as the inputs). At the ``first`` step of a call on
+    transformers 5.3 with ``inputs_embeds``, gives ``kwargs`` back the whole embeddings and asks for those after
+    the held columns, as later releases do. Mutates ``kwargs`` then."""
+    if first and cache in _WHOLE_EMBEDS:
+        embeds = kwargs["inputs_embeds"] = _WHOLE_EMBEDS.pop(cache)
+        held: int = cache.get_seq_length()
+        return embeds.shape[1] - held
+    if _PREPARE_TAKES_LENGTH:
+        length: int | None = kwargs.get("next_sequence_length")
+        return length
+    positions = kwargs.get("cache_position")
+    if not isinstance(positions, torch.Tensor) or positions.shape[0] == input_ids.shape[1]:
+        return None
+    return positions.shape[0]
+
+
+# a cache -> the position of the first column its call's first step fed: transformers 5.0-5.2 extend the first step's
+# cache_position at each step of a call with use_cache=False, which re-feeds every column from there
+_FIRST_FED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def ask_columns(
+    kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor, length: int | None, *, first: bool
+) -> None:
+    """Make ``prepare_inputs_for_generation`` (called with ``kwargs``, ``input_ids`` and ``cache``) feed the last
+    ``length`` columns of its inputs (``None``: all) after the columns ``cache`` holds, the number that ``cache``
+    chose at the ``first`` step of a call. On releases that keep a ``cache_position`` (5.0-5.3), the first step's
+    becomes the positions of those columns: 5.0-5.2 slice the inputs by it, and 5.3's, built before the cache
+    chose, may count the held columns twice (assisted decoding's first step adds them to the whole sequence's); a
+    later step of 5.0-5.2 with ``use_cache=False`` re-feeds every column from the first step's first. Mutates
+    ``kwargs``."""
+    if _PREPARE_TAKES_LENGTH and first:
+        kwargs["next_sequence_length"] = length
+    positions = kwargs.get("cache_position")
+    if not isinstance(positions, torch.Tensor):
+        return
+    if first:
+        embeds = kwargs.get("inputs_embeds")
+        fed = length if length is not None else (embeds if isinstance(embeds, torch.Tensor) else input_ids).shape[1]
+        start = _FIRST_FED[cache] = cache.get_seq_length()
+        kwargs["cache_position"] = torch.arange(start, start + fed, device=positions.device)
+    elif not _PREPARE_TAKES_LENGTH and kwargs.get("use_cache") is False and cache in _FIRST_FED:
+        kwargs["cache_position"] = torch.arange(_FIRST_FED[cache], input_ids.shape[1], device=positions.device)
+
+
 def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._assisted_decoding`` that first calls ``activate_past_recording`` of a cache that has
     one, as transformers does itself from 5.14 (stock caches of older releases have none, so they run as
-    before)."""
+    before). That first step re-feeds the whole sequence: on releases that keep a ``cache_position`` (5.0-5.3) it
+    starts as the whole sequence's positions, those they build for an empty cache (from the cache's
+    ``get_seq_length``, 5.0-5.2 would skip the held columns and 5.3 count them twice); the cache then chooses
+    which columns to feed (:func:`ask_columns`)."""
 
     @functools.wraps(assisted_decoding)
-    def assisted(self: Any, *args: Any, **model_kwargs: Any) -> Any:
+    def assisted(self: Any, input_ids: torch.Tensor, *args: Any, **model_kwargs: Any) -> Any:
         record = getattr(model_kwargs.get("past_key_values"), "activate_past_recording", None)
         if record is not None:
             record()
-        return assisted_decoding(self, *args, **model_kwargs)
+            if _KEEPS_CACHE_POSITION and model_kwargs.get("cache_position") is None:
+                model_kwargs["cache_position"] = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return assisted_decoding(self, input_ids, *args, **model_kwargs)
 
     return assisted
+
+
+def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._prefill`` of transformers 5.3, which cuts ``inputs_embeds`` to those after the columns
+    the cache holds before the first step, where later releases leave the cut to ``prepare_inputs_for_generation``
+    (by ``next_sequence_length``): for a cache that chooses its columns at that step (a ``PagedPrefixCache`` drops
+    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`asked_columns`."""
+
+    @functools.wraps(prefill)
+    def keeping(
+        self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: Any, *a: Any, **k: Any
+    ) -> Any:
+        cache, embeds = model_kwargs.get("past_key_values"), model_kwargs.get("inputs_embeds")
+        if not hasattr(cache, "activate_past_recording") or not isinstance(embeds, torch.Tensor):
+            return prefill(self, input_ids, generation_config, model_kwargs, *a, **k)
+        _WHOLE_EMBEDS[cache] = embeds
+        try:
+            return prefill(self, input_ids, generation_config, model_kwargs, *a, **k)
+        finally:
+            _WHOLE_EMBEDS.pop(cache, None)
+
+    return keeping
 
 
 _mixin = _generation.GenerationMixin
 if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
     _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
+if "inputs_embeds[:, past_length:" in inspect.getsource(_mixin._prefill):
+    _mixin._prefill = _keeping_embeds(_mixin._prefill)  # type: ignore[method-assign]
