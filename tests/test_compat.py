@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 import prefixkv
 from prefixkv import _compat
@@ -180,6 +181,73 @@ def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) ->
         model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
     store.close()
     assert model.config._attn_implementation == ref.config._attn_implementation == "sdpa"
+
+
+class _FirstStep(Exception):
+    """Stops a generate call at its first step, once its arguments are recorded."""
+
+
+def _first_step_kwargs(model: Any, ids: torch.Tensor, cache: Any) -> dict[str, Any]:
+    """The keyword arguments the installed ``generate`` gives ``prepare_inputs_for_generation`` at its first step."""
+    seen: dict[str, Any] = {}
+
+    def record(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise _FirstStep
+
+    model.prepare_inputs_for_generation = record
+    try:
+        with pytest.raises(_FirstStep):
+            model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=1, pad_token_id=0)
+    finally:
+        del model.prepare_inputs_for_generation
+    return seen
+
+
+class _Holding:
+    """A stand-in cache that holds ``columns`` columns (all that ``ask_columns`` reads of a cache)."""
+
+    def __init__(self, columns: int) -> None:
+        self.columns = columns
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+
+def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
+    """Whatever the installed transformers slices a step's inputs by (``next_sequence_length`` from 5.3, the step's
+    ``cache_position`` before), its own ``prepare_inputs_for_generation`` feeds the number of trailing columns the
+    cache chose, at the positions after the columns the cache holds."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    ids, held = torch.arange(3, 23)[None], 12
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :held], **{_compat.GENERATE_CACHE_KWARG: cache})
+    kwargs = _first_step_kwargs(model, ids, cache)
+    width = ids.shape[1]
+    assert _compat.asked_columns(dict(kwargs), cache, ids, first=True) == width - held  # what the cache lacks
+    for fed in (1, width - held, width - held + 5, width):  # the cache keeps fewer columns, or more
+        step = dict(kwargs)
+        _compat.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
+        inputs = type(model).prepare_inputs_for_generation(model, ids, **step)
+        assert torch.equal(inputs["input_ids"], ids[:, -fed:]), fed
+        for name in ("cache_position", "position_ids"):  # where the release passes them to the model
+            if inputs.get(name) is not None:
+                assert inputs[name].flatten().tolist() == list(range(width - fed, width)), (name, fed)
+
+
+def test_mask_sizes_answer_the_installed_masks(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    """``get_mask_sizes`` of the cache and of its layers, called as the installed transformers' masks call it (with
+    the step's ``cache_position`` before 5.4, its length from 5.4; read from transformers' own signature), gives the
+    columns held plus the query's."""
+    takes_positions = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
+    ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        held, q = cache.get_seq_length(), 3
+        step = torch.arange(held, held + q) if takes_positions else q
+        assert cache.get_mask_sizes(step, 0) == (held + q, 0)
+        assert all(layer.get_mask_sizes(step) == (held + q, 0) for layer in cache.layers)
 
 
 def test_assisted_decoding_crops_and_matches(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
