@@ -49,7 +49,7 @@ STOCK_TAKES_NEW_TOKENS = (
 )
 """Whether the installed transformers' ``generate`` continues a cache from only the new tokens (with an attention mask
 of the whole sequence), read from transformers itself: from 5.3 ``generate`` tells ``prepare_inputs_for_generation``
-the ``next_sequence_length`` to feed; 5.0-5.2 slice the inputs by a ``cache_position`` counted from the cache's length,
+the ``next_sequence_length`` to feed; 4.57-5.2 slice the inputs by a ``cache_position`` counted from the cache's length,
 which is empty there, and stock ``generate`` with a ``DynamicCache`` fails with an IndexError."""
 
 

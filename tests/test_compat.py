@@ -48,7 +48,7 @@ def test_unsupported_names_the_range() -> None:
     old = _compat.unsupported(below, "2.13.0")
     assert old is not None and f"transformers {below} is installed" in old and RANGE in old
     assert "torch 2.13.0" not in old
-    for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
+    for tf, th, named in (("3.36.0", "2.13.0", "transformers 3.36.0"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
         reason = _compat.unsupported(tf, th)
         assert reason is not None and named in reason and f"pip install '{RANGE}'" in reason
     torch_old = _compat.unsupported("5.24.0", "2.5.1")
@@ -225,7 +225,7 @@ def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
         model(ids[:, :held], **{_compat.GENERATE_CACHE_KWARG: cache})
     kwargs = _first_step_kwargs(model, ids, cache)
     width = ids.shape[1]
-    assert _compat.asked_columns(dict(kwargs), cache, ids, first=True) == width - held  # what the cache lacks
+    assert _compat.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
     for fed in (1, width - held, width - held + 5, width):  # the cache keeps fewer columns, or more
         step = dict(kwargs)
         _compat.ask_columns(step, _Holding(width - fed), ids, fed, first=True)

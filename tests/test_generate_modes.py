@@ -370,14 +370,18 @@ def test_second_chat_turn_reuses_the_first_turns_prompt_and_reply(llama64: Any, 
     # the reply must survive decoding and re-encoding: no specials (but EOS), punctuation or letter pieces
     kw = dict(do_sample=False, max_new_tokens=8, suppress_tokens=[t for t in range(63) if t != 2])
     store = new_store()
-    turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     first = compare(llama64, store, turn1, **kw)
     reply = first.out.sequences[0, turn1.shape[1] :]
     chat += [
         {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)},
         {"role": "user", "content": "ko ku ?"},
     ]
-    turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     known = turn1.shape[1] + len(reply) - 1  # the last generated token was never fed
     assert torch.equal(turn2[0, :known], first.out.sequences[0, :known])
     _offload_all(store)

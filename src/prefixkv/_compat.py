@@ -7,25 +7,26 @@ comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
-- transformers 5.0-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
-  number of columns to drop), and 5.0-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
+- transformers 4.57-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
+  number of columns to drop), and 4.57-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
-- transformers 5.0-5.3 give a cache layer's ``get_mask_sizes`` the step's ``cache_position`` where later releases
+- transformers 4.57-5.3 give a cache layer's ``get_mask_sizes`` the step's ``cache_position`` where later releases
   give its length (the query length): :func:`adapt_cache` turns the one into the other.
-- ``generate`` tells ``prepare_inputs_for_generation`` how many trailing columns of the inputs a step feeds, the
-  protocol by which a ``PagedPrefixCache`` chooses how many prompt columns its first step feeds (docs/how-it-works.md,
-  "One forward, and the first step of a call"): from 5.3 as ``next_sequence_length``; 5.0-5.2 slice the inputs by
-  the step's ``cache_position`` instead (counted from the cache's ``get_seq_length`` before the cache chose), and
-  5.3 still passes one to the model. :func:`asked_columns` reads what ``generate`` asks for and
-  :func:`ask_columns` asks for what the cache chose, in the installed release's terms; 5.3's ``_prefill`` cuts
-  ``inputs_embeds`` by the cache's length itself, so it is wrapped to keep the whole ones (:func:`_keeping_embeds`).
-- transformers 5.0-5.13 start assisted and prompt-lookup decoding without calling the cache's
+- ``generate`` tells ``prepare_inputs_for_generation`` which step is a call's first and how many trailing columns
+  of the inputs a step feeds, the protocol by which a ``PagedPrefixCache`` checks a call and chooses how many
+  prompt columns its first step feeds (docs/how-it-works.md, "One forward, and the first step of a call"): from
+  5.3 the columns as ``next_sequence_length``; 4.57-5.2 slice the inputs by the step's ``cache_position`` instead
+  (counted from the cache's ``get_seq_length`` before the cache chose), and 5.3 still passes one to the model; 4.x
+  mark no first step (``is_first_iteration``, from 5.0), so their ``_get_initial_cache_position``, called once
+  before a call's first step, is wrapped to note it (:func:`_noting_start`). :func:`generate_step` reads what
+  ``generate`` asks for and :func:`ask_columns` asks for what the cache chose, in the installed release's terms;
+  5.3's ``_prefill`` cuts ``inputs_embeds`` by the cache's length itself, so it is wrapped to keep the whole ones
+  (:func:`_keeping_embeds`).
+- transformers 4.57-5.13 start assisted and prompt-lookup decoding without calling the cache's
   ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
-  5.14 and later do themselves, and to start 5.0-5.3's ``cache_position`` from the whole sequence
+  5.14 and later do themselves, and to start 4.57-5.3's ``cache_position`` from the whole sequence
   (:func:`_recording_past`).
-
-4.x releases are refused: their cache-layer and mask interfaces differ as well.
 
 docs/getting-started.md lists the supported range; README.md says which releases CI tests.
 """
@@ -38,18 +39,18 @@ import inspect
 import re
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import transformers
 
-# the supported releases: transformers [low, high), every 5.x (4.x differ in the cache-layer and mask interfaces), and
+# the supported releases: transformers [low, high), 4.57 and every 5.x (4.56 and older differ beyond this module), and
 # torch [low, high). torch 2.6 is the oldest release the newest
 # transformers runs on (older transformers accept 2.4). The blocks path calls torch's CPU flash-attention kernel
 # (aten._scaled_dot_product_flash_attention_for_cpu, a separate op since torch 2.2, with attn_mask since 2.3) for
 # its log-sum-exp, causal with fewer K/V heads than query heads; that older releases' kernel takes those heads is not
 # verified (only torch 2.13 and 2.14 were tried), so they are refused rather than risked
-TRANSFORMERS_RANGE = ((5, 0), (6, 0))
+TRANSFORMERS_RANGE = ((4, 57), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
 
@@ -104,9 +105,9 @@ _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parame
 _ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
 _MASK_SIZES_OF_POSITIONS = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
 _KEEPS_CACHE_POSITION = hasattr(_generation.GenerationMixin, "_get_initial_cache_position")
-_PREPARE_TAKES_LENGTH = (
-    "next_sequence_length" in inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
-)
+_PREPARE_PARAMETERS = inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
+_PREPARE_TAKES_LENGTH = "next_sequence_length" in _PREPARE_PARAMETERS
+_MARKS_FIRST_STEP = "is_first_iteration" in _PREPARE_PARAMETERS
 
 _C = TypeVar("_C", bound=type)
 
@@ -139,7 +140,7 @@ def _crop_to_length(own: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
-    """``get_mask_sizes`` as transformers 5.0-5.3 call it: with the step's ``cache_position`` (one position per
+    """``get_mask_sizes`` as transformers 4.57-5.3 call it: with the step's ``cache_position`` (one position per
     query column) where later releases pass the query length."""
 
     def get_mask_sizes(self: Any, cache_position: torch.Tensor | int, *args: Any) -> Any:
@@ -154,26 +155,44 @@ def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
 _WHOLE_EMBEDS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
-def asked_columns(kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor, *, first: bool) -> int | None:
-    """How many trailing columns of its inputs a step of ``generate`` asks ``prepare_inputs_for_generation``
-    (called with ``kwargs``, ``input_ids`` and ``cache``) to feed; ``None``: all of them (before
-    ``next_sequence_length``, a ``cache_position`` as long as the inputs). At the ``first`` step of a call on
-    transformers 5.3 with ``inputs_embeds``, gives ``kwargs`` back the whole embeddings and asks for those after
-    the held columns, as later releases do. Mutates ``kwargs`` then."""
+class Step(NamedTuple):
+    """What a step of ``generate`` tells ``prepare_inputs_for_generation``: whether it is the first step of a call
+    (``None``: it does not say, as its decode loops do not), and how many trailing ``columns`` of the inputs to
+    feed (``None``: all of them)."""
+
+    first: bool | None
+    columns: int | None
+
+
+# caches whose call has begun (transformers 4.x): the next prepare_inputs_for_generation with them is a first step
+_STARTING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def generate_step(kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor) -> Step:
+    """What the step of ``generate`` that calls ``prepare_inputs_for_generation`` with ``kwargs``, ``input_ids``
+    and ``cache`` asks for: before ``next_sequence_length``, the number of columns is the length of the step's
+    ``cache_position`` (all of them when it is as long as the inputs), and 4.x mark no first step (the decoding
+    methods' ``_get_initial_cache_position`` is wrapped to note it, :func:`_noting_start`). At the first step of a
+    call on transformers 5.3 with ``inputs_embeds``, gives ``kwargs`` back the whole embeddings and asks for those
+    after the held columns, as later releases do. Mutates ``kwargs`` then."""
+    if _MARKS_FIRST_STEP:
+        first: bool | None = kwargs.get("is_first_iteration")
+    else:
+        first = True if cache in _STARTING else None
+        _STARTING.discard(cache)
     if first and cache in _WHOLE_EMBEDS:
         embeds = kwargs["inputs_embeds"] = _WHOLE_EMBEDS.pop(cache)
         held: int = cache.get_seq_length()
-        return embeds.shape[1] - held
+        return Step(first, embeds.shape[1] - held)
     if _PREPARE_TAKES_LENGTH:
-        length: int | None = kwargs.get("next_sequence_length")
-        return length
+        return Step(first, kwargs.get("next_sequence_length"))
     positions = kwargs.get("cache_position")
     if not isinstance(positions, torch.Tensor) or positions.shape[0] == input_ids.shape[1]:
-        return None
-    return positions.shape[0]
+        return Step(first, None)
+    return Step(first, positions.shape[0])
 
 
-# a cache -> the position of the first column its call's first step fed: transformers 5.0-5.2 extend the first step's
+# a cache -> the position of the first column its call's first step fed: transformers 4.57-5.2 extend the first step's
 # cache_position at each step of a call with use_cache=False, which re-feeds every column from there
 _FIRST_FED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -183,10 +202,10 @@ def ask_columns(
 ) -> None:
     """Make ``prepare_inputs_for_generation`` (called with ``kwargs``, ``input_ids`` and ``cache``) feed the last
     ``length`` columns of its inputs (``None``: all) after the columns ``cache`` holds, the number that ``cache``
-    chose at the ``first`` step of a call. On releases that keep a ``cache_position`` (5.0-5.3), the first step's
-    becomes the positions of those columns: 5.0-5.2 slice the inputs by it, and 5.3's, built before the cache
+    chose at the ``first`` step of a call. On releases that keep a ``cache_position`` (4.57-5.3), the first step's
+    becomes the positions of those columns: 4.57-5.2 slice the inputs by it, and 5.3's, built before the cache
     chose, may count the held columns twice (assisted decoding's first step adds them to the whole sequence's); a
-    later step of 5.0-5.2 with ``use_cache=False`` re-feeds every column from the first step's first. Mutates
+    later step of 4.57-5.2 with ``use_cache=False`` re-feeds every column from the first step's first. Mutates
     ``kwargs``."""
     if _PREPARE_TAKES_LENGTH and first:
         kwargs["next_sequence_length"] = length
@@ -205,9 +224,9 @@ def ask_columns(
 def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._assisted_decoding`` that first calls ``activate_past_recording`` of a cache that has
     one, as transformers does itself from 5.14 (stock caches of older releases have none, so they run as
-    before). That first step re-feeds the whole sequence: on releases that keep a ``cache_position`` (5.0-5.3) it
+    before). That first step re-feeds the whole sequence: on releases that keep a ``cache_position`` (4.57-5.3) it
     starts as the whole sequence's positions, those they build for an empty cache (from the cache's
-    ``get_seq_length``, 5.0-5.2 would skip the held columns and 5.3 count them twice); the cache then chooses
+    ``get_seq_length``, 4.57-5.2 would skip the held columns and 5.3 count them twice); the cache then chooses
     which columns to feed (:func:`ask_columns`)."""
 
     @functools.wraps(assisted_decoding)
@@ -226,7 +245,7 @@ def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._prefill`` of transformers 5.3, which cuts ``inputs_embeds`` to those after the columns
     the cache holds before the first step, where later releases leave the cut to ``prepare_inputs_for_generation``
     (by ``next_sequence_length``): for a cache that chooses its columns at that step (a ``PagedPrefixCache`` drops
-    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`asked_columns`."""
+    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`generate_step`."""
 
     @functools.wraps(prefill)
     def keeping(
@@ -244,8 +263,26 @@ def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
     return keeping
 
 
+def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._get_initial_cache_position`` of transformers 4.x, which every decoding method calls once
+    before its first step (their steps do not say which is the first): notes that the next step with the call's
+    cache (one that chooses its columns at the first step) is a first step, for :func:`generate_step`."""
+
+    @functools.wraps(initial)
+    def noting(self: Any, seq_length: Any, device: Any, model_kwargs: Any) -> Any:
+        cache = model_kwargs.get("past_key_values")
+        if hasattr(cache, "activate_past_recording"):
+            _STARTING.add(cache)
+        return initial(self, seq_length, device, model_kwargs)
+
+    return noting
+
+
 _mixin = _generation.GenerationMixin
 if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
     _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
-if "inputs_embeds[:, past_length:" in inspect.getsource(_mixin._prefill):
+if hasattr(_mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(_mixin._prefill):
     _mixin._prefill = _keeping_embeds(_mixin._prefill)  # type: ignore[method-assign]
+if not _MARKS_FIRST_STEP:
+    initial_positions = vars(_mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
+    setattr(_mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010

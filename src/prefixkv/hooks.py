@@ -127,10 +127,9 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     cache = paged_cache(kwargs)
     if cache is None or args or not isinstance(input_ids, torch.Tensor):
         return original(input_ids, *args, **kwargs)
-    first = kwargs.get("is_first_iteration")
-    asked = _compat.asked_columns(kwargs, cache, input_ids, first=bool(first))
-    length = plan_call(cache, input_ids, asked, kwargs) if first else asked
-    _compat.ask_columns(kwargs, cache, input_ids, length, first=bool(first))
+    step = _compat.generate_step(kwargs, cache, input_ids)
+    length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
+    _compat.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
     inputs = original(input_ids, *args, **kwargs)
     if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
         raise CacheMisuseError(
@@ -140,7 +139,7 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     # a decode step of generate, whose mask is the one checked at the first step grown by ones: generate's decode
     # loops pass one new column and no is_first_iteration, assisted decoding is_first_iteration=False; a call of
     # one's own without either is checked in full
-    if first is False or (first is None and asked == 1):
+    if step.first is False or (step.first is None and step.columns == 1):
         _DECODE_STEPS.add(cache)
     else:
         _DECODE_STEPS.discard(cache)
