@@ -195,12 +195,16 @@ def _first_step_kwargs(model: Any, ids: torch.Tensor, cache: Any) -> dict[str, A
         seen.update(kwargs)
         raise _FirstStep
 
+    before = model.__dict__.get("prepare_inputs_for_generation")  # a store's wrapper, if any
     model.prepare_inputs_for_generation = record
     try:
         with pytest.raises(_FirstStep):
             model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=1, pad_token_id=0)
     finally:
-        del model.prepare_inputs_for_generation
+        if before is None:
+            del model.prepare_inputs_for_generation
+        else:
+            model.prepare_inputs_for_generation = before
     return seen
 
 
@@ -234,6 +238,20 @@ def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
         for name in ("cache_position", "position_ids"):  # where the release passes them to the model
             if inputs.get(name) is not None:
                 assert inputs[name].flatten().tolist() == list(range(width - fed, width)), (name, fed)
+
+
+def test_a_calls_first_step_is_known() -> None:
+    """The first step of a generate call is known as such on every release (4.x do not say which step is the
+    first: prefixkv notes it), since that is where a PagedPrefixCache checks the call and chooses its columns."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=8)
+    try:
+        ids = torch.arange(3, 23)[None]
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            kwargs = _first_step_kwargs(model, ids, cache)
+            assert _compat.generate_step(kwargs, cache, ids).first is True
+    finally:
+        store.close()
 
 
 def test_mask_sizes_answer_the_installed_masks(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
