@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationMixin
 
 import prefixkv
 from prefixkv._compat import GENERATE_CACHE_KWARG
@@ -41,6 +42,15 @@ def returned_cache(out: Any) -> Any:
     """The cache a ``generate`` output hands back, by the name the installed transformers gives it (``out.cache``
     from 5.24, ``out.past_key_values`` before)."""
     return getattr(out, GENERATE_CACHE_KWARG)
+
+
+STOCK_TAKES_NEW_TOKENS = (
+    "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+)
+"""Whether the installed transformers' ``generate`` continues a cache from only the new tokens (with an attention mask
+of the whole sequence), read from transformers itself: from 5.3 ``generate`` tells ``prepare_inputs_for_generation``
+the ``next_sequence_length`` to feed; 4.57-5.2 slice the inputs by a ``cache_position`` counted from the cache's length,
+which is empty there, and stock ``generate`` with a ``DynamicCache`` fails with an IndexError."""
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 import prefixkv
 from prefixkv import _compat
@@ -35,16 +36,23 @@ TORCH_RANGE = "torch>={}.{},<{}".format(*_compat.TORCH_RANGE[0], _compat.TORCH_R
 TORCH_FLOOR = "{}.{}.0".format(*_compat.TORCH_RANGE[0])
 
 
+def _below_the_floor() -> str:
+    """A transformers release just older than the oldest supported one (the last minor of the previous major when
+    the floor is a major's first release)."""
+    (major, minor), _ = _compat.TRANSFORMERS_RANGE
+    return f"{major}.{minor - 1}.0" if minor else f"{major - 1}.99.0"
+
+
 def test_unsupported_names_the_range() -> None:
     assert _compat.unsupported(transformers.__version__, torch.__version__) is None
     (major, minor), _ = _compat.TRANSFORMERS_RANGE
     assert _compat.unsupported(f"{major}.{minor}.0", TORCH_FLOOR) is None
     assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
-    below = f"{major}.{minor - 1}.0"
+    below = _below_the_floor()
     old = _compat.unsupported(below, "2.13.0")
     assert old is not None and f"transformers {below} is installed" in old and RANGE in old
     assert "torch 2.13.0" not in old
-    for tf, th, named in (("4.57.6", "2.13.0", "transformers 4.57.6"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
+    for tf, th, named in (("3.36.0", "2.13.0", "transformers 3.36.0"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
         reason = _compat.unsupported(tf, th)
         assert reason is not None and named in reason and f"pip install '{RANGE}'" in reason
     (torch_major, torch_minor), (torch_next, _) = _compat.TORCH_RANGE
@@ -62,8 +70,7 @@ def test_the_package_and_ci_declare_the_torch_range() -> None:
 
 
 def test_first_use_refuses_an_unsupported_transformers() -> None:
-    (major, minor), _ = _compat.TRANSFORMERS_RANGE
-    below = f"{major}.{minor - 1}.0"
+    below = _below_the_floor()
     code = f"import transformers; transformers.__version__ = '{below}'; import prefixkv; prefixkv.PrefixStore"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
@@ -214,6 +221,91 @@ def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) ->
         model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
     store.close()
     assert model.config._attn_implementation == ref.config._attn_implementation == "sdpa"
+
+
+class _FirstStep(Exception):
+    """Stops a generate call at its first step, once its arguments are recorded."""
+
+
+def _first_step_kwargs(model: Any, ids: torch.Tensor, cache: Any) -> dict[str, Any]:
+    """The keyword arguments the installed ``generate`` gives ``prepare_inputs_for_generation`` at its first step."""
+    seen: dict[str, Any] = {}
+
+    def record(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise _FirstStep
+
+    before = model.__dict__.get("prepare_inputs_for_generation")  # a store's wrapper, if any
+    model.prepare_inputs_for_generation = record
+    try:
+        with pytest.raises(_FirstStep):
+            model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=1, pad_token_id=0)
+    finally:
+        if before is None:
+            del model.prepare_inputs_for_generation
+        else:
+            model.prepare_inputs_for_generation = before
+    return seen
+
+
+class _Holding:
+    """A stand-in cache that holds ``columns`` columns (all that ``ask_columns`` reads of a cache)."""
+
+    def __init__(self, columns: int) -> None:
+        self.columns = columns
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+
+def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
+    """Whatever the installed transformers slices a step's inputs by (``next_sequence_length`` from 5.3, the step's
+    ``cache_position`` before), its own ``prepare_inputs_for_generation`` feeds the number of trailing columns the
+    cache chose, at the positions after the columns the cache holds."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    ids, held = torch.arange(3, 23)[None], 12
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :held], **{_compat.GENERATE_CACHE_KWARG: cache})
+    kwargs = _first_step_kwargs(model, ids, cache)
+    width = ids.shape[1]
+    assert _compat.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
+    for fed in (1, width - held, width - held + 5, width):  # the cache keeps fewer columns, or more
+        step = dict(kwargs)
+        _compat.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
+        inputs = type(model).prepare_inputs_for_generation(model, ids, **step)
+        assert torch.equal(inputs["input_ids"], ids[:, -fed:]), fed
+        for name in ("cache_position", "position_ids"):  # where the release passes them to the model
+            if inputs.get(name) is not None:
+                assert inputs[name].flatten().tolist() == list(range(width - fed, width)), (name, fed)
+
+
+def test_a_calls_first_step_is_known() -> None:
+    """The first step of a generate call is known as such on every release (4.x do not say which step is the
+    first: prefixkv notes it), since that is where a PagedPrefixCache checks the call and chooses its columns."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=8)
+    try:
+        ids = torch.arange(3, 23)[None]
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            kwargs = _first_step_kwargs(model, ids, cache)
+            assert _compat.generate_step(kwargs, cache, ids).first is True
+    finally:
+        store.close()
+
+
+def test_mask_sizes_answer_the_installed_masks(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
+    """``get_mask_sizes`` of the cache and of its layers, called as the installed transformers' masks call it (with
+    the step's ``cache_position`` before 5.4, its length from 5.4; read from transformers' own signature), gives the
+    columns held plus the query's."""
+    takes_positions = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
+    ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        held, q = cache.get_seq_length(), 3
+        step = torch.arange(held, held + q) if takes_positions else q
+        assert cache.get_mask_sizes(step, 0) == (held + q, 0)
+        assert all(layer.get_mask_sizes(step) == (held + q, 0) for layer in cache.layers)
 
 
 def test_assisted_decoding_crops_and_matches(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:

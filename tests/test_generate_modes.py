@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FeedCounter, cache_kw, compare, left_pad, random_tokens, reference_cache, stock_twin
+from conftest import (
+    STOCK_TAKES_NEW_TOKENS,
+    FeedCounter,
+    cache_kw,
+    compare,
+    left_pad,
+    random_tokens,
+    reference_cache,
+    stock_twin,
+)
 from transformers import LogitsProcessor, LogitsProcessorList, TextIteratorStreamer
 
 import prefixkv
@@ -361,14 +370,18 @@ def test_second_chat_turn_reuses_the_first_turns_prompt_and_reply(llama64: Any, 
     # the reply must survive decoding and re-encoding: no specials (but EOS), punctuation or letter pieces
     kw = dict(do_sample=False, max_new_tokens=8, suppress_tokens=[t for t in range(63) if t != 2])
     store = new_store()
-    turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    turn1 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     first = compare(llama64, store, turn1, **kw)
     reply = first.out.sequences[0, turn1.shape[1] :]
     chat += [
         {"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)},
         {"role": "user", "content": "ko ku ?"},
     ]
-    turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    turn2 = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     known = turn1.shape[1] + len(reply) - 1  # the last generated token was never fed
     assert torch.equal(turn2[0, :known], first.out.sequences[0, :known])
     _offload_all(store)
@@ -455,6 +468,8 @@ def test_soft_prompt_embeddings_are_never_published_under_their_ids(llama64: Any
 
 @pytest.mark.parametrize("style", ["whole_sequence", "new_tokens_and_full_mask"])
 def test_cache_continues_a_second_call(llama64: Any, store: PrefixStore, style: str, tol: Tol) -> None:
+    if style == "new_tokens_and_full_mask" and not STOCK_TAKES_NEW_TOKENS:
+        pytest.skip("this transformers' generate cannot continue a cache from only the new tokens (before 5.3)")
     ids = _prompt(seed=23)
     counter = FeedCounter(llama64)
     try:

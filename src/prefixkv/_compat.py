@@ -2,27 +2,38 @@
 
 The rest of prefixkv is written against the newest transformers; this module checks the installed releases
 against the supported range (one ImportError outside it, raised when prefixkv's public names first load) and
-adapts what older releases name or call differently, found by looking at the installed transformers and torch, never by
-comparing version numbers:
+adapts what older releases name or call differently, found by looking at the installed transformers and torch,
+never by comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
-- transformers 5.4-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
-  number of columns to drop), and 5.4-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
+- transformers 4.57-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
+  number of columns to drop), and 4.57-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
-- transformers 5.4-5.13 start assisted and prompt-lookup decoding without calling the cache's
+- transformers 4.57-5.3 give a cache layer's ``get_mask_sizes`` the step's ``cache_position`` where later releases
+  give its length (the query length): :func:`adapt_cache` turns the one into the other.
+- ``generate`` tells ``prepare_inputs_for_generation`` which step is a call's first and how many trailing columns
+  of the inputs a step feeds, the protocol by which a ``PagedPrefixCache`` checks a call and chooses how many
+  prompt columns its first step feeds (docs/how-it-works.md, "One forward, and the first step of a call"): from
+  5.3 the columns as ``next_sequence_length``; 4.57-5.2 slice the inputs by the step's ``cache_position`` instead
+  (counted from the cache's ``get_seq_length`` before the cache chose), and 5.3 still passes one to the model; 4.x
+  mark no first step (``is_first_iteration``, from 5.0), so their ``_get_initial_cache_position``, called once
+  before a call's first step, is wrapped to note it (:func:`_noting_start`). :func:`generate_step` reads what
+  ``generate`` asks for and :func:`ask_columns` asks for what the cache chose, in the installed release's terms;
+  5.3's ``_prefill`` cuts ``inputs_embeds`` by the cache's length itself, so it is wrapped to keep the whole ones
+  (:func:`_keeping_embeds`).
+- transformers 4.57-5.13 start assisted and prompt-lookup decoding without calling the cache's
   ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
-  5.14 and later do themselves (:func:`_recording_past`).
+  5.14 and later do themselves, and to start 4.57-5.3's ``cache_position`` from the whole sequence
+  (:func:`_recording_past`).
 - torch's CPU flash-attention kernel gives a group of query heads its shared K/V head from torch 2.9; the kernel
   of older releases reads K/V head ``h`` for query head ``h``, past the K/V heads of a grouped model, and returns
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
 
-Older releases are refused: 5.0-5.3 give a
-layer's ``get_mask_sizes`` the step's ``cache_position`` instead of its query length, and 5.0-5.2 slice every
-step's inputs by ``cache_position`` instead of asking for ``next_sequence_length``, the protocol by which a cache
-tells ``generate`` how many prompt columns it holds; 4.x differ in the cache-layer and mask interfaces as well.
+transformers 4.56 and older are refused: beyond these, their PEFT integration's ``active_adapter`` is a method,
+assisted decoding with hidden states takes another path, and Llama 4's text model computes other numbers.
 
 docs/getting-started.md lists the supported range; README.md says which releases CI tests.
 """
@@ -33,20 +44,22 @@ import abc
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import transformers
 
-# the supported releases: transformers [low, high), torch [low, high). torch 2.6 is the oldest release on which every
+# the supported releases: transformers [low, high), 4.57 and every 5.x (4.56 and older differ beyond this module),
+# and torch [low, high). torch 2.6 is the oldest release on which every
 # supported transformers runs every family: transformers 5.24 requires it, and on 2.5 transformers 5.4 itself refuses
 # masks built with or_mask_function (stock generate of Falcon fails there; everything else passed). The blocks path
 # alone needs less: torch's CPU flash-attention kernel aten._scaled_dot_product_flash_attention_for_cpu, with
 # attn_mask since torch 2.3 (pytorch#115913), which reads grouped K/V heads only since 2.9 (pytorch#157893; 2.6-2.8
 # return wrong numbers for them, so cpu_flash_attention repeats the heads there). Tested: 2.6.0 with transformers
-# 5.4.0 (CI's oldest job), 2.13.0 (CI's newest), 2.14.1 and 2.15.0 with transformers 5.24.0
-TRANSFORMERS_RANGE = ((5, 4), (6, 0))
+# 4.57.1 (CI's oldest job) and 5.4.0, 2.13.0 (CI's newest), 2.14.1 and 2.15.0 with transformers 5.24.0
+TRANSFORMERS_RANGE = ((4, 57), (6, 0))
 TORCH_RANGE = ((2, 6), (3, 0))
 
 
@@ -99,17 +112,26 @@ GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "p
 
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 _ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
+_MASK_SIZES_OF_POSITIONS = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
+_KEEPS_CACHE_POSITION = hasattr(_generation.GenerationMixin, "_get_initial_cache_position")
+_PREPARE_PARAMETERS = inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
+_PREPARE_TAKES_LENGTH = "next_sequence_length" in _PREPARE_PARAMETERS
+_MARKS_FIRST_STEP = "is_first_iteration" in _PREPARE_PARAMETERS
 
 _C = TypeVar("_C", bound=type)
 
 
 def adapt_cache(cls: _C) -> _C:
     """Give a cache or cache-layer class written for the newest transformers the methods the installed one calls
-    (a class decorator): ``crop`` that also takes a length to keep, and ``get_max_cache_shape`` for its
-    ``get_max_length``. On the newest transformers it is returned unchanged. Mutates ``cls``."""
+    (a class decorator): ``crop`` that also takes a length to keep, ``get_max_cache_shape`` for its
+    ``get_max_length``, and ``get_mask_sizes`` that also takes the step's ``cache_position``. On the newest
+    transformers it is returned unchanged. Mutates ``cls``."""
     own = vars(cls)
     if _CROP_TAKES_LENGTH and "crop" in own:
         setattr(cls, "crop", functools.wraps(own["crop"])(_crop_to_length(own["crop"])))  # noqa: B010
+    if _MASK_SIZES_OF_POSITIONS and "get_mask_sizes" in own:
+        sizes = own["get_mask_sizes"]
+        setattr(cls, "get_mask_sizes", functools.wraps(sizes)(_sizes_of_positions(sizes)))  # noqa: B010
     if _ASKS_MAX_CACHE_SHAPE and "get_max_length" in own:
         setattr(cls, "get_max_cache_shape", own["get_max_length"])  # noqa: B010
         abc.update_abstractmethods(cls)  # an abstract method of these releases' CacheLayerMixin until now
@@ -126,24 +148,153 @@ def _crop_to_length(own: Callable[..., Any]) -> Callable[..., Any]:
     return crop
 
 
+def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_mask_sizes`` as transformers 4.57-5.3 call it: with the step's ``cache_position`` (one position per
+    query column) where later releases pass the query length."""
+
+    def get_mask_sizes(self: Any, cache_position: torch.Tensor | int, *args: Any) -> Any:
+        query_length = cache_position.shape[-1] if isinstance(cache_position, torch.Tensor) else cache_position
+        return own(self, query_length, *args)
+
+    return get_mask_sizes
+
+
+# a cache -> the whole inputs_embeds of its call's first step, which transformers 5.3's _prefill cuts to those after the
+# columns the cache holds before the cache has chosen (:func:`_keeping_embeds`)
+_WHOLE_EMBEDS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+class Step(NamedTuple):
+    """What a step of ``generate`` tells ``prepare_inputs_for_generation``: whether it is the first step of a call
+    (``None``: it does not say, as its decode loops do not), and how many trailing ``columns`` of the inputs to
+    feed (``None``: all of them)."""
+
+    first: bool | None
+    columns: int | None
+
+
+# caches whose call has begun (transformers 4.x): the next prepare_inputs_for_generation with them is a first step
+_STARTING: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def generate_step(kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor) -> Step:
+    """What the step of ``generate`` that calls ``prepare_inputs_for_generation`` with ``kwargs``, ``input_ids``
+    and ``cache`` asks for: before ``next_sequence_length``, the number of columns is the length of the step's
+    ``cache_position`` (all of them when it is as long as the inputs), and 4.x mark no first step (the decoding
+    methods' ``_get_initial_cache_position`` is wrapped to note it, :func:`_noting_start`). At the first step of a
+    call on transformers 5.3 with ``inputs_embeds``, gives ``kwargs`` back the whole embeddings and asks for those
+    after the held columns, as later releases do. Mutates ``kwargs`` then."""
+    if _MARKS_FIRST_STEP:
+        first: bool | None = kwargs.get("is_first_iteration")
+    else:
+        first = True if cache in _STARTING else None
+        _STARTING.discard(cache)
+    if first and cache in _WHOLE_EMBEDS:
+        embeds = kwargs["inputs_embeds"] = _WHOLE_EMBEDS.pop(cache)
+        held: int = cache.get_seq_length()
+        return Step(first, embeds.shape[1] - held)
+    if _PREPARE_TAKES_LENGTH:
+        return Step(first, kwargs.get("next_sequence_length"))
+    positions = kwargs.get("cache_position")
+    if not isinstance(positions, torch.Tensor) or positions.shape[0] == input_ids.shape[1]:
+        return Step(first, None)
+    return Step(first, positions.shape[0])
+
+
+# a cache -> the position of the first column its call's first step fed: transformers 4.57-5.2 extend the first step's
+# cache_position at each step of a call with use_cache=False, which re-feeds every column from there
+_FIRST_FED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def ask_columns(
+    kwargs: dict[str, Any], cache: Any, input_ids: torch.Tensor, length: int | None, *, first: bool
+) -> None:
+    """Make ``prepare_inputs_for_generation`` (called with ``kwargs``, ``input_ids`` and ``cache``) feed the last
+    ``length`` columns of its inputs (``None``: all) after the columns ``cache`` holds, the number that ``cache``
+    chose at the ``first`` step of a call. On releases that keep a ``cache_position`` (4.57-5.3), the first step's
+    becomes the positions of those columns: 4.57-5.2 slice the inputs by it, and 5.3's, built before the cache
+    chose, may count the held columns twice (assisted decoding's first step adds them to the whole sequence's); a
+    later step of 4.57-5.2 with ``use_cache=False`` re-feeds every column from the first step's first. Mutates
+    ``kwargs``."""
+    if _PREPARE_TAKES_LENGTH and first:
+        kwargs["next_sequence_length"] = length
+    positions = kwargs.get("cache_position")
+    if not isinstance(positions, torch.Tensor):
+        return
+    if first:
+        embeds = kwargs.get("inputs_embeds")
+        fed = length if length is not None else (embeds if isinstance(embeds, torch.Tensor) else input_ids).shape[1]
+        start = _FIRST_FED[cache] = cache.get_seq_length()
+        kwargs["cache_position"] = torch.arange(start, start + fed, device=positions.device)
+    elif not _PREPARE_TAKES_LENGTH and kwargs.get("use_cache") is False and cache in _FIRST_FED:
+        kwargs["cache_position"] = torch.arange(_FIRST_FED[cache], input_ids.shape[1], device=positions.device)
+
+
 def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._assisted_decoding`` that first calls ``activate_past_recording`` of a cache that has
     one, as transformers does itself from 5.14 (stock caches of older releases have none, so they run as
-    before)."""
+    before). That first step re-feeds the whole sequence: on releases that keep a ``cache_position`` (4.57-5.3) it
+    starts as the whole sequence's positions, those they build for an empty cache (from the cache's
+    ``get_seq_length``, 4.57-5.2 would skip the held columns and 5.3 count them twice); the cache then chooses
+    which columns to feed (:func:`ask_columns`)."""
 
     @functools.wraps(assisted_decoding)
-    def assisted(self: Any, *args: Any, **model_kwargs: Any) -> Any:
+    def assisted(self: Any, input_ids: torch.Tensor, *args: Any, **model_kwargs: Any) -> Any:
         record = getattr(model_kwargs.get("past_key_values"), "activate_past_recording", None)
         if record is not None:
             record()
-        return assisted_decoding(self, *args, **model_kwargs)
+            if _KEEPS_CACHE_POSITION and model_kwargs.get("cache_position") is None:
+                model_kwargs["cache_position"] = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return assisted_decoding(self, input_ids, *args, **model_kwargs)
 
     return assisted
+
+
+def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._prefill`` of transformers 5.3, which cuts ``inputs_embeds`` to those after the columns
+    the cache holds before the first step, where later releases leave the cut to ``prepare_inputs_for_generation``
+    (by ``next_sequence_length``): for a cache that chooses its columns at that step (a ``PagedPrefixCache`` drops
+    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`generate_step`."""
+
+    @functools.wraps(prefill)
+    def keeping(
+        self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: Any, *a: Any, **k: Any
+    ) -> Any:
+        cache, embeds = model_kwargs.get("past_key_values"), model_kwargs.get("inputs_embeds")
+        if not hasattr(cache, "activate_past_recording") or not isinstance(embeds, torch.Tensor):
+            return prefill(self, input_ids, generation_config, model_kwargs, *a, **k)
+        _WHOLE_EMBEDS[cache] = embeds
+        try:
+            return prefill(self, input_ids, generation_config, model_kwargs, *a, **k)
+        finally:
+            _WHOLE_EMBEDS.pop(cache, None)
+
+    return keeping
+
+
+def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._get_initial_cache_position`` of transformers 4.x, which every decoding method calls once
+    before its first step (their steps do not say which is the first): notes that the next step with the call's
+    cache (one that chooses its columns at the first step) is a first step, for :func:`generate_step`."""
+
+    @functools.wraps(initial)
+    def noting(self: Any, seq_length: Any, device: Any, model_kwargs: Any) -> Any:
+        cache = model_kwargs.get("past_key_values")
+        if hasattr(cache, "activate_past_recording"):
+            _STARTING.add(cache)
+        return initial(self, seq_length, device, model_kwargs)
+
+    return noting
 
 
 _mixin = _generation.GenerationMixin
 if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
     _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
+if hasattr(_mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(_mixin._prefill):
+    _mixin._prefill = _keeping_embeds(_mixin._prefill)  # type: ignore[method-assign]
+if not _MARKS_FIRST_STEP:
+    initial_positions = vars(_mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
+    setattr(_mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010
 
 
 def _kernel_reads_grouped_heads() -> bool:

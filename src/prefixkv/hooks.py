@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import _compat
 from .attention import outside_compile
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call
 from .errors import CacheMisuseError
@@ -126,8 +127,9 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     cache = paged_cache(kwargs)
     if cache is None or args or not isinstance(input_ids, torch.Tensor):
         return original(input_ids, *args, **kwargs)
-    if kwargs.get("is_first_iteration"):
-        kwargs["next_sequence_length"] = plan_call(cache, input_ids, kwargs.get("next_sequence_length"), kwargs)
+    step = _compat.generate_step(kwargs, cache, input_ids)
+    length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
+    _compat.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
     inputs = original(input_ids, *args, **kwargs)
     if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
         raise CacheMisuseError(
@@ -137,8 +139,7 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     # a decode step of generate, whose mask is the one checked at the first step grown by ones: generate's decode
     # loops pass one new column and no is_first_iteration, assisted decoding is_first_iteration=False; a call of
     # one's own without either is checked in full
-    first = kwargs.get("is_first_iteration")
-    if first is False or (first is None and kwargs.get("next_sequence_length") == 1):
+    if step.first is False or (step.first is None and step.columns == 1):
         _DECODE_STEPS.add(cache)
     else:
         _DECODE_STEPS.discard(cache)

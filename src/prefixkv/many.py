@@ -188,7 +188,10 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
         if isinstance(prompt, str):
             ids = tokenizer(prompt)["input_ids"]
         else:
-            ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)["input_ids"]
+            chat = tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            ids = chat["input_ids"]
     else:
         ids = [int(t) for t in prompt]  # type: ignore[arg-type]
     if not ids:
