@@ -462,7 +462,8 @@ class _Run:
 
         A call feeds every row the same number of last columns (``generate`` slices one width for the batch), so
         a joining prompt's uncomputed part makes every carried-on row compute as many columns again. Hence a
-        prompt joins running rows only when at most :data:`_JOIN` blocks of it are not cached; and a prefix that
+        prompt joins carried-on rows only when at most :data:`_JOIN` blocks of it are not cached (a call without
+        carried-on rows takes the next prompts as they come, as a batch of :func:`plan` does); and a prefix that
         the next waiting prompts share and that neither the store nor a running row holds is computed once,
         alone, before the call (the work it needs anyway), so that those prompts can join."""
         waiting = _order(self.rows, self.store, new_tokens, self.namespace)[::-1]
@@ -470,14 +471,12 @@ class _Run:
         limit = _JOIN * self.store.block_size
         running: list[tuple[_Running, int]] = []
         while running or waiting:
-            need = sum(blocks for _, blocks in running)
-            while waiting and (
-                not running
-                or (
-                    len(running) < batch_size
-                    and (room is None or need + waiting[-1][1] <= room)
-                    and self.uncached(waiting[-1][0], running) <= limit
-                )
+            fresh, need = not running, sum(blocks for _, blocks in running)
+            while (
+                waiting
+                and (not running or len(running) < batch_size)
+                and (not running or room is None or need + waiting[-1][1] <= room)
+                and (fresh or self.ready(waiting, running) <= limit)
             ):
                 i, blocks = waiting.pop()
                 running.append((_Running(i, self.rows[i]), blocks))
