@@ -49,6 +49,7 @@ def run(
     variants: list[str],
     repeat: int = 1,
     stops: str = "none",
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Time ``variants`` on the workload. ``stops="none"``: every request gets ``new`` tokens (``min_new_tokens``);
     ``"varied"``: each request ends at its first end-of-sequence token, the tokens set as such chosen from what
@@ -63,6 +64,7 @@ def run(
         for s in range(systems)
         for q in range(questions)
     ]
+    batch_size = batch_size or inspect.signature(prefixkv.generate_many).parameters["batch_size"].default
     gen: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     outputs: dict[str, list[list[int]]] = {}
     eos: set[int] = set()
@@ -129,7 +131,7 @@ def run(
     def many(name: str, refill: bool | None) -> None:
         store = prefixkv.PrefixStore(model, block_size=16)
         results = prefixkv.generate_many(
-            model, [ids for _, ids in work], store=store, progress=False, refill=refill, **gen
+            model, [ids for _, ids in work], store=store, progress=False, refill=refill, batch_size=batch_size, **gen
         )
         store.close()
         outputs[name] = [g.tokens for g in results]
@@ -169,23 +171,22 @@ def run(
             runs[name].append(time.perf_counter() - start)
             same[name] &= outputs[name] == outputs["plain"]
     seconds = {name: statistics.median(runs[name]) for name in variants}
-    answers = [len(a) for a in outputs["plain"]]
+    said = [len(a) for a in outputs["plain"]]
     # the share of generate_many's batches' decode steps (refill=False: each to its longest row's end) that feed a
     # row which has ended: what refilling can save
     store = prefixkv.PrefixStore(model, block_size=16)
-    batch_size = inspect.signature(prefixkv.generate_many).parameters["batch_size"].default
     batches = prefixkv.many.plan([ids.tolist() for _, ids in work], store, batch_size, new)
     store.close()
-    steps = sum(len(b) * max(answers[i] for i in b) for b in batches)
+    steps = sum(len(b) * max(said[i] for i in b) for b in batches)
     return {
-        "padded_steps": 1 - sum(answers) / steps,
+        "padded_steps": 1 - sum(said) / steps,
         "batch_size": batch_size,
         "size": size,
         "requests": len(work),
         "system_len": system_len,
         "new_tokens": new,
         "stops": stops,
-        "answer_tokens": {"mean": statistics.mean(answers), "min": min(answers), "max": max(answers)},
+        "answer_tokens": {"mean": statistics.mean(said), "min": min(said), "max": max(said)},
         "seconds": seconds,
         "runs": runs,
         "same_as_plain": same,
@@ -257,6 +258,7 @@ def main() -> None:
         default="none",
         help="none: every request gets --new-tokens tokens; varied: requests end at end-of-sequence tokens, anywhere",
     )
+    ap.add_argument("--batch-size", type=int, default=None, help="generate_many's batch_size (default: its own)")
     args = ap.parse_args()
     result = run(
         args.size,
@@ -267,6 +269,7 @@ def main() -> None:
         args.variants,
         args.repeat,
         args.stops,
+        args.batch_size,
     )
     save("throughput", result)
     print(report(result))

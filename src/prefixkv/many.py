@@ -105,7 +105,7 @@ def generate_many(
     prompts: Sequence[Prompt],
     *,
     store: PrefixStore | None = None,
-    batch_size: int = 32,
+    batch_size: int = 64,
     tokenizer: Any = None,
     progress: bool = True,
     namespace: str | None = None,
@@ -119,7 +119,9 @@ def generate_many(
     ``tokenizer(text)`` encodes them) or chat conversations (lists of ``{"role": ..., "content": ...}``, through
     the tokenizer's chat template with the generation prompt). ``store=None`` builds a store for this call and
     closes it after; pass one to keep the prefixes for later calls. At most ``batch_size`` rows go in one
-    ``generate`` call. ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done
+    ``generate`` call, and with a store that has a budget (``max_memory=``) at most half its blocks: on a large
+    model, give the store a budget or lower ``batch_size`` (each row holds its own tokens' K/V beside the shared
+    prefix). ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done
     and refills it with waiting prompts, the other rows carrying on from the store (:func:`refill_refusal` says
     which arguments do not allow it; ``refill=True`` with them raises ``ValueError``); ``refill=False`` runs each
     batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
