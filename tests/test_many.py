@@ -338,3 +338,31 @@ def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
     assert all(p in prompts for prompts_, _ in calls for p in prompts_)
     for g in out:
         assert g.tokens == stock(llama64, g.prompt, **kw2).sequences[0, len(g.prompt) :].tolist()
+
+
+def test_an_invariant_store_gives_the_same_bits_cold_and_warm_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In an invariant store a job's results never depend on what the store holds: the same prompts, cold and
+    after earlier calls cached some of them at other lengths (and pinned none), give bit-identical tokens and
+    logits in bfloat16. The batches must not follow the store's contents, nor may rows be carried on (its decode
+    steps publish nothing, so a carried-on row would be computed otherwise)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    prompts = workload(2, 5, system_len=40)
+    answers = [stock(model, p, max_new_tokens=10, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    kw: dict[str, Any] = dict(
+        max_new_tokens=10, do_sample=False, eos_token_id=[answers[0][2], answers[3][5]], output_logits=True
+    )
+    calls = _spy_calls(monkeypatch)
+    runs = []
+    for warm in (False, True):
+        with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8) as store:
+            if warm:  # earlier work: a prefix of one system prompt, one whole prompt and a longer one
+                store.warm([prompts[1][:16], prompts[2], prompts[4] + [9, 9, 9, 9, 9, 9, 9, 9]], progress=False)
+            runs.append(prefixkv.generate_many(model, prompts, store=store, batch_size=3, progress=False, **kw))
+    cold, warm_ = runs
+    assert all(p in prompts for prompts_, _ in calls for p in prompts_)  # no row carried on
+    with prefixkv.PrefixStore(model, invariant=True) as store, pytest.raises(ValueError, match="an invariant store"):
+        prefixkv.generate_many(model, prompts, store=store, refill=True, progress=False, **kw)
+    assert any(g.cached_tokens for g in warm_)  # the warm run did reuse what the store held
+    for a, b in zip(cold, warm_, strict=True):
+        assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits), a.index

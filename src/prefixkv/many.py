@@ -157,7 +157,7 @@ def generate_many(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
         raise ValueError("generate_many() needs the PrefixStore built for this model: PrefixStore(model)")
-    refusal = refill_refusal(model, generate_kwargs)
+    refusal = refill_refusal(model, generate_kwargs, store)
     if refill and refusal is not None:
         raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
     rows = [_prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
@@ -241,10 +241,12 @@ def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace
     """The rows to run, in order, each with the blocks it needs. Rows are sorted by their tokens, so that rows
     sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
     store holds most of first (before other work can evict it; what it holds for user ``namespace``). A row needs
-    its prompt and new tokens, less the whole blocks it reuses from the store or the row before it. Does not
-    mutate."""
+    its prompt and new tokens, less the whole blocks it reuses from the store or the row before it. In an
+    invariant store neither the order nor the needs count what the store holds. Does not mutate."""
     bs = store.block_size
-    cached = [store.cached_length(r, store.blocks.space(), namespace=namespace) for r in rows]
+    # an invariant store's results must not depend on what it holds (docs/correctness.md, "Outputs that never
+    # depend on the cache"): its batches do not follow its contents either
+    cached = [0 if store.invariant else store.cached_length(r, store.blocks.space(), namespace=namespace) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     runs: list[list[int]] = []
     shared = [0] * len(rows)  # tokens, in whole blocks, that row i shares with the row before it in `order`
@@ -324,11 +326,14 @@ _COUNTING = (
 )
 
 
-def refill_refusal(model: Any, generate_kwargs: dict[str, Any]) -> str | None:
-    """Why the rows of these ``generate`` arguments cannot be refilled (``generate_many(refill=...)``), or
-    ``None``. A row goes on in a later call with its tokens so far as its prompt: that is the same computation
-    for greedy decoding and sampling with processors that only look at the tokens, not for beam search or
-    processors that count from the start of the call. Does not mutate."""
+def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixStore | None = None) -> str | None:
+    """Why the rows of these ``generate`` arguments (over ``store``) cannot be refilled
+    (``generate_many(refill=...)``), or ``None``. A row goes on in a later call with its tokens so far as its
+    prompt: that is the same computation for greedy decoding and sampling with processors that only look at the
+    tokens, not for beam search or processors that count from the start of the call; nor in an invariant store,
+    whose results must not depend on what it holds, while which prompts join a call does. Does not mutate."""
+    if store is not None and store.invariant:
+        return "an invariant store: which prompts join a call follows what the store holds"
     config = model.generation_config
     beams = generate_kwargs.get("num_beams", config.num_beams or 1)
     if beams > 1:
