@@ -70,7 +70,7 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
             f"dtype must be a floating torch dtype (torch.float16, torch.bfloat16, torch.float32, torch.float64) "
-            f"or its name, got {dtype!r}; quantized blocks are not supported yet"
+            f"or its name, got {dtype!r}; for 8-bit blocks pass kv_dtype='int8' or 'fp8' with it"
         )
     return dtype
 
