@@ -14,6 +14,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from ._compat import RELEASE_NEUTRAL_INPUTS
+
 CACHE_KWARGS = ("cache", "past_key_values")
 
 # inputs of a forward (and of prepare_inputs_for_generation, which passes the rest on to it) that do not change
@@ -30,11 +32,8 @@ NEUTRAL_INPUTS = frozenset(
         "output_attentions",
         "output_hidden_states",
         "logits_to_keep",
-        "num_logits_to_keep",
         "labels",
-        "cache_position",
-        "is_first_iteration",
-        "next_sequence_length",
+        *RELEASE_NEUTRAL_INPUTS,  # those only some transformers releases pass
     }
 )
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import _compat, display, persist
 from . import attention as reading
-from . import display, persist
 from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
 from .hooks import attach_hooks
@@ -165,6 +165,7 @@ class PrefixStore:
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
+        _compat.install_generation_patches()
         self.model = model
         shape = attention_shape(model.config)
         model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
@@ -469,7 +470,7 @@ class PrefixStore:
         raise _not_a_cache()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """What transformers 5.4-5.12 ask a cache first (before ``is_compileable``): the same refusal."""
+        """What some transformers releases ask a cache first (before ``is_compileable``): the same refusal."""
         raise _not_a_cache()
 
 
@@ -527,7 +528,7 @@ def _check_schedule(chunk_size: int | None, file: persist.PrefixFile, path: str 
 def _not_a_cache() -> CacheMisuseError:
     return CacheMisuseError(
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-        "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
+        + _compat.CACHE_ARGUMENT_HINT
     )
 
 
