@@ -206,7 +206,7 @@ class GenerateCall:
             row = held[j // (batch // count)]
             if not row.proven:
                 continue
-            stored = [rows.token(k) for k in row.keys[: max(0, length - row.pad)]]
+            stored = [proof.token(k) for k in row.keys[: max(0, length - row.pad)]]
             given = seq[min(row.pad, length) :]
             if given[: len(stored)] != stored:
                 t = next(t for t, (a, b) in enumerate(zip(given, stored)) if a != b)

@@ -38,6 +38,17 @@ NEUTRAL_INPUTS = frozenset(
 )
 
 
+def key(token: int, visible: bool) -> int:
+    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it (its K/V differ from
+    those of the same token seen). The one home of that encoding. Does not mutate."""
+    return token if visible else -1 - token
+
+
+def token(key: int) -> int:
+    """The token id of a trie key (:func:`key`). Does not mutate."""
+    return key if key >= 0 else -1 - key
+
+
 def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) -> tuple[str, ...]:
     """The names of ``inputs`` (a forward's, by name) that are set and may change K/V. With ``tensors_only``, only
     tensors count: the arguments of a generate step also hold generate's own settings (the tokenizer of
@@ -234,7 +245,7 @@ def prove_rows(
         skip = min(q, max(0, row.pad - start))  # new columns that are padding
         first = max(0, start - row.pad)  # token index of the first new real column
         shown = [True] * (q - skip) if mask is None else mask[i][new + skip : new + q]
-        keys = [t if v else -1 - t for t, v in zip(ids[i][skip:], shown)]
+        keys = [key(t, v) for t, v in zip(ids[i][skip:], shown)]
         known = row.keys[first : first + len(keys)]
         verdicts.append(_prove_row(i, row, keys, known, shown, first, mask, new, skip, positions, forward, reused))
     return verdicts
@@ -256,7 +267,7 @@ def _prove_row(
 ) -> Verdict:
     """:func:`prove_rows` for row ``i``, whose new ``keys`` the forward feeds after the ``known`` ones."""
     if keys[: len(known)] != known:
-        if [k if k >= 0 else -1 - k for k in keys[: len(known)]] != [k if k >= 0 else -1 - k for k in known]:
+        if [token(k) for k in keys[: len(known)]] != [token(k) for k in known]:
             return Verdict(
                 None,
                 error=(

@@ -28,6 +28,7 @@ from . import proof
 from .blocks import BlockManager, Claim
 from .errors import CacheMisuseError
 from .parts import StoreParts
+from .proof import key
 from .reads import column_slots
 from .stats import CacheStats, RowStats
 
@@ -73,16 +74,6 @@ class Row:
         if self.proven:
             del self.keys[max(keep, self.prompt_len) :]
             self.real = real_count(self.keys[:keep])
-
-
-def key(token: int, visible: bool) -> int:
-    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it."""
-    return token if visible else -1 - token
-
-
-def token(key: int) -> int:
-    """The token id of a key."""
-    return key if key >= 0 else -1 - key
 
 
 def real_count(keys: list[int]) -> int:

@@ -80,14 +80,21 @@ def _forward(cache: PagedPrefixCache, tokens: list[int]) -> None:
     """One forward of the store's model over ``tokens`` of a one-row prompt, after the columns ``cache`` holds."""
     store = cache.store
     model = store.hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
-    params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+    kwargs = forward_kwargs(model, cache, logits_to_keep=1)  # K/V are wanted, not a row of logits per token
     # the first layer's device: model.device is `meta` when accelerate offloads the weights
     ids = torch.tensor([tokens], device=store.blocks.pool.specs[0].device)
     with torch.no_grad():
         model(input_ids=ids, **kwargs)
+
+
+def forward_kwargs(model: torch.nn.Module, cache: PagedPrefixCache, *, logits_to_keep: int) -> dict[str, Any]:
+    """The keyword arguments that hand ``model``'s forward ``cache`` (by the name its signature takes: ``cache``,
+    or ``past_key_values``) and ask for the last ``logits_to_keep`` rows of logits where it can. Does not mutate."""
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = logits_to_keep
+    return kwargs
 
 
 def _common_length(a: list[int], b: list[int]) -> int:
