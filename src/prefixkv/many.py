@@ -233,8 +233,11 @@ def plan(
 def _room(store: PrefixStore) -> int | None:
     """The most blocks the rows running at once may need, in a store with a budget: half the blocks it holds
     beside its pins; the other half keeps what was cached before, so that a long job cannot flush a hot prefix by
-    its batches' size alone. ``None`` without a budget. Does not mutate."""
-    return None if store.max_blocks is None else (store.max_blocks - store.stats.blocks_pinned) // 2
+    its batches' size alone. In an invariant store half its budget, whatever it holds: its batches, and so its
+    results, must not follow its contents, pins included. ``None`` without a budget. Does not mutate."""
+    if store.max_blocks is None:
+        return None
+    return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2
 
 
 def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace: str | None) -> list[tuple[int, int]]:

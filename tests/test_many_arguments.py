@@ -1,0 +1,71 @@
+"""generate_many reads its arguments as ``generate`` reads them, and refuses what it cannot honour.
+
+Promise by input (docs/generate.md, "Many prompts at once"), and the test that varies each:
+
+- each row is ``generate`` on its prompt alone, whatever the settings come from: keywords, a
+  ``generation_config=`` (its ``max_new_tokens``, ``eos_token_id``, ``num_beams``), both at once (keywords win)
+  — ``test_a_generation_config_is_read_as_generate_reads_it``;
+- ... whatever the prompt holds: the pad token inside a prompt (``generate`` infers a mask with holes from it),
+  with rows carried on by refilling and in whole batches — ``test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it``;
+- malformed prompts (float or bool tensors, floats, bools, strings or lists inside a list, negative ids, a
+  dict) are refused before anything runs, the store untouched — ``test_malformed_prompts_are_refused_not_truncated``;
+- ``use_cache=False`` and assisted decoding (an assistant model, prompt lookup), as keywords or in a
+  ``generation_config``, are refused with the reason — ``test_calls_without_a_cache_or_with_an_assistant_are_refused``;
+- in an invariant store with a budget, the batches (so the bits) do not depend on what the store holds, pins
+  included — ``test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import random_tokens, stock_twin
+from transformers import DynamicCache, GenerationConfig
+
+import prefixkv
+from prefixkv.many import plan
+
+
+def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
+    """``generate`` on this prompt alone, with no attention mask (as a user calls it), a fresh DynamicCache, on a
+    model prefixkv never touched."""
+    twin = stock_twin(model)
+    return twin.generate(torch.tensor([prompt]), cache=DynamicCache(config=twin.config), **kw)
+
+
+def assert_rows_equal_stock(out: list[prefixkv.Generation], model: Any, **kw: Any) -> None:
+    """Every row has the tokens of ``generate`` on its prompt alone with ``kw``, and its logits within 1e-6."""
+    for g in out:
+        ref = stock(model, g.prompt, return_dict_in_generate=True, output_logits=True, **kw)
+        new = ref.sequences[0, len(g.prompt) :].tolist()
+        assert g.tokens == new, (g.index, g.tokens, new)
+        assert g.logits is not None and g.logits.shape[0] == len(new)
+        assert (g.logits - torch.stack(ref.logits)[:, 0]).abs().max() <= 1e-6
+
+
+def prompts_on(head_len: int, count: int, seed: int = 0) -> list[list[int]]:
+    head = random_tokens(head_len, seed=seed).tolist()
+    return [head + random_tokens(1 + i % 4, seed=50 + i).tolist() for i in range(count)]
+
+
+def test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16() -> None:
+    """An invariant store with a budget: a batch takes at most half its blocks whatever it holds, so the same
+    prompts go in the same batches cold and with a prefix pinned (which took blocks of the budget), and their
+    tokens and bfloat16 logits are bit-identical."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    prompts = prompts_on(40, 8) + prompts_on(40, 4, seed=9)
+    kw: dict[str, Any] = dict(max_new_tokens=8, do_sample=False, output_logits=True)
+    runs, plans = [], []
+    for pinned in (False, True):
+        with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8, num_blocks=64) as store:
+            if pinned:
+                store.pin(random_tokens(40, seed=77).tolist())  # another system prompt: 10 of the 64 blocks
+                assert store.stats.blocks_pinned == 10
+            plans.append(plan(prompts, store, 64, 8))
+            runs.append(prefixkv.generate_many(model, prompts, store=store, progress=False, **kw))
+    assert plans[0] == plans[1] and len(plans[0]) > 1  # the budget does split the prompts
+    for a, b in zip(*runs, strict=True):
+        assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits), a.index
