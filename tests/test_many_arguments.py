@@ -3,16 +3,17 @@
 Promise by input (docs/generate.md, "Many prompts at once"), and the test that varies each:
 
 - each row is ``generate`` on its prompt alone, whatever the settings come from: keywords, a
-  ``generation_config=`` (its ``max_new_tokens``, ``eos_token_id``, ``num_beams``), both at once (keywords win)
-  — ``test_a_generation_config_is_read_as_generate_reads_it``;
+  ``generation_config=`` (its ``max_new_tokens``, ``eos_token_id``, ``num_beams``), both at once (keywords win):
+  ``test_a_generation_config_is_read_as_generate_reads_it``;
 - ... whatever the prompt holds: the pad token inside a prompt (``generate`` infers a mask with holes from it),
-  with rows carried on by refilling and in whole batches — ``test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it``;
+  with rows carried on by refilling and in whole batches:
+  ``test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it``;
 - malformed prompts (float or bool tensors, floats, bools, strings or lists inside a list, negative ids, a
-  dict) are refused before anything runs, the store untouched — ``test_malformed_prompts_are_refused_not_truncated``;
+  dict) are refused before anything runs, the store untouched: ``test_malformed_prompts_are_refused_not_truncated``;
 - ``use_cache=False`` and assisted decoding (an assistant model, prompt lookup), as keywords or in a
-  ``generation_config``, are refused with the reason — ``test_calls_without_a_cache_or_with_an_assistant_are_refused``;
+  ``generation_config``, are refused with the reason: ``test_calls_without_a_cache_or_with_an_assistant_are_refused``;
 - in an invariant store with a budget, the batches (so the bits) do not depend on what the store holds, pins
-  included — ``test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16``.
+  included: ``test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import random_tokens, stock_twin
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache
 
 import prefixkv
 from prefixkv.many import plan
@@ -69,3 +70,30 @@ def test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16() ->
     for a, b in zip(*runs, strict=True):
         assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
         assert torch.equal(a.logits, b.logits), a.index
+
+
+def test_malformed_prompts_are_refused_not_truncated(llama64: Any) -> None:
+    """Token ids that are not non-negative ints are refused with the prompt's place and the value, before
+    anything runs: the store stays empty."""
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    good = list(range(5, 15))
+    cases: list[tuple[Any, str]] = [
+        (torch.tensor([5.0, 6.7, 7.0]), "float"),
+        (torch.tensor([5.0, 6.0, 7.0]), "float"),
+        (torch.tensor([True, False]), "bool"),
+        ([5, 6.7, 7], "6.7"),
+        ([5.0, 6.0], "5.0"),
+        ([5, True, 7], "True"),
+        (["5", "6"], "'5'"),
+        ([[5, 6], [7, 8]], r"\[5, 6\]"),
+        ([5, -3, 7], "-3"),
+        ({"role": "user", "content": "hi"}, "dict"),
+        (7, "int"),
+    ]
+    for bad, shown in cases:
+        with pytest.raises(ValueError, match=f"prompt 1.*{shown}"):
+            prefixkv.generate_many(llama64, [good, bad], store=store, max_new_tokens=2, progress=False)
+    assert store.stats.blocks_used == 0 and store.stats.prompt_tokens == 0 and store.stats.hit_tokens == 0
+    ok = prefixkv.generate_many(llama64, [torch.tensor(good), tuple(good)], store=store, max_new_tokens=2)
+    assert ok[0].tokens == ok[1].tokens
+    store.close()

@@ -18,7 +18,7 @@ same thing so; beam search and processors that count from a call's start do not,
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -28,7 +28,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCrite
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
 from .namespace import user_space
-from .store import PrefixStore
+from .store import PrefixStore, _as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
@@ -179,12 +179,13 @@ def generate_many(
 
 
 def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
-    """The token ids of one prompt. Does not mutate."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1:
-            raise ValueError(f"prompt {index} is a tensor of shape {tuple(prompt.shape)}; pass 1-D token ids")
-        ids = prompt.tolist()
-    elif isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
+    """The token ids of one prompt; ``ValueError`` for anything that is not token ids, text or chat messages
+    (ids are never truncated: a float or a bool is refused). Does not mutate."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:
+        raise ValueError(f"prompt {index} is a tensor of shape {tuple(prompt.shape)}; pass 1-D token ids")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)
+    ):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is text or chat messages: pass tokenizer= to encode it")
         if isinstance(prompt, str):
@@ -194,8 +195,15 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
                 list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True
             )
             ids = chat["input_ids"]
+    elif isinstance(prompt, (Mapping, bytes)) or not isinstance(prompt, Iterable):
+        raise ValueError(
+            f"prompt {index} is a {type(prompt).__name__}: pass token ids, text or a list of chat messages"
+        )
     else:
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        try:
+            ids = _as_token_list(prompt if isinstance(prompt, torch.Tensor) else list[Any](prompt))
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
     if not ids:
         raise ValueError(f"prompt {index} has no tokens; every prompt needs at least one")
     return list(ids)
