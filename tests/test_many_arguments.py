@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import random_tokens, stock_twin
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
 from prefixkv.many import plan
@@ -51,25 +51,34 @@ def prompts_on(head_len: int, count: int, seed: int = 0) -> list[list[int]]:
     return [head + random_tokens(1 + i % 4, seed=50 + i).tolist() for i in range(count)]
 
 
-def test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16() -> None:
-    """An invariant store with a budget: a batch takes at most half its blocks whatever it holds, so the same
-    prompts go in the same batches cold and with a prefix pinned (which took blocks of the budget), and their
-    tokens and bfloat16 logits are bit-identical."""
-    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
-    prompts = prompts_on(40, 8) + prompts_on(40, 4, seed=9)
-    kw: dict[str, Any] = dict(max_new_tokens=8, do_sample=False, output_logits=True)
-    runs, plans = [], []
-    for pinned in (False, True):
-        with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8, num_blocks=64) as store:
-            if pinned:
-                store.pin(random_tokens(40, seed=77).tolist())  # another system prompt: 10 of the 64 blocks
-                assert store.stats.blocks_pinned == 10
-            plans.append(plan(prompts, store, 64, 8))
-            runs.append(prefixkv.generate_many(model, prompts, store=store, progress=False, **kw))
-    assert plans[0] == plans[1] and len(plans[0]) > 1  # the budget does split the prompts
-    for a, b in zip(*runs, strict=True):
-        assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
-        assert torch.equal(a.logits, b.logits), a.index
+def test_a_generation_config_is_read_as_generate_reads_it(llama64: Any) -> None:
+    """A ``generation_config=`` alone, and with keywords beside it: its max_new_tokens bounds each row, its
+    eos_token_id stops rows there (none is returned with padding after its end), a keyword overrides it as in
+    ``generate``, and its num_beams runs a beam search in whole batches (refill=True says why)."""
+    prompts = prompts_on(20, 5)
+    answers = [stock(llama64, p, max_new_tokens=9, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    eos = answers[1][2]  # a token the model says: rows that say it end there
+    cfg = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=eos, output_logits=True)
+    out = prefixkv.generate_many(llama64, prompts, generation_config=cfg, batch_size=2, progress=False)
+    assert_rows_equal_stock(out, llama64, generation_config=cfg)
+    assert min(len(g.tokens) for g in out) <= 3 and max(len(g.tokens) for g in out) == 9
+    assert all(eos not in g.tokens[:-1] for g in out)
+    both = prefixkv.generate_many(llama64, prompts, generation_config=cfg, max_new_tokens=4, progress=False)
+    assert_rows_equal_stock(both, llama64, generation_config=cfg, max_new_tokens=4)
+    assert max(len(g.tokens) for g in both) == 4
+    beams = GenerationConfig(max_new_tokens=5, num_beams=2, do_sample=False, eos_token_id=eos)
+    with pytest.raises(ValueError, match="cannot refill a batch with num_beams=2"):
+        prefixkv.generate_many(llama64, prompts, generation_config=beams, refill=True, progress=False)
+    assert prefixkv.many.refill_refusal(llama64, dict(generation_config=beams)) is not None
+    searched = prefixkv.generate_many(llama64, prompts, generation_config=beams, batch_size=3, progress=False)
+    for g in searched:
+        ref = stock(llama64, g.prompt, generation_config=beams)
+        assert g.tokens == ref[0, len(g.prompt) :].tolist()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        prefixkv.generate_many(llama64, prompts, generation_config=GenerationConfig(max_length=30), progress=False)
+    with pytest.raises(ValueError, match="repeat the prompt"):
+        cfg2 = GenerationConfig(max_new_tokens=2, num_beams=2, num_return_sequences=2)
+        prefixkv.generate_many(llama64, prompts, generation_config=cfg2, progress=False)
 
 
 def test_malformed_prompts_are_refused_not_truncated(llama64: Any) -> None:
@@ -97,3 +106,45 @@ def test_malformed_prompts_are_refused_not_truncated(llama64: Any) -> None:
     ok = prefixkv.generate_many(llama64, [torch.tensor(good), tuple(good)], store=store, max_new_tokens=2)
     assert ok[0].tokens == ok[1].tokens
     store.close()
+
+
+def test_calls_without_a_cache_or_with_an_assistant_are_refused(llama64: Any) -> None:
+    """``use_cache=False`` would compute every step without the store's cache, and assisted decoding runs one
+    prompt a call in transformers: refused up front with the reason, as keywords or in a generation_config."""
+    prompts = prompts_on(12, 3)
+    cases: list[tuple[dict[str, Any], str]] = [
+        (dict(use_cache=False), "use_cache=False"),
+        (dict(generation_config=GenerationConfig(max_new_tokens=3, use_cache=False)), "use_cache=False"),
+        (dict(assistant_model=stock_twin(llama64)), "assisted"),
+        (dict(prompt_lookup_num_tokens=3), "assisted"),
+        (dict(generation_config=GenerationConfig(max_new_tokens=3, prompt_lookup_num_tokens=2)), "assisted"),
+    ]
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    for kw, why in cases:
+        with pytest.raises(ValueError, match=f"generate_many\\(\\) .*{why}"):
+            prefixkv.generate_many(
+                llama64, prompts, store=store, **{"max_new_tokens": 3, **kw}, do_sample=False, progress=False
+            )
+    assert store.stats.blocks_used == 0 and store.stats.prompt_tokens == 0
+    store.close()
+
+
+def test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16() -> None:
+    """An invariant store with a budget: a batch takes at most half its blocks whatever it holds, so the same
+    prompts go in the same batches cold and with a prefix pinned (which took blocks of the budget), and their
+    tokens and bfloat16 logits are bit-identical."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    prompts = prompts_on(40, 8) + prompts_on(40, 4, seed=9)
+    kw: dict[str, Any] = dict(max_new_tokens=8, do_sample=False, output_logits=True)
+    runs, plans = [], []
+    for pinned in (False, True):
+        with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8, num_blocks=64) as store:
+            if pinned:
+                store.pin(random_tokens(40, seed=77).tolist())  # another system prompt: 10 of the 64 blocks
+                assert store.stats.blocks_pinned == 10
+            plans.append(plan(prompts, store, 64, 8))
+            runs.append(prefixkv.generate_many(model, prompts, store=store, progress=False, **kw))
+    assert plans[0] == plans[1] and len(plans[0]) > 1  # the budget does split the prompts
+    for a, b in zip(*runs, strict=True):
+        assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits), a.index

@@ -17,17 +17,19 @@ same thing so; beam search and processors that count from a call's start do not,
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.configuration_utils import GenerationMode
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
-from .namespace import user_space
+from .namespace import transformers_model, user_space
 from .store import PrefixStore, _as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:
@@ -46,9 +48,9 @@ _REFUSED = {
     "cache": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
     "past_key_values": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
     "max_length": "it counts the padded prompt; use max_new_tokens",
-    "min_length": "it counts the padded prompt; use min_new_tokens",
     "stopping_criteria": "a row's stopping point could not be told from the batch; use eos_token_id or stop_strings",
     "streamer": "a streamer gets the tokens of the whole batch; use stream=True for results as batches finish",
+    "assistant_model": "transformers runs assisted decoding on one prompt a call; call model.generate per prompt",
 }
 
 
@@ -145,13 +147,12 @@ def generate_many(
     for key, why in _REFUSED.items():
         if key in generate_kwargs:
             raise ValueError(f"generate_many() does not take {key}=: {why}")
-    if generate_kwargs.get("num_return_sequences", 1) != 1:
-        raise ValueError(
-            f"generate_many() returns one sequence per prompt, got num_return_sequences="
-            f"{generate_kwargs['num_return_sequences']}; repeat the prompt in the list instead"
-        )
-    beams = generate_kwargs.get("num_beams", model.generation_config.num_beams or 1)
-    if beams > 1 and (generate_kwargs.get("output_logits") or generate_kwargs.get("output_scores")):
+    settings = generation_settings(model, generate_kwargs)
+    refused = _refused_setting(settings)
+    if refused is not None:
+        raise ValueError(f"generate_many() does not take {refused}")
+    beams = settings.num_beams or 1
+    if beams > 1 and (settings.output_logits or settings.output_scores):
         raise ValueError(f"with num_beams={beams}, logits and scores are per beam, not per prompt; call generate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -176,6 +177,39 @@ def generate_many(
     if stream:
         return results
     return sorted(results, key=lambda g: g.index)
+
+
+def generation_settings(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:
+    """The settings a ``model.generate(ids, **generate_kwargs)`` call runs with: its ``generation_config=`` (or
+    none), the model's ``generation_config`` and the keywords, merged by transformers' own
+    ``_prepare_generation_config`` (keywords first, then the passed config, then the model's). Does not mutate."""
+    kwargs = dict(generate_kwargs)
+    passed = kwargs.pop("generation_config", None)
+    config: GenerationConfig = transformers_model(model)._prepare_generation_config(passed, **kwargs)[0]
+    return config
+
+
+def _refused_setting(settings: GenerationConfig) -> str | None:
+    """Why ``generate_many`` cannot run these settings (from keywords or a ``generation_config``), or ``None``.
+    Does not mutate."""
+    if (settings.num_return_sequences or 1) != 1:
+        return (
+            f"num_return_sequences={settings.num_return_sequences}: it returns one sequence per prompt; repeat the "
+            "prompt in the list instead"
+        )
+    if settings.min_length:
+        return f"min_length={settings.min_length}: it counts the padded prompt; use min_new_tokens"
+    if settings.use_cache is False:
+        return (
+            "use_cache=False: every batch computes with a PagedPrefixCache of the store, and without a cache "
+            "generate would recompute each step otherwise; drop it, or call model.generate per prompt"
+        )
+    if settings.get_generation_mode() == GenerationMode.ASSISTED_GENERATION:
+        return (
+            "assisted decoding (prompt_lookup_num_tokens=, assistant_early_exit=, ...): transformers runs it on one "
+            "prompt a call; call model.generate per prompt"
+        )
+    return None
 
 
 def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
@@ -323,10 +357,7 @@ class _Refill(StoppingCriteria):
 # the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
 # count from the start of the call (or to max_length), keep state across steps, or run other models: refused when
 # set at all (_SET) or when not empty or zero (_COUNTING); guidance_scale when not 1
-_SET = (
-    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
-    "assistant_model", "prompt_lookup_num_tokens",
-)  # fmt: skip
+_SET = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config")
 _COUNTING = (
     "min_length",
     "min_new_tokens",
@@ -345,12 +376,12 @@ def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixSto
     whose results must not depend on what it holds, while which prompts join a call does. Does not mutate."""
     if store is not None and store.invariant:
         return "an invariant store: which prompts join a call follows what the store holds"
-    config = model.generation_config
-    beams = generate_kwargs.get("num_beams", config.num_beams or 1)
+    settings = generation_settings(model, generate_kwargs)
+    beams = settings.num_beams or 1
     if beams > 1:
         return f"num_beams={beams}: a beam search keeps its beams within one call"
     for key in (*_SET, *_COUNTING, "guidance_scale"):
-        value = generate_kwargs.get(key, getattr(config, key, None))
+        value = getattr(settings, key) if hasattr(settings, key) else generate_kwargs.get(key)
         if (
             (key in _SET and value is not None)
             or (key in _COUNTING and value)
@@ -385,27 +416,28 @@ def _generate(
 ) -> Iterator[Generation]:
     """Run the prompts, in batches of :func:`plan` or refilling them (``_Run.refilling``), and yield each row's
     :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
-    config = model.generation_config
-    new_tokens = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
+    settings = generation_settings(model, generate_kwargs)
+    new_tokens = settings.max_new_tokens
     if new_tokens is None:
         raise ValueError(
-            "generate_many() needs max_new_tokens= (or the model's generation_config.max_new_tokens): max_length "
+            "generate_many() needs max_new_tokens= (or the generation_config's max_new_tokens): max_length "
             "would count the padding of a batch"
         )
-    pad = generate_kwargs.get("pad_token_id", config.pad_token_id)
-    eos_ids = generate_kwargs.get("eos_token_id", config.eos_token_id)
+    pad = settings.pad_token_id
+    eos_ids = settings.eos_token_id
     eos = set() if eos_ids is None else {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     if pad is None:
         pad = min(eos, default=0)
-    stop_strings = generate_kwargs.get("stop_strings", config.stop_strings)
-    kwargs = {**generate_kwargs, "pad_token_id": pad, "return_dict_in_generate": True}
+    stop_strings = settings.stop_strings
+    kwargs = dict(generate_kwargs)
     stop = None
     if stop_strings:
         if tokenizer is None:
             raise ValueError("stop_strings= needs tokenizer= (generate needs it to find the strings)")
         kwargs["tokenizer"] = tokenizer
         stop = StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
-    run = _Run(model, rows, PrefixStore(model) if store is None else store, kwargs, eos, stop, tokenizer, namespace)
+    built = PrefixStore(model) if store is None else store
+    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
             work = (
@@ -422,6 +454,18 @@ def _generate(
             run.store.close()
 
 
+def _setting(generate_kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """``generate_kwargs`` with ``values`` set where the caller's settings are: in (a copy of) the
+    ``generation_config=`` it passes, if any (so ``generate`` is passed no keywords beside a config but the
+    caller's own), else as keywords. Does not mutate."""
+    passed = generate_kwargs.get("generation_config")
+    rest = {k: v for k, v in generate_kwargs.items() if k not in values}
+    if passed is None:
+        return {**rest, **values}
+    config = copy.deepcopy(passed)
+    return {**rest, "generation_config": config, **config.update(**values)}
+
+
 @dataclass
 class _Run:
     """One ``generate_many`` call's model, prompts, store and ``generate`` arguments."""
@@ -434,14 +478,18 @@ class _Run:
     stop: StopStringCriteria | None
     tokenizer: Any
     namespace: str | None
+    pad: int
 
     def call(self, prompts: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
         """One left-padded ``generate`` call on ``prompts``: its output, the padded width and each row's cached
         prompt tokens. Mutates the store."""
-        ids, mask = _left_pad(prompts, self.kwargs["pad_token_id"])
+        ids, mask = _left_pad(prompts, self.pad)
         with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache:
             out = self.model.generate(
-                ids, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **{**self.kwargs, **more}
+                ids,
+                attention_mask=mask,
+                **{GENERATE_CACHE_KWARG: cache},
+                **_setting(self.kwargs, pad_token_id=self.pad, return_dict_in_generate=True, **more),
             )
         return out, ids.shape[1], [row.cached_tokens for row in cache.stats.per_row]
 
