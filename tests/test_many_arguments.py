@@ -81,6 +81,46 @@ def test_a_generation_config_is_read_as_generate_reads_it(llama64: Any) -> None:
         prefixkv.generate_many(llama64, prompts, generation_config=cfg2, progress=False)
 
 
+def test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it(llama64: Any) -> None:
+    """A prompt that holds the pad token (0 in the tiny model's generation_config; SmolLM2's chat prompts hold
+    theirs): ``generate`` on it alone infers an attention mask with holes there, and each row equals that call, in
+    whole batches and with rows carried on by refilling (their own new tokens always attended). A later ordinary
+    request on the same ids with a full mask then matches stock: the masked rows published nothing it reuses
+    past the hole."""
+    pad = llama64.generation_config.pad_token_id
+    assert pad is not None and pad != llama64.generation_config.eos_token_id
+    prompts = prompts_on(22, 6, seed=3)
+    holed = [[*p[:9], pad, *p[9:]] for p in prompts[:3]] + [[*p[:17], pad, pad, *p[17:]] for p in prompts[3:5]]
+    prompts = holed + prompts[5:]
+    full = stock(llama64, prompts[0], max_new_tokens=6, do_sample=False, attention_mask=torch.ones(1, len(prompts[0])))
+    masked = stock(llama64, prompts[0], max_new_tokens=6, do_sample=False)
+    assert not torch.equal(full, masked)  # the inferred mask does change what generate says
+    answers = [stock(llama64, p, max_new_tokens=12, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    kw: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, eos_token_id=[answers[0][1], answers[3][4]])
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    for refill in (False, None):
+        out = prefixkv.generate_many(
+            llama64, prompts, store=store, batch_size=3, refill=refill, output_logits=True, progress=False, **kw
+        )
+        assert_rows_equal_stock(out, llama64, **kw)
+        assert min(len(g.tokens) for g in out) <= 2 and max(len(g.tokens) for g in out) == 12
+    later = prompts[3] + [7, 8]
+    with prefixkv.PagedPrefixCache(store, torch.tensor([later]), torch.ones(1, len(later))) as cache:
+        mine = llama64.generate(
+            torch.tensor([later]), attention_mask=torch.ones(1, len(later), dtype=torch.long), cache=cache,
+            max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    ref = stock(
+        llama64, later, attention_mask=torch.ones(1, len(later), dtype=torch.long), max_new_tokens=5,
+        do_sample=False, output_logits=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert 16 <= cache.stats.cached_tokens <= 17  # the 17 tokens before the hole, in whole blocks
+    assert torch.equal(mine.sequences, ref.sequences)
+    assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits, strict=True)) <= 1e-6
+    store.check_invariants()
+    store.close()
+
+
 def test_malformed_prompts_are_refused_not_truncated(llama64: Any) -> None:
     """Token ids that are not non-negative ints are refused with the prompt's place and the value, before
     anything runs: the store stays empty."""

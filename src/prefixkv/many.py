@@ -29,6 +29,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
+from .enabling import _inferred_mask
 from .namespace import transformers_model, user_space
 from .store import PrefixStore, _as_token_list
 
@@ -305,14 +306,23 @@ def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace
     return [(i, -(-(len(rows[i]) + new_tokens) // bs) - max(cached[i], shared[i]) // bs) for run in runs for i in run]
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask. Does not mutate."""
+def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
+    """The attention mask ``generate`` gives ``prompt`` alone when passed none: 0 where it infers padding from
+    the pad token inside the prompt (:func:`prefixkv.enabling.enable` infers the same), else 1. Does not
+    mutate."""
+    inferred = _inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
+    return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()
+
+
+def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask, each row's own ``masks``
+    beside the padding. Does not mutate."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
+    for i, (r, m) in enumerate(zip(rows, masks)):
         ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
+        mask[i, width - len(r) :] = torch.tensor(m)
     return ids, mask
 
 
@@ -437,7 +447,8 @@ def _generate(
         kwargs["tokenizer"] = tokenizer
         stop = StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
     built = PrefixStore(model) if store is None else store
-    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad)
+    masks = [_attended(r, settings) for r in rows]
+    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad, masks)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
             work = (
@@ -479,11 +490,12 @@ class _Run:
     tokenizer: Any
     namespace: str | None
     pad: int
+    masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
 
-    def call(self, prompts: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
-        """One left-padded ``generate`` call on ``prompts``: its output, the padded width and each row's cached
-        prompt tokens. Mutates the store."""
-        ids, mask = _left_pad(prompts, self.pad)
+    def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
+        """One left-padded ``generate`` call on ``prompts`` (with their ``masks``): its output, the padded width
+        and each row's cached prompt tokens. Mutates the store."""
+        ids, mask = _left_pad(prompts, masks, self.pad)
         with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache:
             out = self.model.generate(
                 ids,
@@ -513,7 +525,7 @@ class _Run:
         """Each batch of ``order`` in one ``generate`` call, to its longest row's end."""
         for batch in order:
             running = [_Running(i, self.rows[i]) for i in batch]
-            out, width, cached = self.call([r.prompt for r in running])
+            out, width, cached = self.call([r.prompt for r in running], masks=[self.masks[i] for i in batch])
             for j, row in enumerate(running):
                 row.cached = cached[j]
                 self.take(row, out, j, width, len(out.sequences[j]) - width)
@@ -554,7 +566,11 @@ class _Run:
             width = max(len(p) for p in prompts)
             refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if joinable else None)
             out, width, cached = self.call(
-                prompts, max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([refill])
+                prompts,
+                # a row's own new tokens are attended, as in one call that goes on (generate appends 1s)
+                masks=[self.masks[r.index] + [1] * len(r.tokens) for r in rows],
+                max_new_tokens=max(budgets),
+                stopping_criteria=StoppingCriteriaList([refill]),
             )
             still = []
             for j, (row, budget) in enumerate(zip(rows, budgets)):
