@@ -130,12 +130,15 @@ def generate_many(
     batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
     ``stream=True``, an iterator that yields them as each ends (``index`` says which prompt). A ``tqdm`` progress
     bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
-    reuse and publish only its K/V. Mutates the store.
+    reuse and publish only its K/V. ``generate_kwargs`` (a ``generation_config=`` too) are read as ``generate``
+    reads them (:func:`generation_settings`); what a padded batch cannot honour (``use_cache=False``, assisted
+    decoding, ``max_length``, ...) raises ``ValueError`` with the reason, before anything runs. Mutates the store.
 
-    Every row equals ``generate`` on its prompt alone: in float64 the same tokens and logits within 1e-6, for
-    greedy and beam search. Sampling draws from the same distributions but not with the same random numbers (a
-    batch draws all its rows at once). In low precision a batch's kernels may round differently from a one-row
-    call (docs/correctness.md, "Outputs that never depend on the cache").
+    Every row equals ``generate`` on its prompt alone (with the attention mask ``generate`` infers from a pad
+    token inside it): in float64 the same tokens and logits within 1e-6, for greedy and beam search. Sampling
+    draws from the same distributions but not with the same random numbers (a batch draws all its rows at once).
+    In low precision a batch's kernels may round differently from a one-row call (docs/correctness.md, "Outputs
+    that never depend on the cache").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
