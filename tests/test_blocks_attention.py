@@ -183,8 +183,8 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     steps: list[tuple[int, list[list[int]]]] = []
     original = prefixkv.reads.plan_reads
 
-    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
-        planned = original(pads, tables, start, q, *rest)
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest, **kw)
         if q == 1:  # a decode step
             steps.append((len(planned[0]), [list(t) for t in tables]))
         return planned
@@ -232,6 +232,15 @@ def test_short_rows_are_one_gather_rather_than_parts_to_merge() -> None:
     assert read.valid.tolist() == [[True] * 11, [True] * 7 + [False] * 4]
     assert read.slots is not None and read.slots[1, :7].tolist() == [20, 21, 22, 23, 44, 45, 46]
     assert read.offsets is not None and read.offsets[1, :7].tolist() == list(range(4, 11))
+    # the index tensors kept between decode steps give the fresh ones, as rows grow, enter new blocks, are cut
+    memo: dict = {}
+    grown, cut = [[1, 2, 9, 30], [5, 11, 31]], [[1, 2, 9], [5, 12]]
+    for end, tables in [(9, grown), (10, grown), (11, grown), (12, grown), (13, grown), (10, cut), (11, cut)]:
+        kept = plan_reads([0, 4], tables, end, 1, 4, fold_memo=memo)[0]
+        fresh = plan_reads([0, 4], tables, end, 1, 4)[0]
+        assert [(r.rows, r.length, r.slots.tolist(), r.offsets.tolist(), r.valid.tolist()) for r in kept] == [
+            (r.rows, r.length, r.slots.tolist(), r.offsets.tolist(), r.valid.tolist()) for r in fresh
+        ], end
 
 
 @pytest.mark.parametrize("fold", [False, True])
@@ -246,8 +255,8 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
     plans: list[list[tuple]] = []
     original = prefixkv.reads.plan_reads
 
-    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
-        planned = original(pads, tables, start, q, *rest)
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest, **kw)
         if q == 1:
             plans.append([(r.rows, r.slots is None) for r in planned[0]])
         return planned

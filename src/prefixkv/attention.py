@@ -491,18 +491,24 @@ def _rows_index(forward: ForwardReads, rows: tuple[int, ...], query: torch.Tenso
 class BlocksBackend:
     """``"blocks"``: the attention reads every row's held K/V where they sit in the pool (:func:`blocks_attention`),
     from reads planned by :func:`prefixkv.reads.plan_reads`. Keeps each row table's runs of consecutive blocks
-    between forwards (a table that only grew is re-walked from its last block)."""
+    between forwards (a table that only grew is re-walked from its last block), and the index tensors of the last
+    folded read."""
 
     name = "blocks"
 
     def __init__(self) -> None:
         self._runs: reads.RunsMemo = {}
+        self._fold: reads.FoldMemo = {}
 
     def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
         """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
         that every layer reaches this attention). Mutates the runs memo."""
         pool, pads, tables, start, q, block_size, gather = layout
-        planned, new_from = ([], None) if probe else reads.plan_reads(pads, tables, start, q, block_size, self._runs)
+        planned, new_from = (
+            ([], None)
+            if probe
+            else reads.plan_reads(pads, tables, start, q, block_size, self._runs, fold_memo=self._fold)
+        )
         return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:

@@ -122,27 +122,49 @@ def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads
     )
 
 
+# the index tensors of the last folded read, by its rows, pads, first tokens and the blocks it covers; a decode step
+# whose rows have not entered a new block since takes slices of them
+FoldMemo = dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]]
+
+
 def _fold_read(
-    rows: list[int], pads: list[int], tables: list[list[int]], first: list[int], spans: list[int], block_size: int
+    rows: list[int],
+    pads: list[int],
+    tables: list[list[int]],
+    first: list[int],
+    spans: list[int],
+    block_size: int,
+    memo: FoldMemo | None,
 ) -> Read:
     """One gather of tokens ``[first[i], spans[i])`` of each of ``rows`` (``first`` a multiple of ``block_size``),
     padded to the longest (``valid`` marks the real ones; padding reads slot 0, the null block, at column 0). Its
-    index tensors come from the block ids in a few tensor operations (a decode step builds them anew; a tensor made
-    from a list of every slot would cost more than the attention of a small row)."""
+    index tensors cover the rows' whole blocks and come from the block ids in a few tensor operations; with ``memo``
+    (kept by the caller between forwards) a forward whose rows fill the same blocks slices those of the last one.
+    Mutates ``memo`` only."""
     bs = block_size
     counts = [spans[i] - first[i] for i in rows]
     width = max(counts)
     n = -(-width // bs)
     ids = [tables[i][first[i] // bs : first[i] // bs + n] for i in rows]
-    blocks = torch.tensor([t + [0] * (n - len(t)) for t in ids], dtype=torch.long)  # [rows, n]
-    slots = (blocks[:, :, None] * bs + torch.arange(bs)).view(len(rows), n * bs)[:, :width].contiguous()
-    columns = torch.tensor([pads[i] + first[i] for i in rows])[:, None] + torch.arange(width)
+    key = (n, tuple(rows), tuple(pads[i] + first[i] for i in rows), tuple(tuple(t) for t in ids))
+    built = None if memo is None else memo.get(key)
+    if built is None:
+        blocks = torch.tensor([t + [0] * (n - len(t)) for t in ids], dtype=torch.long)  # [rows, n]
+        whole = torch.arange(n * bs)
+        built = (
+            (blocks[:, :, None] * bs + torch.arange(bs)).view(len(rows), n * bs),
+            torch.tensor(key[2])[:, None] + whole,
+        )
+        if memo is not None:
+            memo.clear()  # one entry: the next forward's rows
+            memo[key] = built
+    slots, columns = built[0][:, :width], built[1][:, :width]
     if min(counts) == width:
         valid = torch.ones(slots.shape, dtype=torch.bool)
     else:
         valid = torch.arange(width) < torch.tensor(counts)[:, None]
         slots, columns = slots.masked_fill(~valid, 0), columns.masked_fill(~valid, 0)
-    return Read(tuple(rows), (0,) * len(rows), width, slots=slots, offsets=columns, valid=valid)
+    return Read(tuple(rows), (0,) * len(rows), width, slots=slots.contiguous(), offsets=columns, valid=valid)
 
 
 def _shared_reads(
@@ -185,6 +207,7 @@ def plan_reads(
     memo: RunsMemo | None = None,
     *,
     fold_tokens: int | None = None,
+    fold_memo: FoldMemo | None = None,
 ) -> tuple[list[Read], int | None]:
     """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
     possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
@@ -194,7 +217,7 @@ def plan_reads(
     one gather for the whole batch. Rows that hold at most ``fold_tokens`` (:data:`_FOLD_TOKENS`) tokens in all,
     besides shared blocks, are one gather whenever they would be more than one read. A one-token forward reads its
     own new column from the pool too; a longer one attends its new K/V from the arguments, from column ``start``
-    (the second value). Mutates ``memo`` only."""
+    (the second value). Mutates ``memo`` and ``fold_memo`` only."""
     bs = block_size
     end = start + q if q == 1 else start
     spans = [max(0, end - pad) for pad in pads]
@@ -204,7 +227,7 @@ def plan_reads(
     if sum(len(runs_of[i]) for i in rows) > 1 and sum(spans[i] - first[i] for i in rows) <= (
         _FOLD_TOKENS if fold_tokens is None else fold_tokens
     ):
-        reads.append(_fold_read(rows, pads, tables, first, spans, bs))
+        reads.append(_fold_read(rows, pads, tables, first, spans, bs, fold_memo))
         return reads, None if q == 1 else start
     # every row's first run: one strided view when they start at evenly spaced slots
     heads = [runs_of[i][0] for i in rows]
