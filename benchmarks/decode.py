@@ -3,11 +3,18 @@ DynamicCache and StaticCache, and for a batch of rows on one shared prefix (``--
 a 2048-token prefix plus 64 tokens of its own), where prefixkv holds the prefix once and its attention reads it
 once for all rows, and a warm turn (``--warm``: one row whose prompt's first part an earlier request cached, with
 the tokens that request generated after it, so the row's own blocks lie apart from the cached ones; the chat-loop
-and few-shot case). Run: ``python benchmarks/decode.py [--size 100m]``."""
+and few-shot case). Run: ``python benchmarks/decode.py [--size 100m]``.
+
+``--host`` measures the host-side overhead of a decode step instead (docs/benchmarks.md, "Decode host overhead"):
+ms per step of ``DynamicCache`` on a copy of the model without a store, and of prefixkv with the ``"blocks"`` and
+the ``"gather"`` backends (each on its own copy), at batch 1 and 8, on the 2-layer embedded model and the demo's
+4-layer one, where a step is bound by Python and kernel launches as a GPU's is; every prompt is a shared prefix
+(cached after the first call) and tokens of its own, as in ``python -m prefixkv demo --small``."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from typing import Any
 
@@ -41,7 +48,7 @@ def decode_ms(
     ids: torch.Tensor,
     new: int,
     variant: str,
-    store: prefixkv.PrefixStore,
+    store: prefixkv.PrefixStore | None,
     reused: list[int] | None = None,
     **extra: Any,
 ) -> float:
@@ -55,6 +62,7 @@ def decode_ms(
     elif variant == "static":
         kwargs["cache_implementation"] = "static"
     else:
+        assert store is not None
         cache = kwargs["cache"] = prefixkv.PagedPrefixCache(store, ids)
     model.generate(
         ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0, **kwargs
@@ -142,6 +150,49 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
+HOST_VARIANTS = ("dynamic", "blocks", "gather")
+
+
+def host_overhead(sizes: list[str], batches: list[int], prompt: int, new: int, repeat: int) -> dict[str, Any]:
+    """ms per decode step of each of :data:`HOST_VARIANTS` for every size and batch, the variants taking turns
+    (each repeat starts with another), the fastest of ``repeat`` calls each; the prompts share their first
+    ``prompt - 16`` tokens, which prefixkv reuses from the second call on."""
+    rows = []
+    for size in sizes:
+        model = model_for(size)
+        copies = {name: copy.deepcopy(model) for name in HOST_VARIANTS}  # before any store: no hooks on them
+        stores = {name: prefixkv.PrefixStore(copies[name], block_size=16, attention=name) for name in HOST_VARIANTS[1:]}
+        vocab = model.config.vocab_size
+        for b in batches:
+            prefix = tokens(prompt - 16, vocab, seed=1)
+            samples: dict[str, list[float]] = {name: [] for name in HOST_VARIANTS}
+            for i in range(repeat + 1):  # the first round warms the stores and the allocator
+                ids = torch.stack([torch.cat([prefix, tokens(16, vocab, seed=1000 * i + r)]) for r in range(b)])
+                order = list(HOST_VARIANTS[i % 3 :] + HOST_VARIANTS[: i % 3])
+                for name in order:
+                    variant = "dynamic" if name == "dynamic" else "prefixkv"
+                    ms = decode_ms(copies[name], ids, new, variant, stores.get(name))
+                    if i:
+                        samples[name].append(ms)
+            rows.append({"size": size, "batch": b, **{k: min(v) for k, v in samples.items()}})
+        for store in stores.values():
+            store.close()
+    return {"prompt": prompt, "new_tokens": new, "rows": rows}
+
+
+def host_report(result: dict[str, Any]) -> str:
+    out = [
+        [r["size"], r["batch"], f"{r['dynamic']:.3f}", f"{r['blocks']:.3f}", f"{r['gather']:.3f}",
+         f"{r['blocks'] / r['dynamic']:.2f}x", f"{r['gather'] / r['dynamic']:.2f}x"]
+        for r in result["rows"]
+    ]  # fmt: skip
+    header = ["model", "batch", "Dynamic", "blocks", "gather", "blocks / Dynamic", "gather / Dynamic"]
+    return (
+        f"Decode milliseconds per step, {result['prompt']}-token prompts on a shared prefix, "
+        f"{result['new_tokens']} new tokens:\n\n" + table(header, out)
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size", default="100m")
@@ -160,7 +211,14 @@ def main() -> None:
     ap.add_argument(
         "--warm", type=int, nargs="*", default=[512], help="prompt lengths of warm-turn cases (none: no such case)"
     )
+    ap.add_argument("--host", action="store_true", help="the host overhead of a decode step on the small models")
     args = ap.parse_args()
+    if args.host:
+        torch.set_num_threads(1)
+        host = host_overhead(["tiny", "small"], args.batches, 256, 64, args.repeat + 3)
+        save("decode_host", host)
+        print(host_report(host))
+        return
     shared = [tuple(s) for s in (args.shared or [[2112, 16, 2048]]) if s[0]]
     result = run(args.size, args.prompts, args.batches, args.new_tokens, args.repeat, shared, args.warm)
     save("decode", result)

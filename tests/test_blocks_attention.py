@@ -113,14 +113,15 @@ class _Pool:
 
 
 @settings(max_examples=300, deadline=None)
-@given(layouts(), st.booleans())
-def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask: bool) -> None:
+@given(layouts(), st.booleans(), st.booleans())
+def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask: bool, fold: bool) -> None:
+    # fold: short rows are one gather (as decode steps of small rows read them); else views, cascade and gathers
     pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build(layout)
     held, q, batch = layout["held"], layout["q"], layout["batch"]
     plain = not any(layout["pads"]) and not layout["holes"] and layout["window"] is None
     if not with_mask and not plain:
         with_mask = True  # a None mask means: no padding, no holes, no window
-    reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"])
+    reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"], fold_tokens=1024 if fold else 0)
     forward = ForwardReads(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v))
     scale = 0.7
     got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
@@ -154,7 +155,7 @@ def test_rows_sharing_leading_blocks_read_them_once() -> None:
     # one cascade read of the prefix, one strided view of the rows' own blocks
     prefix = list(range(1, 9))
     tables = [[*prefix, 9 + 2 * i, 10 + 2 * i] for i in range(3)]
-    reads, new_from = plan_reads([0, 0, 0], tables, 8 * 4 + 7, 1, 4)
+    reads, new_from = plan_reads([0, 0, 0], tables, 8 * 4 + 7, 1, 4, fold_tokens=0)
     assert new_from is None
     shared, own = reads
     assert shared.rows == (0, 1, 2) and shared.length == 32 and shared.first_slot == 4 and shared.row_stride is None
@@ -164,7 +165,7 @@ def test_rows_sharing_leading_blocks_read_them_once() -> None:
 def test_a_batch_is_one_strided_view_and_one_gather_of_the_decode_blocks() -> None:
     # 4 rows prefilled together (16 blocks each, one after the other), then decode blocks taken in turn
     tables = [[*range(1 + 16 * i, 17 + 16 * i), 65 + i, 69 + i] for i in range(4)]
-    reads, _ = plan_reads([0] * 4, tables, 16 * 4 + 5, 1, 4)
+    reads, _ = plan_reads([0] * 4, tables, 16 * 4 + 5, 1, 4, fold_tokens=0)
     strided, gathered = reads
     assert strided.rows == (0, 1, 2, 3) and strided.length == 64 and strided.row_stride == 64
     assert gathered.rows == (0, 1, 2, 3) and gathered.slots is not None and tuple(gathered.slots.shape) == (4, 6)
@@ -182,8 +183,8 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     steps: list[tuple[int, list[list[int]]]] = []
     original = prefixkv.reads.plan_reads
 
-    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
-        planned = original(pads, tables, start, q, *rest)
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest, **kw)
         if q == 1:  # a decode step
             steps.append((len(planned[0]), [list(t) for t in tables]))
         return planned
@@ -205,9 +206,9 @@ def test_a_lone_row_reads_its_cached_prefix_and_its_own_blocks_as_views() -> Non
     # one row: a cached prefix (blocks 3-12), then its own block elsewhere in the pool (others' blocks between):
     # two views, no gather (no index tensors, no padding mask); with more short runs than that, one gather
     prefix = list(range(3, 13))
-    reads, _ = plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4)
+    reads, _ = plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4, fold_tokens=0)
     assert [(r.rows, r.first_slot, r.length, r.slots) for r in reads] == [((0,), 12, 40, None), ((0,), 160, 3, None)]
-    reads, _ = plan_reads([0], [[3, 4, 9, 20, 30]], 19, 1, 4)
+    reads, _ = plan_reads([0], [[3, 4, 9, 20, 30]], 19, 1, 4, fold_tokens=0)
     assert (
         len(reads) == 1
         and reads[0].slots is not None
@@ -216,23 +217,54 @@ def test_a_lone_row_reads_its_cached_prefix_and_its_own_blocks_as_views() -> Non
     )
 
 
+def test_short_rows_are_one_gather_rather_than_parts_to_merge() -> None:
+    # the lone row above, 43 tokens: one gather of its prefix and its own block (one kernel call, no merge); with
+    # more tokens than the fold takes, the two views again
+    prefix = list(range(3, 13))
+    (read,) = plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4)[0]
+    assert read.slots is not None and read.slots.tolist() == [[*range(12, 52), 160, 161, 162]]
+    assert read.offsets is not None and read.offsets.tolist() == [list(range(43))]
+    assert read.valid is not None and bool(read.valid.all())
+    assert len(plan_reads([0], [[*prefix, 40]], 10 * 4 + 2, 1, 4, fold_tokens=42)[0]) == 2
+    # a batch of two short rows of different lengths, each two runs: one gather, padded and masked
+    (read,) = plan_reads([0, 4], [[1, 2, 9], [5, 11]], 10, 1, 4)[0]
+    assert read.rows == (0, 1) and read.valid is not None
+    assert read.valid.tolist() == [[True] * 11, [True] * 7 + [False] * 4]
+    assert read.slots is not None and read.slots[1, :7].tolist() == [20, 21, 22, 23, 44, 45, 46]
+    assert read.offsets is not None and read.offsets[1, :7].tolist() == list(range(4, 11))
+    # the index tensors kept between decode steps give the fresh ones, as rows grow, enter new blocks, are cut
+    memo: dict = {}
+    grown, cut = [[1, 2, 9, 30], [5, 11, 31]], [[1, 2, 9], [5, 12]]
+    for end, tables in [(9, grown), (10, grown), (11, grown), (12, grown), (13, grown), (10, cut), (11, cut)]:
+        kept = plan_reads([0, 4], tables, end, 1, 4, fold_memo=memo)[0]
+        fresh = plan_reads([0, 4], tables, end, 1, 4)[0]
+        assert [(r.rows, r.length, r.slots.tolist(), r.offsets.tolist(), r.valid.tolist()) for r in kept] == [
+            (r.rows, r.length, r.slots.tolist(), r.offsets.tolist(), r.valid.tolist()) for r in fresh
+        ], end
+
+
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pytest.MonkeyPatch, dtype) -> None:
+def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pytest.MonkeyPatch, dtype, fold) -> None:
     # the first call publishes the block holding the prompt's end and its first generated tokens; a second call
     # on that prompt reuses the prefix and gets a block of its own after it: every decode step reads two views,
-    # merged by their log-sum-exps. Then an ordinary request reuses what that call published
+    # merged by their log-sum-exps (rows too long to fold), or one gather of both (fold). Then an ordinary request
+    # reuses what that call published
     model = prefixkv.models.tiny_model("llama", dtype=dtype)
     store = prefixkv.PrefixStore(model, block_size=4)
     plans: list[list[tuple]] = []
     original = prefixkv.reads.plan_reads
 
-    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any) -> Any:
-        planned = original(pads, tables, start, q, *rest)
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest, **kw)
         if q == 1:
             plans.append([(r.rows, r.slots is None) for r in planned[0]])
         return planned
 
     monkeypatch.setattr(prefixkv.reads, "plan_reads", recording)
+    if not fold:
+        monkeypatch.setattr(prefixkv.reads, "_FOLD_TOKENS", 0)
+    expected = [((0,), False)] if fold else [((0,), True), ((0,), True)]
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     ids = random_tokens(23, seed=7)[None]
     for call in range(3):
@@ -241,7 +273,7 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
         assert result.same_tokens and result.max_diff <= tolerance, (call, result.max_diff)
         if call:
             assert result.cache.stats.cached_tokens >= 20
-            assert any(plan == [((0,), True), ((0,), True)] for plan in plans)
+            assert any(plan == expected for plan in plans)
     result = compare(model, store, torch.cat([ids[0], random_tokens(6, seed=8)])[None], max_new_tokens=6)
     assert result.same_tokens and result.max_diff <= tolerance
     store.close()
@@ -257,19 +289,19 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
         window=None, contiguous=True, seed=5,
     )  # fmt: skip
     calls: list[tuple[bool, bool]] = []
-    original = attention.attend
+    original = attention.attend_masked
     sliced: list[int] = []
     original_read_mask = attention._read_mask
 
     def recording(query, key, value, mask, scale, *, causal=False):  # type: ignore[no-untyped-def]
-        calls.append((mask is None, causal))
+        calls.append((mask.bias is None, causal))
         return original(query, key, value, mask, scale, causal=causal)
 
     def counting(*args):  # type: ignore[no-untyped-def]
         sliced.append(1)
         return original_read_mask(*args)
 
-    monkeypatch.setattr(attention, "attend", recording)
+    monkeypatch.setattr(attention, "attend_masked", recording)
     monkeypatch.setattr(attention, "_read_mask", counting)
     for window, expected in ((None, [(True, False), (True, True)]), (3, [(False, False), (False, False)])):
         pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build({**layout, "window": window})

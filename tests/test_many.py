@@ -149,7 +149,7 @@ def test_calls_a_padded_batch_cannot_honour_are_refused(llama64: Any) -> None:
     store = prefixkv.PrefixStore(llama64)
     cases: list[tuple[dict[str, Any], str]] = [
         (dict(max_length=30), "use max_new_tokens"),
-        (dict(max_new_tokens=2, num_return_sequences=2), "repeat the prompt"),
+        (dict(max_new_tokens=2, num_beams=2, num_return_sequences=2), "repeat the prompt"),
         (dict(max_new_tokens=2, attention_mask=None), "padded by generate_many"),
         (dict(max_new_tokens=2, batch_size=0), "positive int"),
         (dict(max_new_tokens=2, num_beams=2, output_logits=True), "per beam"),

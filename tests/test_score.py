@@ -175,3 +175,25 @@ def test_score_refuses_what_it_cannot_score(llama64: Any) -> None:
             prefixkv.score(llama64, store, ["a question"], [[1]])
         with pytest.raises(ValueError, match="built for this model"):
             prefixkv.score(prefixkv.models.tiny_model("llama"), store, [[3]], [[1]])
+
+
+def test_score_refuses_ids_that_are_not_ints_rather_than_truncate_them(llama64: Any) -> None:
+    """Ids are never truncated (docs/correctness.md). Floats (in a list of rows or as one row), bools, negative ids and
+    rows of rows are refused with the value, before anything runs: the store stays empty."""
+    cases: list[tuple[Any, Any, str]] = [
+        ([[5, 6, 7.9]], [[8]], "contexts: .*7.9"),
+        ([[5, 6, 7]], [[8.0, 9.0]], "continuations: .*8.0"),
+        ([5.0, 6.0, 7.0], [[8]], "contexts: .*5.0"),
+        ([[5, True, 7]], [[8]], "contexts: .*True"),
+        ([[5, -6, 7]], [[8]], "contexts: .*-6"),
+        ([[[5, 6], [7]]], [[8]], r"contexts: .*\[5, 6\]"),
+        ([torch.tensor([5, 6, 7])], [torch.tensor([8.0])], "continuations: .*float"),
+    ]
+    with prefixkv.PrefixStore(llama64, block_size=4) as store:
+        for contexts, continuations, shown in cases:
+            with pytest.raises(ValueError, match=shown):
+                prefixkv.score(llama64, store, contexts, continuations)
+        assert store.stats.blocks_used == 0 and store.stats.prompt_tokens == 0
+        numpy = pytest.importorskip("numpy")
+        ints = prefixkv.score(llama64, store, [numpy.array([5, 6, 7])], [[numpy.int64(8)]])
+        assert ints[0].logprobs.shape == (1,)

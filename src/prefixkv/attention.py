@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from transformers import AttentionInterface
@@ -158,12 +158,13 @@ def uninstall(model: Any) -> None:
 
 
 def part_mask_of(
-    forward: ForwardReads, mask: torch.Tensor | None, index: int, q: int, batch: int
-) -> torch.Tensor | None:
+    forward: ForwardReads, mask: torch.Tensor | None, index: int, q: int, batch: int, dtype: torch.dtype, group: int
+) -> KernelMask:
     """The mask of read ``index`` (:func:`_read_mask`) from the model's ``mask`` (its batch dimension 1 or
-    ``batch``), or ``None`` where it lets every query see every column (the held columns of a row without
-    padding: the flash kernel runs faster without a mask), worked out once per forward for each mask the
-    model passes. Mutates the plan's memo."""
+    ``batch``), in the kernels' form for queries in ``dtype`` packing ``group`` heads (:func:`kernel_mask`), or
+    :data:`NO_MASK` where it lets every query see every column (the held columns of a row without padding: the flash
+    kernel runs faster without a mask), worked out once per forward for each mask the model passes, not per layer.
+    Mutates the plan's memo."""
     key = (id(mask), index)
     hit = forward.masks.get(key)
     if hit is not None and hit[0] is mask:
@@ -171,13 +172,17 @@ def part_mask_of(
     part = _read_mask(None if mask is None else _batched(mask, batch), forward.reads[index], q)
     if part is not None and part.dtype == torch.bool and bool(part.all()):
         part = None
-    forward.masks[key] = (mask, part)
-    return part
+    prepared = kernel_mask(part, dtype, group)
+    forward.masks[key] = (mask, prepared)
+    return prepared
 
 
-def new_mask(forward: ForwardReads, mask: torch.Tensor | None, q: int, batch: int) -> tuple[torch.Tensor | None, bool]:
-    """The mask of the new columns (from ``new_from``) and whether it is plain causal (then ``None``, and the
-    kernel's causal flag serves it faster), once per forward for each mask. Mutates the plan's memo."""
+def new_mask(
+    forward: ForwardReads, mask: torch.Tensor | None, q: int, batch: int, dtype: torch.dtype, group: int
+) -> tuple[KernelMask, bool]:
+    """The mask of the new columns (from ``new_from``) in the kernels' form (``group`` heads packed where it is not
+    causal) and whether it is plain causal (then :data:`NO_MASK`, and the kernel's causal flag serves it faster),
+    once per forward for each mask. Mutates the plan's memo."""
     key = (id(mask), -1)
     hit = forward.masks.get(key)
     if hit is not None and hit[0] is mask:
@@ -188,7 +193,7 @@ def new_mask(forward: ForwardReads, mask: torch.Tensor | None, q: int, batch: in
         causal = torch.ones(q, q, dtype=torch.bool, device=part.device).tril()
         if bool((part == causal).all()):
             part = None
-    result = (part, part is None)
+    result = (kernel_mask(part, dtype, 1 if part is None else group), part is None)
     forward.masks[key] = (mask, result)
     return result
 
@@ -217,6 +222,39 @@ def mark_verified(model: Any) -> None:
     _VERIFIED[model] = True
 
 
+class KernelMask(NamedTuple):
+    """A mask in the form the kernels take it, worked out once per forward and part rather than per layer: ``bias``,
+    additive (``None``: every column is seen), over the query rows as the kernel sees them (grouped heads packed as
+    more rows), and ``unseen`` ``[B, 1, rows]``, the rows that see no column (their output is 0; ``None``: none)."""
+
+    bias: torch.Tensor | None
+    unseen: torch.Tensor | None
+
+
+NO_MASK = KernelMask(None, None)
+
+
+def kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype, group: int) -> KernelMask:
+    """``mask`` (boolean, True: attend, or float, added; ``[B, 1, q, n]``) as :func:`attend_masked` takes it for
+    queries in ``dtype`` whose ``group`` query heads per K/V head are packed as rows (1: not packed). Does not
+    mutate."""
+    if mask is None:
+        return NO_MASK
+    if group > 1:
+        mask = mask.repeat(1, 1, group, 1)
+    if mask.dtype != torch.bool:
+        return KernelMask(mask.to(dtype), None)
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+    seen = mask.any(dim=-1)  # [B, 1, rows]
+    return KernelMask(bias, None if bool(seen.all()) else ~seen)
+
+
+def packs(query: torch.Tensor, key: torch.Tensor, causal: bool) -> int:
+    """How many query heads :func:`attend_masked` packs as rows of one K/V head (1: none)."""
+    group = query.shape[1] // key.shape[1]
+    return group if group > 1 and not causal else 1
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -234,29 +272,36 @@ def attend(
 
     Without ``causal``, the query heads that share a K/V head are packed as more query rows of that head (as
     transformers' ``pack_gqa`` does for decode), so each K/V head is read once, not once per query head."""
-    group = query.shape[1] // key.shape[1]
-    if group > 1 and not causal:
-        b, heads, q, dim = query.shape
-        packed = query.reshape(b, key.shape[1], group * q, dim)
-        out, lse = attend(packed, key, value, None if mask is None else mask.repeat(1, 1, group, 1), scale)
-        return out.reshape(b, heads, q, dim), lse.reshape(b, heads, q)
-    additive = None
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            additive = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -math.inf)
-        else:
-            additive = mask.to(query.dtype)
+    prepared = kernel_mask(mask, query.dtype, packs(query, key, causal))
+    return attend_masked(query, key, value, prepared, scale, causal=causal)
+
+
+def attend_masked(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: KernelMask,
+    scale: float | None,
+    *,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` with its mask already in the kernels' form (:func:`kernel_mask` for :func:`packs` heads), so
+    that the layers of one forward share the work. Does not mutate."""
+    group = packs(query, key, causal)
+    b, heads, q, dim = query.shape
+    if group > 1:
+        query = query.reshape(b, key.shape[1], group * q, dim)
     if query.device.type == "cpu":
-        out, lse = _compat.cpu_flash_attention(query, key, value, additive, scale, causal=causal)
+        out, lse = _compat.cpu_flash_attention(query, key, value, mask.bias, scale, causal=causal)
     elif query.dtype != torch.float64 and query.device.type == "cuda":
-        out, lse = _attend_cuda(query, key, value, additive, scale, causal)
+        out, lse = _attend_cuda(query, key, value, mask.bias, scale, causal)
     else:
-        out, lse = _attend_math(query, key, value, additive, scale, causal)
-    if mask is not None and mask.dtype == torch.bool:
-        seen = mask.any(dim=-1)  # [B, 1, q]
-        if not bool(seen.all()):
-            lse = lse.masked_fill(~seen, -math.inf)
-            out = out.masked_fill(~seen[..., None], 0.0)
+        out, lse = _attend_math(query, key, value, mask.bias, scale, causal)
+    if mask.unseen is not None:
+        lse = lse.masked_fill(mask.unseen, -math.inf)
+        out = out.masked_fill(mask.unseen[..., None], 0.0)
+    if group > 1:
+        return out.reshape(b, heads, q, dim), lse.reshape(b, heads, q)
     return out, lse
 
 
@@ -389,27 +434,27 @@ def blocks_attention(
     ``[B, q, Hq, D]`` as transformers' attention functions do."""
     batch, heads, q, dim = query.shape
     pool_k, pool_v = forward.pool.keys[layer], forward.pool.values[layer]
+    group = max(1, heads // pool_k.shape[0])
     everyone = tuple(range(batch))
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-        part_mask = part_mask_of(forward, mask, number, q, batch)
+        part_mask = part_mask_of(forward, mask, number, q, batch, query.dtype, group)
         if len(read.rows) == 1:
-            out, lse = attend(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
+            out, lse = attend_masked(query[read.rows[0] : read.rows[0] + 1], k, v, part_mask, scale)
         else:
-            index = torch.tensor(read.rows, device=query.device)
-            chosen = query if read.rows == everyone else query.index_select(0, index)
+            chosen = query if read.rows == everyone else query.index_select(0, _rows_index(forward, read.rows, query))
             if read.row_stride is None and read.valid is None:  # shared K/V: every row's queries in one pass
                 stacked = chosen.transpose(0, 1).reshape(1, heads, len(read.rows) * q, dim)
-                out, lse = attend(stacked, k, v, part_mask, scale)
+                out, lse = attend_masked(stacked, k, v, part_mask, scale)
                 out = out.view(heads, len(read.rows), q, dim).transpose(0, 1)
                 lse = lse.view(heads, len(read.rows), q).transpose(0, 1)
             else:
-                out, lse = attend(chosen, k, v, part_mask, scale)
+                out, lse = attend_masked(chosen, k, v, part_mask, scale)
         parts.append((read.rows, out, lse))
     if forward.new_from is not None:
-        new, causal = new_mask(forward, mask, q, batch)
-        out, lse = attend(query, key, value, new, scale, causal=causal)
+        new, causal = new_mask(forward, mask, q, batch, query.dtype, group)
+        out, lse = attend_masked(query, key, value, new, scale, causal=causal)
         parts.append((everyone, out, lse))
     if len(parts) == 1 and parts[0][0] == everyone:
         merged = parts[0][1]
@@ -425,11 +470,19 @@ def blocks_attention(
             if rows == everyone:
                 merged, total = merge_by_lse(merged, total, out, lse)
                 continue
-            index = torch.tensor(rows, device=query.device)
+            index = _rows_index(forward, rows, query)
             m, t = merge_by_lse(merged.index_select(0, index), total.index_select(0, index), out, lse)
             merged.index_copy_(0, index, m.to(work))
             total.index_copy_(0, index, t.to(work))
     return merged.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def _rows_index(forward: ForwardReads, rows: tuple[int, ...], query: torch.Tensor) -> torch.Tensor:
+    """``rows`` as an index tensor on the queries' device, made once per forward. Mutates the plan's memo."""
+    index = forward.rows_index.get(rows)
+    if index is None:
+        index = forward.rows_index[rows] = torch.tensor(rows, device=query.device)
+    return index
 
 
 # -- the backends -----------------------------------------------------------------------------------------------
@@ -438,18 +491,24 @@ def blocks_attention(
 class BlocksBackend:
     """``"blocks"``: the attention reads every row's held K/V where they sit in the pool (:func:`blocks_attention`),
     from reads planned by :func:`prefixkv.reads.plan_reads`. Keeps each row table's runs of consecutive blocks
-    between forwards (a table that only grew is re-walked from its last block)."""
+    between forwards (a table that only grew is re-walked from its last block), and the index tensors of the last
+    folded read."""
 
     name = "blocks"
 
     def __init__(self) -> None:
         self._runs: reads.RunsMemo = {}
+        self._fold: reads.FoldMemo = {}
 
     def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
         """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
         that every layer reaches this attention). Mutates the runs memo."""
         pool, pads, tables, start, q, block_size, gather = layout
-        planned, new_from = ([], None) if probe else reads.plan_reads(pads, tables, start, q, block_size, self._runs)
+        planned, new_from = (
+            ([], None)
+            if probe
+            else reads.plan_reads(pads, tables, start, q, block_size, self._runs, fold_memo=self._fold)
+        )
         return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:

@@ -17,18 +17,21 @@ same thing so; beam search and processors that count from a call's start do not,
 
 from __future__ import annotations
 
+import copy
 import importlib.util
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.configuration_utils import GenerationMode
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
-from .namespace import user_space
-from .store import PrefixStore
+from .enabling import inferred_mask
+from .namespace import transformers_model, user_space
+from .store import PrefixStore, as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
@@ -46,9 +49,9 @@ _REFUSED = {
     "cache": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
     "past_key_values": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
     "max_length": "it counts the padded prompt; use max_new_tokens",
-    "min_length": "it counts the padded prompt; use min_new_tokens",
     "stopping_criteria": "a row's stopping point could not be told from the batch; use eos_token_id or stop_strings",
     "streamer": "a streamer gets the tokens of the whole batch; use stream=True for results as batches finish",
+    "assistant_model": "transformers runs assisted decoding on one prompt a call; call model.generate per prompt",
 }
 
 
@@ -127,12 +130,15 @@ def generate_many(
     batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
     ``stream=True``, an iterator that yields them as each ends (``index`` says which prompt). A ``tqdm`` progress
     bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
-    reuse and publish only its K/V. Mutates the store.
+    reuse and publish only its K/V. ``generate_kwargs`` (a ``generation_config=`` too) are read as ``generate``
+    reads them (:func:`generation_settings`); what a padded batch cannot honour (``use_cache=False``, assisted
+    decoding, ``max_length``, ...) raises ``ValueError`` with the reason, before anything runs. Mutates the store.
 
-    Every row equals ``generate`` on its prompt alone: in float64 the same tokens and logits within 1e-6, for
-    greedy and beam search. Sampling draws from the same distributions but not with the same random numbers (a
-    batch draws all its rows at once). In low precision a batch's kernels may round differently from a one-row
-    call (docs/correctness.md, "Outputs that never depend on the cache").
+    Every row equals ``generate`` on its prompt alone (with the attention mask ``generate`` infers from a pad
+    token inside it): in float64 the same tokens and logits within 1e-6, for greedy and beam search. Sampling
+    draws from the same distributions but not with the same random numbers (a batch draws all its rows at once).
+    In low precision a batch's kernels may round differently from a one-row call (docs/correctness.md, "Outputs
+    that never depend on the cache").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -145,13 +151,12 @@ def generate_many(
     for key, why in _REFUSED.items():
         if key in generate_kwargs:
             raise ValueError(f"generate_many() does not take {key}=: {why}")
-    if generate_kwargs.get("num_return_sequences", 1) != 1:
-        raise ValueError(
-            f"generate_many() returns one sequence per prompt, got num_return_sequences="
-            f"{generate_kwargs['num_return_sequences']}; repeat the prompt in the list instead"
-        )
-    beams = generate_kwargs.get("num_beams", model.generation_config.num_beams or 1)
-    if beams > 1 and (generate_kwargs.get("output_logits") or generate_kwargs.get("output_scores")):
+    settings = generation_settings(model, generate_kwargs)
+    refused = _refused_setting(settings)
+    if refused is not None:
+        raise ValueError(f"generate_many() does not take {refused}")
+    beams = settings.num_beams or 1
+    if beams > 1 and (settings.output_logits or settings.output_scores):
         raise ValueError(f"with num_beams={beams}, logits and scores are per beam, not per prompt; call generate")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -178,13 +183,47 @@ def generate_many(
     return sorted(results, key=lambda g: g.index)
 
 
+def generation_settings(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:
+    """The settings a ``model.generate(ids, **generate_kwargs)`` call runs with: its ``generation_config=`` (or
+    none), the model's ``generation_config`` and the keywords, merged by transformers' own
+    ``_prepare_generation_config`` (keywords first, then the passed config, then the model's). Does not mutate."""
+    kwargs = dict(generate_kwargs)
+    passed = kwargs.pop("generation_config", None)
+    config: GenerationConfig = transformers_model(model)._prepare_generation_config(passed, **kwargs)[0]
+    return config
+
+
+def _refused_setting(settings: GenerationConfig) -> str | None:
+    """Why ``generate_many`` cannot run these settings (from keywords or a ``generation_config``), or ``None``.
+    Does not mutate."""
+    if (settings.num_return_sequences or 1) != 1:
+        return (
+            f"num_return_sequences={settings.num_return_sequences}: it returns one sequence per prompt; repeat the "
+            "prompt in the list instead"
+        )
+    if settings.min_length:
+        return f"min_length={settings.min_length}: it counts the padded prompt; use min_new_tokens"
+    if settings.use_cache is False:
+        return (
+            "use_cache=False: every batch computes with a PagedPrefixCache of the store, and without a cache "
+            "generate would recompute each step otherwise; drop it, or call model.generate per prompt"
+        )
+    if settings.get_generation_mode() == GenerationMode.ASSISTED_GENERATION:
+        return (
+            "assisted decoding (prompt_lookup_num_tokens=, assistant_early_exit=, ...): transformers runs it on one "
+            "prompt a call; call model.generate per prompt"
+        )
+    return None
+
+
 def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
-    """The token ids of one prompt. Does not mutate."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1:
-            raise ValueError(f"prompt {index} is a tensor of shape {tuple(prompt.shape)}; pass 1-D token ids")
-        ids = prompt.tolist()
-    elif isinstance(prompt, str) or (prompt and isinstance(prompt[0], Mapping)):
+    """The token ids of one prompt; ``ValueError`` for anything that is not token ids, text or chat messages
+    (ids are never truncated: a float or a bool is refused). Does not mutate."""
+    if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:
+        raise ValueError(f"prompt {index} is a tensor of shape {tuple(prompt.shape)}; pass 1-D token ids")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)
+    ):
         if tokenizer is None:
             raise ValueError(f"prompt {index} is text or chat messages: pass tokenizer= to encode it")
         if isinstance(prompt, str):
@@ -194,8 +233,15 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
                 list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True
             )
             ids = chat["input_ids"]
+    elif isinstance(prompt, (Mapping, bytes)) or not isinstance(prompt, Iterable):
+        raise ValueError(
+            f"prompt {index} is a {type(prompt).__name__}: pass token ids, text or a list of chat messages"
+        )
     else:
-        ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        try:
+            ids = as_token_list(prompt if isinstance(prompt, torch.Tensor) else list[Any](prompt))
+        except ValueError as e:
+            raise ValueError(f"prompt {index}: {e}") from None
     if not ids:
         raise ValueError(f"prompt {index} has no tokens; every prompt needs at least one")
     return list(ids)
@@ -233,8 +279,11 @@ def plan(
 def _room(store: PrefixStore) -> int | None:
     """The most blocks the rows running at once may need, in a store with a budget: half the blocks it holds
     beside its pins; the other half keeps what was cached before, so that a long job cannot flush a hot prefix by
-    its batches' size alone. ``None`` without a budget. Does not mutate."""
-    return None if store.max_blocks is None else (store.max_blocks - store.stats.blocks_pinned) // 2
+    its batches' size alone. In an invariant store half its budget, whatever it holds: its batches, and so its
+    results, must not follow its contents, pins included. ``None`` without a budget. Does not mutate."""
+    if store.max_blocks is None:
+        return None
+    return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2
 
 
 def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace: str | None) -> list[tuple[int, int]]:
@@ -260,14 +309,23 @@ def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace
     return [(i, -(-(len(rows[i]) + new_tokens) // bs) - max(cached[i], shared[i]) // bs) for run in runs for i in run]
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask. Does not mutate."""
+def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
+    """The attention mask ``generate`` gives ``prompt`` alone when passed none: 0 where it infers padding from
+    the pad token inside the prompt (:func:`prefixkv.enabling.enable` infers the same), else 1. Does not
+    mutate."""
+    inferred = inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
+    return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()
+
+
+def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask, each row's own ``masks``
+    beside the padding. Does not mutate."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
+    for i, (r, m) in enumerate(zip(rows, masks)):
         ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
+        mask[i, width - len(r) :] = torch.tensor(m)
     return ids, mask
 
 
@@ -312,10 +370,7 @@ class _Refill(StoppingCriteria):
 # the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
 # count from the start of the call (or to max_length), keep state across steps, or run other models: refused when
 # set at all (_SET) or when not empty or zero (_COUNTING); guidance_scale when not 1
-_SET = (
-    "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config",
-    "assistant_model", "prompt_lookup_num_tokens",
-)  # fmt: skip
+_SET = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config")
 _COUNTING = (
     "min_length",
     "min_new_tokens",
@@ -334,12 +389,12 @@ def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixSto
     whose results must not depend on what it holds, while which prompts join a call does. Does not mutate."""
     if store is not None and store.invariant:
         return "an invariant store: which prompts join a call follows what the store holds"
-    config = model.generation_config
-    beams = generate_kwargs.get("num_beams", config.num_beams or 1)
+    settings = generation_settings(model, generate_kwargs)
+    beams = settings.num_beams or 1
     if beams > 1:
         return f"num_beams={beams}: a beam search keeps its beams within one call"
     for key in (*_SET, *_COUNTING, "guidance_scale"):
-        value = generate_kwargs.get(key, getattr(config, key, None))
+        value = getattr(settings, key) if hasattr(settings, key) else generate_kwargs.get(key)
         if (
             (key in _SET and value is not None)
             or (key in _COUNTING and value)
@@ -374,27 +429,29 @@ def _generate(
 ) -> Iterator[Generation]:
     """Run the prompts, in batches of :func:`plan` or refilling them (``_Run.refilling``), and yield each row's
     :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
-    config = model.generation_config
-    new_tokens = generate_kwargs.get("max_new_tokens", config.max_new_tokens)
+    settings = generation_settings(model, generate_kwargs)
+    new_tokens = settings.max_new_tokens
     if new_tokens is None:
         raise ValueError(
-            "generate_many() needs max_new_tokens= (or the model's generation_config.max_new_tokens): max_length "
+            "generate_many() needs max_new_tokens= (or the generation_config's max_new_tokens): max_length "
             "would count the padding of a batch"
         )
-    pad = generate_kwargs.get("pad_token_id", config.pad_token_id)
-    eos_ids = generate_kwargs.get("eos_token_id", config.eos_token_id)
+    pad = settings.pad_token_id
+    eos_ids = settings.eos_token_id
     eos = set() if eos_ids is None else {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
     if pad is None:
         pad = min(eos, default=0)
-    stop_strings = generate_kwargs.get("stop_strings", config.stop_strings)
-    kwargs = {**generate_kwargs, "pad_token_id": pad, "return_dict_in_generate": True}
+    stop_strings = settings.stop_strings
+    kwargs = dict(generate_kwargs)
     stop = None
     if stop_strings:
         if tokenizer is None:
             raise ValueError("stop_strings= needs tokenizer= (generate needs it to find the strings)")
         kwargs["tokenizer"] = tokenizer
         stop = StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
-    run = _Run(model, rows, PrefixStore(model) if store is None else store, kwargs, eos, stop, tokenizer, namespace)
+    built = PrefixStore(model) if store is None else store
+    masks = [_attended(r, settings) for r in rows]
+    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad, masks)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
             work = (
@@ -411,6 +468,18 @@ def _generate(
             run.store.close()
 
 
+def _setting(generate_kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """``generate_kwargs`` with ``values`` set where the caller's settings are: in (a copy of) the
+    ``generation_config=`` it passes, if any (so ``generate`` is passed no keywords beside a config but the
+    caller's own), else as keywords. Does not mutate."""
+    passed = generate_kwargs.get("generation_config")
+    rest = {k: v for k, v in generate_kwargs.items() if k not in values}
+    if passed is None:
+        return {**rest, **values}
+    config = copy.deepcopy(passed)
+    return {**rest, "generation_config": config, **config.update(**values)}
+
+
 @dataclass
 class _Run:
     """One ``generate_many`` call's model, prompts, store and ``generate`` arguments."""
@@ -423,14 +492,19 @@ class _Run:
     stop: StopStringCriteria | None
     tokenizer: Any
     namespace: str | None
+    pad: int
+    masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
 
-    def call(self, prompts: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
-        """One left-padded ``generate`` call on ``prompts``: its output, the padded width and each row's cached
-        prompt tokens. Mutates the store."""
-        ids, mask = _left_pad(prompts, self.kwargs["pad_token_id"])
+    def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
+        """One left-padded ``generate`` call on ``prompts`` (with their ``masks``): its output, the padded width
+        and each row's cached prompt tokens. Mutates the store."""
+        ids, mask = _left_pad(prompts, masks, self.pad)
         with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache:
             out = self.model.generate(
-                ids, attention_mask=mask, **{GENERATE_CACHE_KWARG: cache}, **{**self.kwargs, **more}
+                ids,
+                attention_mask=mask,
+                **{GENERATE_CACHE_KWARG: cache},
+                **_setting(self.kwargs, pad_token_id=self.pad, return_dict_in_generate=True, **more),
             )
         return out, ids.shape[1], [row.cached_tokens for row in cache.stats.per_row]
 
@@ -454,7 +528,7 @@ class _Run:
         """Each batch of ``order`` in one ``generate`` call, to its longest row's end."""
         for batch in order:
             running = [_Running(i, self.rows[i]) for i in batch]
-            out, width, cached = self.call([r.prompt for r in running])
+            out, width, cached = self.call([r.prompt for r in running], masks=[self.masks[i] for i in batch])
             for j, row in enumerate(running):
                 row.cached = cached[j]
                 self.take(row, out, j, width, len(out.sequences[j]) - width)
@@ -495,7 +569,11 @@ class _Run:
             width = max(len(p) for p in prompts)
             refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if joinable else None)
             out, width, cached = self.call(
-                prompts, max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([refill])
+                prompts,
+                # a row's own new tokens are attended, as in one call that goes on (generate appends 1s)
+                masks=[self.masks[r.index] + [1] * len(r.tokens) for r in rows],
+                max_new_tokens=max(budgets),
+                stopping_criteria=StoppingCriteriaList([refill]),
             )
             still = []
             for j, (row, budget) in enumerate(zip(rows, budgets)):

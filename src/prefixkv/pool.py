@@ -237,8 +237,13 @@ class BlockPool:
         the positions (in ``B * q`` order) to store, ``None`` for all (padding is never stored). Mutates."""
         k, v = self.keys[layer], self.values[layer]
         flat = slots.reshape(-1)
-        # [B, H, q, D] -> [B*q, H, D]
         heads, dim = key.shape[1], key.shape[3]
+        if keep is None and self.kv_dtype is None:
+            # [B, H, q, D] -> [H, B*q, D] (a view for a decode step): the fewest calls for the step that runs most
+            _slots(k).index_copy_(1, flat, key.transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
+            _slots(v).index_copy_(1, flat, value.transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
+            return
+        # [B, H, q, D] -> [B*q, H, D]
         new_k = key.transpose(1, 2).reshape(-1, heads, dim)
         new_v = value.transpose(1, 2).reshape(-1, heads, dim)
         if keep is not None:

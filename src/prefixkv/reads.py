@@ -21,6 +21,9 @@ import torch
 _MIN_RUN = 8
 # ... except for a row read alone, up to this many short runs (more: one gather rather than a call each)
 _LONE_ROW_VIEWS = 2
+# rows that hold at most this many tokens in all besides shared blocks are one gather, not several parts: copying
+# them costs less than a second kernel call and the merge of two parts (docs/benchmarks.md, "Decode host overhead")
+_FOLD_TOKENS = 1024
 
 # the attribute on the K tensor that ``update`` hands out: ``(the plan, the layer)``, so that the attention of that
 # layer, with that tensor, finds the plan (a copy of the tensor, or K/V of another cache, carry none)
@@ -95,19 +98,73 @@ def _runs(
 
 def _gather_read(rows: list[int], pieces: list[list[tuple[int, int, int]]], pads: list[int]) -> Read:
     """One read of the scattered pieces ``(first token, end token, first slot)`` of several rows, padded to the
-    longest row's count (``valid`` marks the real ones)."""
-    width = max(sum(hi - lo for lo, hi, _ in row) for row in pieces)
-    slots = torch.zeros((len(rows), width), dtype=torch.long)
-    columns = torch.zeros((len(rows), width), dtype=torch.long)
-    valid = torch.zeros((len(rows), width), dtype=torch.bool)
-    for j, (row, row_pieces) in enumerate(zip(rows, pieces)):
-        n = 0
+    longest row's count (``valid`` marks the real ones). The index tensors are made from plain ints, three tensors
+    in all (a decode step rebuilds them: tensor set-ups per piece cost more than the attention of small rows)."""
+    counts = [sum(hi - lo for lo, hi, _ in row) for row in pieces]
+    width = max(counts)
+    slots: list[int] = []
+    columns: list[int] = []
+    for row, row_pieces, n in zip(rows, pieces, counts):
         for lo, hi, slot in row_pieces:
-            slots[j, n : n + hi - lo] = torch.arange(slot, slot + hi - lo)
-            columns[j, n : n + hi - lo] = torch.arange(pads[row] + lo, pads[row] + hi)
-            n += hi - lo
-        valid[j, :n] = True
-    return Read(tuple(rows), (0,) * len(rows), width, slots=slots, offsets=columns, valid=valid)
+            slots.extend(range(slot, slot + hi - lo))
+            columns.extend(range(pads[row] + lo, pads[row] + hi))
+        slots.extend([0] * (width - n))
+        columns.extend([0] * (width - n))
+    shape = (len(rows), width)
+    valid = torch.arange(width) < torch.tensor(counts)[:, None]
+    return Read(
+        tuple(rows),
+        (0,) * len(rows),
+        width,
+        slots=torch.tensor(slots, dtype=torch.long).view(shape),
+        offsets=torch.tensor(columns, dtype=torch.long).view(shape),
+        valid=valid,
+    )
+
+
+# the index tensors of the last folded read, by its rows, pads, first tokens and the blocks it covers; a decode step
+# whose rows have not entered a new block since takes slices of them
+FoldMemo = dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _fold_read(
+    rows: list[int],
+    pads: list[int],
+    tables: list[list[int]],
+    first: list[int],
+    spans: list[int],
+    block_size: int,
+    memo: FoldMemo | None,
+) -> Read:
+    """One gather of tokens ``[first[i], spans[i])`` of each of ``rows`` (``first`` a multiple of ``block_size``),
+    padded to the longest (``valid`` marks the real ones; padding reads slot 0, the null block, at column 0). Its
+    index tensors cover the rows' whole blocks and come from the block ids in a few tensor operations; with ``memo``
+    (kept by the caller between forwards) a forward whose rows fill the same blocks slices those of the last one.
+    Mutates ``memo`` only."""
+    bs = block_size
+    counts = [spans[i] - first[i] for i in rows]
+    width = max(counts)
+    n = -(-width // bs)
+    ids = [tables[i][first[i] // bs : first[i] // bs + n] for i in rows]
+    key = (n, tuple(rows), tuple(pads[i] + first[i] for i in rows), tuple(tuple(t) for t in ids))
+    built = None if memo is None else memo.get(key)
+    if built is None:
+        blocks = torch.tensor([t + [0] * (n - len(t)) for t in ids], dtype=torch.long)  # [rows, n]
+        whole = torch.arange(n * bs)
+        built = (
+            (blocks[:, :, None] * bs + torch.arange(bs)).view(len(rows), n * bs),
+            torch.tensor(key[2])[:, None] + whole,
+        )
+        if memo is not None:
+            memo.clear()  # one entry: the next forward's rows
+            memo[key] = built
+    slots, columns = built[0][:, :width], built[1][:, :width]
+    if min(counts) == width:
+        valid = torch.ones(slots.shape, dtype=torch.bool)
+    else:
+        valid = torch.arange(width) < torch.tensor(counts)[:, None]
+        slots, columns = slots.masked_fill(~valid, 0), columns.masked_fill(~valid, 0)
+    return Read(tuple(rows), (0,) * len(rows), width, slots=slots.contiguous(), offsets=columns, valid=valid)
 
 
 def _shared_reads(
@@ -148,20 +205,30 @@ def plan_reads(
     q: int,
     block_size: int,
     memo: RunsMemo | None = None,
+    *,
+    fold_tokens: int | None = None,
+    fold_memo: FoldMemo | None = None,
 ) -> tuple[list[Read], int | None]:
     """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
     possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
     of consecutive blocks is a view of the pool, and when those runs start at evenly spaced slots (the rows of a
     batch prefilled together) one strided view serves every row; other runs of at least ``_MIN_RUN`` blocks are
     views too; what is left of every row (the blocks decode steps add one at a time, interleaved between rows) is
-    one gather for the whole batch. A one-token forward reads its own new column from the pool too; a longer one
-    attends its new K/V from the arguments, from column ``start`` (the second value). Mutates ``memo`` only."""
+    one gather for the whole batch. Rows that hold at most ``fold_tokens`` (:data:`_FOLD_TOKENS`) tokens in all,
+    besides shared blocks, are one gather whenever they would be more than one read. A one-token forward reads its
+    own new column from the pool too; a longer one attends its new K/V from the arguments, from column ``start``
+    (the second value). Mutates ``memo`` and ``fold_memo`` only."""
     bs = block_size
     end = start + q if q == 1 else start
     spans = [max(0, end - pad) for pad in pads]
     reads, first = _shared_reads(pads, tables, spans, bs, memo)
     rows = [i for i in range(len(pads)) if spans[i] > first[i]]
     runs_of = {i: _runs(tables[i], first[i], spans[i], bs, memo) for i in rows}
+    if sum(len(runs_of[i]) for i in rows) > 1 and sum(spans[i] - first[i] for i in rows) <= (
+        _FOLD_TOKENS if fold_tokens is None else fold_tokens
+    ):
+        reads.append(_fold_read(rows, pads, tables, first, spans, bs, fold_memo))
+        return reads, None if q == 1 else start
     # every row's first run: one strided view when they start at evenly spaced slots
     heads = [runs_of[i][0] for i in rows]
     common = min((hi - lo for lo, hi, _ in heads), default=0)
@@ -293,6 +360,7 @@ class ForwardReads:
         self.served: set[int] = set()
         # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
         self.masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
+        self.rows_index: dict[tuple[int, ...], torch.Tensor] = {}  # the batch indices of a read's rows, as a tensor
 
     def every_layer_served(self) -> bool:
         """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged."""

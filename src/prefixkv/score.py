@@ -10,14 +10,14 @@ and only the uncached part of each context, plus the continuation, is fed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .cache import PagedPrefixCache, attach_prompt
 from .runner import forward_kwargs
-from .store import PrefixStore
+from .store import PrefixStore, as_token_list
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
 
@@ -173,17 +173,20 @@ def _token_rows(x: TokenRows, mask: torch.Tensor | None, name: str) -> list[list
     if mask is not None:
         raise ValueError(f"a mask applies to a 2-D tensor of {name}, not to a list of sequences")
     seq = list(x)
-    flat = [t for t in seq if isinstance(t, int)]
-    if seq and len(flat) == len(seq):
-        return [flat]
+    if seq and not any(hasattr(t, "__len__") for t in seq):  # no element is a row (a list, tensor or text)
+        return [_ids(seq, name)]
     return [_ids(s, name) for s in seq]
 
 
 def _ids(s: Any, name: str) -> list[int]:
-    if isinstance(s, torch.Tensor):
-        if s.dim() != 1 or s.is_floating_point():
-            raise ValueError(f"each of {name} must be a 1-D sequence of token ids, got shape {tuple(s.shape)}")
-        return [int(t) for t in s.tolist()]
+    """One row of token ids; ``ValueError`` for anything else (ids are never truncated: floats are refused)."""
+    if isinstance(s, torch.Tensor) and s.dim() != 1:
+        raise ValueError(f"each of {name} must be a 1-D sequence of token ids, got shape {tuple(s.shape)}")
     if isinstance(s, (str, bytes)):
         raise ValueError(f"{name} must be token ids (tokenize the text first), got a {type(s).__name__}")
-    return [int(t) for t in s]
+    if not isinstance(s, Iterable):
+        raise ValueError(f"each of {name} must be a sequence of token ids, got a {type(s).__name__}")
+    try:
+        return as_token_list(s if isinstance(s, torch.Tensor) else list[Any](s))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None

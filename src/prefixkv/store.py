@@ -266,7 +266,7 @@ class PrefixStore:
             isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
         ):
             raise ValueError(f"pin(priority=) is an int from 0 to 100 (or None: a hard pin), got {priority!r}")
-        ids_list = _as_token_list(ids)
+        ids_list = as_token_list(ids)
         if not ids_list:
             raise ValueError("pin() needs at least one token id")
         tokens = _kept(ids_list, self.chunk_size)
@@ -294,7 +294,7 @@ class PrefixStore:
     ) -> None:
         """Undo one :meth:`pin` of the same ids, priority and namespace. Mutates; raises ``ValueError`` if they
         are not pinned so."""
-        self.blocks.pins.remove(_as_token_list(ids), user_space(namespace, self.blocks.space()), priority)
+        self.blocks.pins.remove(as_token_list(ids), user_space(namespace, self.blocks.space()), priority)
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and everything the second
@@ -333,7 +333,7 @@ class PrefixStore:
         rows = []
         with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
             for prompt in bar:
-                tokens = _as_token_list(prompt)
+                tokens = as_token_list(prompt)
                 with self.runner.prefill(tokens, keep_partial=False, count=True, namespace=namespace) as row:
                     rows.append(row)
                 reused = sum(r.cached_tokens for r in rows)
@@ -364,7 +364,7 @@ class PrefixStore:
         >>> prefixkv.PrefixStore.load(path, model).stats.cached_tokens
         16
         """
-        wanted = None if prefixes is None else [_as_token_list(p) for p in prefixes]
+        wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
         now = getattr(self.model, "dtype", self.model_dtype)
         if now != self.model_dtype:
             raise PersistError(
@@ -532,7 +532,7 @@ def _not_a_cache() -> CacheMisuseError:
     )
 
 
-def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+def as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
     """One sequence of token ids as ints; ``ValueError`` for anything else (floats are not truncated)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2 and ids.shape[0] == 1:
