@@ -335,7 +335,7 @@ def test_merging_two_parts_is_attention_over_their_union() -> None:
     mask[..., 3, :] = False  # query 3 nothing
     a, lse_a = attention.attend(q, k[..., :6, :], v[..., :6, :], mask[..., :6], None)
     b, lse_b = attention.attend(q, k[..., 6:, :], v[..., 6:, :], mask[..., 6:], None)
-    merged, total = attention._merge(a, lse_a, b, lse_b)
+    merged, total = attention.merge_by_lse(a, lse_a, b, lse_b)
     whole, lse = attention.attend(q, k, v, mask, None)
     assert torch.allclose(merged, whole, atol=1e-12, rtol=0) and not merged[..., 3, :].any()
     assert torch.equal(total.isinf(), lse.isinf())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,16 +45,21 @@ __all__ = [
     "score",
 ]
 
-_SUBMODULES = frozenset({"display", "models"})
-
 
 def __getattr__(name: str) -> Any:
     """The public names load on first use, all at once (``prefixkv._api``: torch, transformers, and the check
     that their releases are supported), so that ``python -m prefixkv --help`` answers without importing torch."""
     if name not in __all__:
         raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
-    if name in _SUBMODULES:  # `from . import display` inside prefixkv asks here too: load only that module
-        return importlib.import_module(f"{__name__}.{name}")
+    # `from . import display` inside prefixkv asks here too: load only that module
+    if name == "display":
+        import prefixkv.display as display
+
+        return display
+    if name == "models":
+        import prefixkv.models as models
+
+        return models
     from . import _api
 
     exported = {n: getattr(_api, n) for n in __all__ if n != "__version__"}

@@ -6,7 +6,7 @@ asked for: ``prefixkv/__init__.py`` re-exports each of them."""
 from __future__ import annotations
 
 # _compat first: it refuses an unsupported transformers or torch before anything else imports them
-from . import _compat, display, models, runner  # runner: installs what runs every store's model
+from . import _compat, display, models
 from .cache import PagedPrefixCache
 from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError

@@ -32,6 +32,11 @@ never by comparing version numbers:
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
 
+The three wrappers of ``GenerationMixin`` methods are installed by :func:`install_generation_patches`, which
+every ``PrefixStore`` calls when it is built (not on import); each wrapper's docstring says when it can be deleted.
+Messages that name a release's spelling (:data:`CACHE_ARGUMENT_HINT`) and the inputs only some releases pass
+(:data:`RELEASE_NEUTRAL_INPUTS`) live here too.
+
 transformers 4.56 and older are refused: beyond these, their PEFT integration's ``active_adapter`` is a method,
 assisted decoding with hidden states takes another path, and Llama 4's text model computes other numbers.
 
@@ -236,7 +241,8 @@ def _recording_past(assisted_decoding: Callable[..., Any]) -> Callable[..., Any]
     before). That first step re-feeds the whole sequence: on releases that keep a ``cache_position`` (4.57-5.3) it
     starts as the whole sequence's positions, those they build for an empty cache (from the cache's
     ``get_seq_length``, 4.57-5.2 would skip the held columns and 5.3 count them twice); the cache then chooses
-    which columns to feed (:func:`ask_columns`)."""
+    which columns to feed (:func:`ask_columns`). Delete when the oldest supported transformers is 5.14 or newer.
+    """
 
     @functools.wraps(assisted_decoding)
     def assisted(self: Any, input_ids: torch.Tensor, *args: Any, **model_kwargs: Any) -> Any:
@@ -254,7 +260,8 @@ def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._prefill`` of transformers 5.3, which cuts ``inputs_embeds`` to those after the columns
     the cache holds before the first step, where later releases leave the cut to ``prepare_inputs_for_generation``
     (by ``next_sequence_length``): for a cache that chooses its columns at that step (a ``PagedPrefixCache`` drops
-    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`generate_step`."""
+    its reuse for embeddings that are not its ids), it keeps the whole embeddings for :func:`generate_step`.
+    Delete when the oldest supported transformers is 5.4 or newer."""
 
     @functools.wraps(prefill)
     def keeping(
@@ -275,7 +282,9 @@ def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
 def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._get_initial_cache_position`` of transformers 4.x, which every decoding method calls once
     before its first step (their steps do not say which is the first): notes that the next step with the call's
-    cache (one that chooses its columns at the first step) is a first step, for :func:`generate_step`."""
+    cache (one that chooses its columns at the first step) is a first step, for :func:`generate_step`. Delete when
+    the oldest supported transformers is 5.0 or newer (their ``prepare_inputs_for_generation`` takes
+    ``is_first_iteration``)."""
 
     @functools.wraps(initial)
     def noting(self: Any, seq_length: Any, device: Any, model_kwargs: Any) -> Any:
@@ -287,14 +296,40 @@ def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
     return noting
 
 
-_mixin = _generation.GenerationMixin
-if "activate_past_recording" not in inspect.getsource(_mixin._assisted_decoding):
-    _mixin._assisted_decoding = _recording_past(_mixin._assisted_decoding)  # type: ignore[method-assign]
-if hasattr(_mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(_mixin._prefill):
-    _mixin._prefill = _keeping_embeds(_mixin._prefill)  # type: ignore[method-assign]
-if not _MARKS_FIRST_STEP:
-    initial_positions = vars(_mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
-    setattr(_mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010
+_installed = False
+
+
+def install_generation_patches() -> None:
+    """Wrap the ``GenerationMixin`` methods this release needs for a cache that chooses its columns at the first
+    step (:func:`_recording_past`, :func:`_keeping_embeds`, :func:`_noting_start`); each wrapper changes nothing
+    for other caches. Called by every ``PrefixStore`` when it is built (no ``PagedPrefixCache`` exists before
+    one), once per process. Mutates ``transformers.generation.utils.GenerationMixin``."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    mixin = _generation.GenerationMixin
+    if "activate_past_recording" not in inspect.getsource(mixin._assisted_decoding):
+        mixin._assisted_decoding = _recording_past(mixin._assisted_decoding)  # type: ignore[method-assign]
+    if hasattr(mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(mixin._prefill):
+        mixin._prefill = _keeping_embeds(mixin._prefill)  # type: ignore[method-assign]
+    if not _MARKS_FIRST_STEP:
+        initial_positions = vars(mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
+        setattr(mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010
+
+
+# the cache keyword of the generate call on this release: how messages spell passing one
+CACHE_ARGUMENT_HINT = (
+    f"{GENERATE_CACHE_KWARG}=prefixkv.PagedPrefixCache(store, ids) (cache= from transformers 5.24, "
+    "past_key_values= before)"
+)
+
+# inputs of a forward that do not change K/V and that only some releases pass: num_logits_to_keep (4.x, before
+# logits_to_keep), cache_position (dropped by the newest releases), is_first_iteration and next_sequence_length
+# (prepare_inputs_for_generation's first-step markers, 5.x); prefixkv.proof.NEUTRAL_INPUTS adds them to its own
+RELEASE_NEUTRAL_INPUTS = frozenset(
+    {"num_logits_to_keep", "cache_position", "is_first_iteration", "next_sequence_length"}
+)
 
 
 def _kernel_reads_grouped_heads() -> bool:

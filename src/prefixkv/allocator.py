@@ -57,10 +57,6 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
-    def is_free(self, block: int) -> bool:
-        """Whether ``block`` is an id of the pool that nothing holds. Does not mutate."""
-        return 0 < block < len(self._refcount) and self._refcount[block] == 0
-
     def free_run(self, n: int) -> int | None:
         """The first id of the lowest ``n`` consecutive free ids, or ``None``. Does not mutate.
 

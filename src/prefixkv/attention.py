@@ -359,7 +359,7 @@ def _attend_math(
     return out.to(query.dtype), lse
 
 
-def _merge(
+def merge_by_lse(
     out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint column sets by their log-sum-exps: the first weighs
@@ -468,10 +468,10 @@ def blocks_attention(
             total = query.new_full((batch, heads, q), -math.inf, dtype=work)
         for rows, out, lse in parts:
             if rows == everyone:
-                merged, total = _merge(merged, total, out, lse)
+                merged, total = merge_by_lse(merged, total, out, lse)
                 continue
             index = _rows_index(forward, rows, query)
-            m, t = _merge(merged.index_select(0, index), total.index_select(0, index), out, lse)
+            m, t = merge_by_lse(merged.index_select(0, index), total.index_select(0, index), out, lse)
             merged.index_copy_(0, index, m.to(work))
             total.index_copy_(0, index, t.to(work))
     return merged.to(query.dtype).transpose(1, 2).contiguous()

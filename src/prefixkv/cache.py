@@ -31,9 +31,9 @@ from . import _compat, attention, display, proof, reads
 from .call import GenerateCall
 from .errors import CacheMisuseError
 from .namespace import user_space
+from .parts import StoreParts
 from .rows import RowSet, check_prompt
 from .stats import CacheStats
-from .store import PrefixStore
 
 
 @_compat.adapt_cache
@@ -106,13 +106,13 @@ class PagedPrefixCache(Cache):
 
     def __init__(
         self,
-        store: PrefixStore,
+        store: StoreParts,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
         namespace: str | None = None,
     ) -> None:
-        if not isinstance(store, PrefixStore):
+        if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
@@ -126,8 +126,8 @@ class PagedPrefixCache(Cache):
         self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
         self._plan: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
-            blocks.pool, blocks.gather, blocks.block_size, name=store.attention, model=store.hf_model,
-            model_dtype=store.model_dtype, invariant=store.invariant,
+            blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
+            model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
         self._owner: int | None = None
         self._guard = threading.Lock()
@@ -347,7 +347,7 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
-def _check_layer(store: PrefixStore, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
+def _check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
     """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
     allocated ``length - seen`` columns for it."""
     specs = store.blocks.pool.specs
@@ -359,10 +359,10 @@ def _check_layer(store: PrefixStore, key_states: torch.Tensor, layer_idx: int, s
             f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
             f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
         )
-    if key_states.device != spec.device or key_states.dtype != store.model_dtype:
+    if key_states.device != spec.device or key_states.dtype != store.settings.model_dtype:
         raise CacheMisuseError(
             f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
-            f"built for {store.model_dtype} on {spec.device}: the model was moved or cast after the "
+            f"built for {store.settings.model_dtype} on {spec.device}: the model was moved or cast after the "
             "PrefixStore was built; build a new store"
         )
     q = key_states.shape[-2]

@@ -19,7 +19,7 @@ import torch
 
 from . import proof, rows
 from .errors import CacheMisuseError
-from .store import PrefixStore
+from .parts import StoreParts
 
 
 class Drop(NamedTuple):
@@ -52,7 +52,7 @@ class GenerateCall:
         return refeed
 
     def plan(
-        self, held: rows.RowSet, store: PrefixStore, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]
+        self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]
     ) -> int | None:
         """:func:`prefixkv.cache.plan_call`: make what ``held`` holds fit the call, and return the
         ``next_sequence_length`` (``length``: what ``generate`` asked for) to feed. Mutates ``held`` and this."""
@@ -84,7 +84,7 @@ class GenerateCall:
             return None
         return input_ids.shape[1] - columns
 
-    def _redo(self, held: rows.RowSet, store: PrefixStore, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    def _redo(self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Redo or drop construction's reuse as :meth:`replan` decides; whether what ``held`` holds changed.
         Mutates ``held``."""
         training = store.hf_model.training
@@ -206,7 +206,7 @@ class GenerateCall:
             row = held[j // (batch // count)]
             if not row.proven:
                 continue
-            stored = [rows.token(k) for k in row.keys[: max(0, length - row.pad)]]
+            stored = [proof.token(k) for k in row.keys[: max(0, length - row.pad)]]
             given = seq[min(row.pad, length) :]
             if given[: len(stored)] != stored:
                 t = next(t for t, (a, b) in enumerate(zip(given, stored)) if a != b)

@@ -53,11 +53,17 @@ class PrefixesLike(Protocol):
 class StoreLike(Protocol):
     """What the views read of a :class:`prefixkv.PrefixStore`: public attributes and snapshots."""
 
-    block_size: int
     max_blocks: int | None
     bytes_per_block: int
-    kv_dtype: str | None
-    dtype: torch.dtype
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_dtype(self) -> str | None: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     @property
     def stats(self) -> StoreStats: ...

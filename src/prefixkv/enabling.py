@@ -63,7 +63,7 @@ def _call_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return {**named, **extra}
 
 
-def _inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Tensor | None:
+def inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Tensor | None:
     """The attention mask ``generate`` infers when none is passed: the pad token's places, if the pad token
     occurs and is not an end-of-sequence token (SmolLM2's chat prompts hold it), else none."""
     pad = setting("pad_token_id")
@@ -111,7 +111,7 @@ def _plan_enabled_call(
         return _STOCK
     mask = named.get("attention_mask")
     try:
-        mask = mask if mask is not None else _inferred_mask(ids, setting)
+        mask = mask if mask is not None else inferred_mask(ids, setting)
         cache = PagedPrefixCache(store, ids, mask, namespace=namespace)
     except ValueError as e:
         warnings.warn(f"prefixkv: this generate call runs without prefix reuse: {e}", stacklevel=3)

@@ -12,7 +12,7 @@ with the same window executes them (:func:`attend`):
 
 - decode (one query per row, its K/V already written to the pool): every row in one compiled call per layer;
 - prefill: the held blocks through FlexAttention, the new columns causally through :func:`prefixkv.attention.attend`,
-  merged by their log-sum-exps (:func:`prefixkv.attention._merge`).
+  merged by their log-sum-exps (:func:`prefixkv.attention.merge_by_lse`).
 
 A block shared by several rows (a system prompt, ``num_return_sequences``) is listed once in each row's table.
 Compiled kernels are specialised on shapes, so the batch and the query count are padded to powers of two and every
@@ -37,7 +37,6 @@ torch.Size([1, 1, 4, 16])
 
 from __future__ import annotations
 
-import importlib
 import threading
 import warnings
 from contextlib import nullcontext
@@ -47,8 +46,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from prefixkv import attention as _attention
-from prefixkv.attention import _merge
 from prefixkv.attention import attend as attend_columns
+from prefixkv.attention import merge_by_lse
 from prefixkv.errors import PrefixKVError
 from prefixkv.reads import AttentionCall, ForwardReads, Layout
 
@@ -70,8 +69,9 @@ class FlexUnavailable(PrefixKVError, RuntimeError):
 
 def _aux_request() -> Any:
     """torch's ``AuxRequest`` (what asks FlexAttention for the log-sum-exp), or ``None`` where this torch lacks it."""
-    module = importlib.import_module("torch.nn.attention.flex_attention")
-    return getattr(module, "AuxRequest", None)
+    from torch.nn.attention import flex_attention as flex_module
+
+    return getattr(flex_module, "AuxRequest", None)
 
 
 def can_serve(
@@ -370,7 +370,7 @@ def attend(
         new_out, new_lse = attend_columns(query, key, value, reads.new_mask, scale)
         work = torch.float32 if query.dtype != torch.float64 else torch.float64
         held_lse = lse[:batch, :, :q].to(work)
-        out, _ = _merge(out, held_lse, new_out, new_lse.to(work))
+        out, _ = merge_by_lse(out, held_lse, new_out, new_lse.to(work))
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 

@@ -20,8 +20,8 @@ from . import _compat
 from .attention import outside_compile
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call
 from .errors import CacheMisuseError
+from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
-from .store import Handle, PrefixStore
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
@@ -36,13 +36,13 @@ def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
     return None
 
 
-def _store_cache(store: PrefixStore, kwargs: dict[str, Any]) -> PagedPrefixCache | None:
+def _store_cache(store: StoreParts, kwargs: dict[str, Any]) -> PagedPrefixCache | None:
     """The ``PagedPrefixCache`` of ``store`` that a forward carries, if any."""
     cache = paged_cache(kwargs)
     return cache if cache is not None and cache.store is store else None
 
 
-def attach_hooks(model: torch.nn.Module, store: PrefixStore) -> list[Handle]:
+def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
     """Register the pre/post forward hooks of ``store`` on ``model`` and share the wrapper of its
     ``prepare_inputs_for_generation``; return what undoes them. Mutates."""
 

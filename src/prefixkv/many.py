@@ -29,9 +29,9 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
-from .enabling import _inferred_mask
+from .enabling import inferred_mask
 from .namespace import transformers_model, user_space
-from .store import PrefixStore, _as_token_list
+from .store import PrefixStore, as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
@@ -239,7 +239,7 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
         )
     else:
         try:
-            ids = _as_token_list(prompt if isinstance(prompt, torch.Tensor) else list[Any](prompt))
+            ids = as_token_list(prompt if isinstance(prompt, torch.Tensor) else list[Any](prompt))
         except ValueError as e:
             raise ValueError(f"prompt {index}: {e}") from None
     if not ids:
@@ -313,7 +313,7 @@ def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
     """The attention mask ``generate`` gives ``prompt`` alone when passed none: 0 where it infers padding from
     the pad token inside the prompt (:func:`prefixkv.enabling.enable` infers the same), else 1. Does not
     mutate."""
-    inferred = _inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
+    inferred = inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
     return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()
 
 

@@ -239,34 +239,42 @@ def write(
 
 
 class StoreFacts(Protocol):
-    """What :func:`store_meta` reads of a store."""
+    """What :func:`store_meta` reads of a store's settings (:class:`prefixkv.parts.StoreSettings`)."""
 
-    block_size: int
-    dtype: torch.dtype
-    model_dtype: torch.dtype
-    kv_dtype: str | None
-    model: Any
-    pool: BlockPool
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def model_dtype(self) -> torch.dtype: ...
+
+    @property
+    def kv_dtype(self) -> str | None: ...
 
 
-def store_meta(store: StoreFacts, model_print: str, format: str = FORMAT) -> dict[str, str]:
+def store_meta(
+    settings: StoreFacts, specs: list[LayerSpec], model: Any, model_print: str, format: str = FORMAT
+) -> dict[str, str]:
     """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
-    model fingerprint), without the checksum. Does not mutate."""
-    spec = store.pool.specs[0]
+    model fingerprint): its ``settings``, the ``specs`` of its pool's layers and its ``model``, without the
+    checksum. Does not mutate."""
+    spec = specs[0]
     meta = {
         "format": format,
         "format_version": str(FORMAT_VERSION),
-        "block_size": str(store.block_size),
-        "dtype": _dtype_name(store.dtype),
-        "model_dtype": _dtype_name(store.model_dtype),
-        "num_layers": str(len(store.pool.specs)),
+        "block_size": str(settings.block_size),
+        "dtype": _dtype_name(settings.dtype),
+        "model_dtype": _dtype_name(settings.model_dtype),
+        "num_layers": str(len(specs)),
         "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim),
-        "model_type": str(getattr(store.model.config, "model_type", type(store.model).__name__)),
+        "model_type": str(getattr(model.config, "model_type", type(model).__name__)),
         "model_fingerprint": model_print,
     }
-    if store.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization
-        meta["kv_dtype"] = store.kv_dtype
+    if settings.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization
+        meta["kv_dtype"] = settings.kv_dtype
     return meta
 
 

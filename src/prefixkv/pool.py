@@ -223,8 +223,8 @@ class BlockPool:
             return
         with _normal_tensors():
             grown = [
-                [_grown(t, extra, dim) for t in tensors]
-                for tensors, dim in ((self.keys, 1), (self.values, 1), (self.key_scales, 1), (self.value_scales, 1))
+                [_grown(t, extra) for t in tensors]
+                for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
             ]
         # all layers at once: a failure half-way leaves the old pool
         self.keys, self.values, self.key_scales, self.value_scales = grown
@@ -323,12 +323,6 @@ class BlockPool:
         for t in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
             t[:, dst, :n] = t[:, src, :n]
 
-    def tensor_names(self) -> list[str]:
-        """Names of the per-layer tensors :meth:`read_blocks` returns: ``k.{layer}``, ``v.{layer}`` and, when
-        quantized, ``k_scale.{layer}``, ``v_scale.{layer}``."""
-        kinds = ("k", "v") if self.kv_dtype is None else ("k", "v", "k_scale", "v_scale")
-        return [f"{kind}.{layer}" for layer in range(len(self.specs)) for kind in kinds]
-
     def _stored(self) -> dict[str, torch.Tensor]:
         tensors = {}
         for layer in range(len(self.specs)):
@@ -339,9 +333,10 @@ class BlockPool:
         return tensors
 
     def read_blocks(self, blocks: list[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Copies of whole blocks as stored (codes and scales when quantized), on ``device``, by
-        :meth:`tensor_names`: ``[len(blocks), block_size, kv_heads, head_dim]`` K/V, ``[len(blocks),
-        block_size, kv_heads]`` scales. Does not mutate."""
+        """Copies of whole blocks as stored (codes and scales when quantized), on ``device``, by name
+        (``k.{layer}``, ``v.{layer}`` and, when quantized, ``k_scale.{layer}``, ``v_scale.{layer}``):
+        ``[len(blocks), block_size, kv_heads, head_dim]`` K/V, ``[len(blocks), block_size, kv_heads]`` scales.
+        Does not mutate."""
         out = {}
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
@@ -381,11 +376,11 @@ def _put(t: torch.Tensor, blocks: torch.Tensor, values: torch.Tensor) -> None:
     t.index_copy_(1, blocks, values.permute(2, 0, 1, 3))
 
 
-def _grown(t: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
-    """``t`` with ``extra`` zero blocks appended along its block dimension ``dim``."""
+def _grown(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """``t`` with ``extra`` zero blocks appended along its block dimension (1: ``[kv_heads, num_blocks, ...]``)."""
     shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, torch.zeros(shape, device=t.device, dtype=t.dtype)], dim=dim)
+    shape[1] = extra
+    return torch.cat([t, torch.zeros(shape, device=t.device, dtype=t.dtype)], dim=1)
 
 
 def code_dtype(kv_dtype: str) -> torch.dtype:

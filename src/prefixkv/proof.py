@@ -14,6 +14,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from ._compat import RELEASE_NEUTRAL_INPUTS
+
 CACHE_KWARGS = ("cache", "past_key_values")
 
 # inputs of a forward (and of prepare_inputs_for_generation, which passes the rest on to it) that do not change
@@ -30,13 +32,21 @@ NEUTRAL_INPUTS = frozenset(
         "output_attentions",
         "output_hidden_states",
         "logits_to_keep",
-        "num_logits_to_keep",
         "labels",
-        "cache_position",
-        "is_first_iteration",
-        "next_sequence_length",
+        *RELEASE_NEUTRAL_INPUTS,  # those only some transformers releases pass
     }
 )
+
+
+def key(token: int, visible: bool) -> int:
+    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it (its K/V differ from
+    those of the same token seen). The one home of that encoding. Does not mutate."""
+    return token if visible else -1 - token
+
+
+def token(key: int) -> int:
+    """The token id of a trie key (:func:`key`). Does not mutate."""
+    return key if key >= 0 else -1 - key
 
 
 def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) -> tuple[str, ...]:
@@ -235,7 +245,7 @@ def prove_rows(
         skip = min(q, max(0, row.pad - start))  # new columns that are padding
         first = max(0, start - row.pad)  # token index of the first new real column
         shown = [True] * (q - skip) if mask is None else mask[i][new + skip : new + q]
-        keys = [t if v else -1 - t for t, v in zip(ids[i][skip:], shown)]
+        keys = [key(t, v) for t, v in zip(ids[i][skip:], shown)]
         known = row.keys[first : first + len(keys)]
         verdicts.append(_prove_row(i, row, keys, known, shown, first, mask, new, skip, positions, forward, reused))
     return verdicts
@@ -257,7 +267,7 @@ def _prove_row(
 ) -> Verdict:
     """:func:`prove_rows` for row ``i``, whose new ``keys`` the forward feeds after the ``known`` ones."""
     if keys[: len(known)] != known:
-        if [k if k >= 0 else -1 - k for k in keys[: len(known)]] != [k if k >= 0 else -1 - k for k in known]:
+        if [token(k) for k in keys[: len(known)]] != [token(k) for k in known]:
             return Verdict(
                 None,
                 error=(

@@ -4,7 +4,7 @@ block tables (:class:`ForwardReads`), and the seam behind which attention backen
 A backend plans a forward from the rows' pads and block tables (per-row lengths follow from the pads and the
 forward's width) and attends from the plan alone: the plan holds the pool and the store's whole-row reader, never
 the cache. ``update`` writes the new K/V and hands the attention either only them (a backend that reads the pool
-in place: :attr:`ForwardReads.in_place`) or every row's whole K/V read back (:meth:`ForwardReads.whole_rows`);
+in place: :attr:`ForwardReads.in_place`) or every row's whole K/V read back (``ForwardReads.gather``);
 the tensor it hands out carries the plan (:data:`TAG`), so the attention of that layer, and only it, finds
 the plan (no thread-global, no call back into the cache). What a plan derives from the tables and keeps between
 forwards (runs of consecutive blocks, the block table) checks itself against the tables it was built from, so

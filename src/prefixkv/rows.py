@@ -27,9 +27,10 @@ import torch
 from . import proof
 from .blocks import BlockManager, Claim
 from .errors import CacheMisuseError
+from .parts import StoreParts
+from .proof import key
 from .reads import column_slots
 from .stats import CacheStats, RowStats
-from .store import PrefixStore
 
 
 class Row:
@@ -73,16 +74,6 @@ class Row:
         if self.proven:
             del self.keys[max(keep, self.prompt_len) :]
             self.real = real_count(self.keys[:keep])
-
-
-def key(token: int, visible: bool) -> int:
-    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it."""
-    return token if visible else -1 - token
-
-
-def token(key: int) -> int:
-    """The token id of a key."""
-    return key if key >= 0 else -1 - key
 
 
 def real_count(keys: list[int]) -> int:
@@ -197,10 +188,10 @@ class RowSet:
     # -- a prompt --------------------------------------------------------------------------------
 
     def attach(
-        self, store: PrefixStore, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
+        self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
     ) -> None:
         """:func:`prefixkv.cache.attach_prompt`. Mutates."""
-        bs, chunk = self.block_size, store.chunk_size
+        bs, chunk = self.block_size, store.settings.chunk_size
         self.publishes = chunk is None or chunks
         # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
         caps = [len(r) - 1 for r in rows]
@@ -217,14 +208,14 @@ class RowSet:
 
         with contextlib.ExitStack() as prefills:
             if chunk is None:
-                prefilled = store.runner.prefill_shared(store, rows, self.namespace) if len(rows) > 1 else []
+                prefilled = store.runner.prefill_shared(rows, self.namespace) if len(rows) > 1 else []
             elif chunks:
                 caps, prefilled = [len(r) for r in rows], []
             else:
                 caps, prefilled = [chunk_end(r, chunk) for r in rows], []
                 # what the runner computes stays locked until the rows hold it
                 kept = [r[:c] for r, c in zip(rows, caps)]
-                held = prefills.enter_context(store.runner.prefill_chunks(store, kept, self.namespace))
+                held = prefills.enter_context(store.runner.prefill_chunks(kept, self.namespace))
             claims, reused = self.blocks.claim(rows, self.space, choose)
         self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, claims, reused)]
         for row, r in zip(self.rows, reused):
@@ -244,7 +235,7 @@ class RowSet:
         if count:
             self.blocks.count_query([len(t) for t in rows], reused)
 
-    def reattach(self, store: PrefixStore, pads: list[int], rows: list[list[int]], space: Hashable) -> None:
+    def reattach(self, store: StoreParts, pads: list[int], rows: list[list[int]], space: Hashable) -> None:
         """Give back what construction reused and attach ``rows`` again, under ``space``, as the lookup of the
         same call (the store counts it once). Mutates."""
         before = self.stats.per_row

@@ -1,9 +1,8 @@
 """Running a store's model: the prefill that ``PrefixStore.pin`` and ``PrefixStore.warm`` need, in-batch
 sharing (a prefix several rows of one batch share is computed once), and the canonical chunk schedule of an
-invariant store (docs/correctness.md, "Outputs that never depend on the cache"). The store needs them but sits
-below the cache, so it cannot import them: this module installs them in it (:func:`prefixkv.store.set_runner`)
-when prefixkv's public names load, and every store hooks its model (:mod:`prefixkv.hooks`) and prefills through
-them."""
+invariant store (docs/correctness.md, "Outputs that never depend on the cache"). Each store builds its
+:class:`ModelRunner` and owns it (``store.runner``); the runner knows the store only as the parts it hands down
+(:class:`prefixkv.parts.StoreParts`), so this module never imports the store (docs/how-it-works.md, "Layers")."""
 
 from __future__ import annotations
 
@@ -16,14 +15,14 @@ from typing import Any
 import torch
 
 from .cache import PagedPrefixCache, attach_prompt, publish_all
-from .hooks import attach_hooks
+from .namespace import user_space
+from .parts import StoreParts
 from .stats import RowStats
-from .store import Handle, PrefixStore, set_runner
 
 
 @contextlib.contextmanager
 def prefill(
-    store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
+    store: StoreParts, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
 ) -> Iterator[RowStats]:
     """Compute the uncached rest of ``tokens`` with the store's model (one forward, whose whole blocks the
     forward hook publishes) and, with ``keep_partial``, publish the last part-filled block too (what
@@ -32,8 +31,8 @@ def prefill(
     Yields the prompt tokens reused and computed; what was published stays locked until the block exits.
     ``count=False`` keeps the lookup out of the store's statistics. All of it in user ``namespace``
     (:class:`PagedPrefixCache`). Mutates the store."""
-    if store.chunk_size is not None:
-        kept = tokens[: len(tokens) // store.chunk_size * store.chunk_size]
+    if store.settings.chunk_size is not None:
+        kept = tokens[: len(tokens) // store.settings.chunk_size * store.settings.chunk_size]
         with prefill_chunks(store, [kept], namespace) as (held,):
             if count:
                 store.blocks.count_query([len(tokens)], [held])
@@ -50,17 +49,17 @@ def prefill(
 
 
 @contextlib.contextmanager
-def prefill_chunks(store: PrefixStore, prefixes: list[list[int]], namespace: str | None = None) -> Iterator[list[int]]:
+def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str | None = None) -> Iterator[list[int]]:
     """The canonical prefill of an invariant store (docs/correctness.md, "Outputs that never depend on the
-    cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.chunk_size`` tokens), computing
+    cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.settings.chunk_size`` tokens), computing
     every chunk it lacks with a forward of its own, one row, ``[1, chunk_size]``, after the earlier chunks read
     from the pool, so that a chunk's K/V are a function of its tokens and those before it alone. A chunk computed
     for one prefix serves every later one that starts with it. Yields how many tokens of each prefix the store
     held before (whole chunks); everything the prefixes hold stays locked until the block exits. All of it in
     user ``namespace``. Mutates the store."""
-    chunk = store.chunk_size
+    chunk = store.settings.chunk_size
     if chunk is None:
-        raise ValueError("prefill_chunks is the prefill of an invariant store: PrefixStore(model, invariant=True)")
+        raise ValueError("prefill_chunks is the prefill of an invariant store: StoreParts(model, invariant=True)")
     with contextlib.ExitStack() as holds:
         held = []
         for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
@@ -81,14 +80,21 @@ def _forward(cache: PagedPrefixCache, tokens: list[int]) -> None:
     """One forward of the store's model over ``tokens`` of a one-row prompt, after the columns ``cache`` holds."""
     store = cache.store
     model = store.hf_model  # a PEFT wrapper's adapters live in its layers; its forward renames the cache
-    params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = 1  # K/V are wanted, not a row of logits per token
+    kwargs = forward_kwargs(model, cache, logits_to_keep=1)  # K/V are wanted, not a row of logits per token
     # the first layer's device: model.device is `meta` when accelerate offloads the weights
     ids = torch.tensor([tokens], device=store.blocks.pool.specs[0].device)
     with torch.no_grad():
         model(input_ids=ids, **kwargs)
+
+
+def forward_kwargs(model: torch.nn.Module, cache: PagedPrefixCache, *, logits_to_keep: int) -> dict[str, Any]:
+    """The keyword arguments that hand ``model``'s forward ``cache`` (by the name its signature takes: ``cache``,
+    or ``past_key_values``) and ask for the last ``logits_to_keep`` rows of logits where it can. Does not mutate."""
+    params = inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = logits_to_keep
+    return kwargs
 
 
 def _common_length(a: list[int], b: list[int]) -> int:
@@ -114,43 +120,41 @@ def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[
     return [(list(p), [i for i, r in enumerate(rows) if tuple(r[: len(p)]) == p]) for p in longest]
 
 
-def _prefill_shared(store: PrefixStore, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
+def prefill_shared(store: StoreParts, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
     """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
     beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
     row, in the rows' user ``namespace``. Returns, per prefix computed, the tokens computed and the rows sharing
     it. Mutates the store."""
     computed = []
     space = store.blocks.space()
-    for prefix, members in _shared_prefixes(rows, store.block_size):
+    for prefix, members in _shared_prefixes(rows, store.settings.block_size):
         if any(k < 0 for k in prefix):
             continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
-        if store.cached_length(prefix, space, namespace=namespace) >= len(prefix):
+        if store.blocks.cached_length(prefix, user_space(namespace, space)) >= len(prefix):
             continue
         with prefill(store, prefix, keep_partial=False, count=False, namespace=namespace) as row:
             computed.append((row.computed_tokens, members))
     return computed
 
 
-class _Runner:
-    """What every store runs its model with (:class:`prefixkv.store.ModelRunner`)."""
+class ModelRunner:
+    """What runs a store's model (``store.runner``): built by the store, for it, when the store is built."""
 
-    def attach(self, store: PrefixStore) -> list[Handle]:
-        return attach_hooks(store.hf_model, store)
+    def __init__(self, store: StoreParts) -> None:
+        self.store = store
 
     def prefill(
-        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
+        self, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
     ) -> contextlib.AbstractContextManager[RowStats]:
-        return prefill(store, tokens, keep_partial=keep_partial, count=count, namespace=namespace)
+        """:func:`prefill` with this runner's store. Mutates the store."""
+        return prefill(self.store, tokens, keep_partial=keep_partial, count=count, namespace=namespace)
 
-    def prefill_shared(
-        self, store: PrefixStore, rows: list[list[int]], namespace: str | None
-    ) -> list[tuple[int, list[int]]]:
-        return _prefill_shared(store, rows, namespace)
+    def prefill_shared(self, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
+        """:func:`prefill_shared` with this runner's store. Mutates the store."""
+        return prefill_shared(self.store, rows, namespace)
 
     def prefill_chunks(
-        self, store: PrefixStore, prefixes: list[list[int]], namespace: str | None
+        self, prefixes: list[list[int]], namespace: str | None
     ) -> contextlib.AbstractContextManager[list[int]]:
-        return prefill_chunks(store, prefixes, namespace)
-
-
-set_runner(_Runner())
+        """:func:`prefill_chunks` with this runner's store. Mutates the store."""
+        return prefill_chunks(self.store, prefixes, namespace)

@@ -10,14 +10,14 @@ and only the uncached part of each context, plus the continuation, is fed.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from .cache import PagedPrefixCache, attach_prompt
-from .store import PrefixStore, _as_token_list
+from .runner import forward_kwargs
+from .store import PrefixStore, as_token_list
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
 
@@ -127,16 +127,13 @@ def logprob_rows(
         mask[i, p:] = 1
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate places left-padded rows
     keep = max(len(k) for k in continuations)  # the logits needed: the last context token onwards
-    params = inspect.signature(model.forward).parameters
-    device = store.pool.specs[0].device  # the first layer's (model.device is `meta` under offloading)
+    device = store.blocks.pool.specs[0].device  # the first layer's (model.device is `meta` under offloading)
     with PagedPrefixCache(store, namespace=namespace) as cache:
         # the cache knows each row's context only: it matches (and reuses) at most all but its last token,
         # and checks the fed ids against it; the continuation is recorded as it is fed
         attach_prompt(cache, pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
         start = cache.get_seq_length()
-        kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-        if "logits_to_keep" in params:
-            kwargs["logits_to_keep"] = keep
+        kwargs = forward_kwargs(model, cache, logits_to_keep=keep)
         with torch.no_grad():
             out = model(
                 input_ids=ids[:, start:].to(device),
@@ -190,6 +187,6 @@ def _ids(s: Any, name: str) -> list[int]:
     if not isinstance(s, Iterable):
         raise ValueError(f"each of {name} must be a sequence of token ids, got a {type(s).__name__}")
     try:
-        return _as_token_list(s if isinstance(s, torch.Tensor) else list[Any](s))
+        return as_token_list(s if isinstance(s, torch.Tensor) else list[Any](s))
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None

@@ -1,30 +1,33 @@
 """``PrefixStore``: one per model, what a user calls. The budget, pins and warm-up, save/load/merge, statistics,
 the views of a notebook and ``close``; the blocks themselves (pool, allocator, trie, eviction, the second tier
 and the lock) are its :class:`~prefixkv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
-keys them besides the tokens is its :class:`~prefixkv.namespace.Namespace`. This module imports neither the
-cache nor the model hooks; the layer above installs what runs the model (:func:`set_runner`)."""
+keys them besides the tokens is its :class:`~prefixkv.namespace.Namespace`. The store is built top-down
+(docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``), its block manager, the runner of
+its model (``store.runner``) and the model's hooks, and hands each what it needs; none of them imports this
+module."""
 
 from __future__ import annotations
 
-import importlib
 import operator
 import os
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from . import _compat, display, persist
 from . import attention as reading
-from . import display, persist
 from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
+from .hooks import attach_hooks
 from .memory import attention_shape, format_bytes, parse_bytes
 from .namespace import Namespace, layer_devices, transformers_model, user_space
+from .parts import StoreSettings
 from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
-from .stats import CacheStats, RowStats, StoreStats
+from .runner import ModelRunner
+from .stats import CacheStats, StoreStats
 from .support import check_supported
 from .tier import BLOCK_FORMAT, OffloadTier
 
@@ -35,65 +38,6 @@ _DTYPE_NAMES = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
-
-
-class Handle(Protocol):
-    """What undoes one hook or patch."""
-
-    def remove(self) -> None: ...
-
-
-class ModelRunner(Protocol):
-    """What runs a store's model: the layer above the cache (:mod:`prefixkv.patch`) installs one with
-    :func:`set_runner` when prefixkv is imported, so this module never imports the cache or the hooks."""
-
-    def attach(self, store: PrefixStore) -> list[Handle]:
-        """Hook the store's model so that its forwards feed the store's caches; return what undoes it."""
-        ...
-
-    def prefill(
-        self, store: PrefixStore, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
-    ) -> AbstractContextManager[RowStats]:
-        """Compute and publish the uncached rest of ``tokens`` with one forward, in user ``namespace``; the
-        published tokens stay locked until the context exits."""
-        ...
-
-    def prefill_shared(
-        self, store: PrefixStore, rows: list[list[int]], namespace: str | None
-    ) -> list[tuple[int, list[int]]]:
-        """In-batch sharing: compute once each whole-block prefix that several ``rows`` (of user ``namespace``)
-        share; return, per prefix computed, the tokens computed and the rows sharing it."""
-        ...
-
-    def prefill_chunks(
-        self, store: PrefixStore, prefixes: list[list[int]], namespace: str | None
-    ) -> AbstractContextManager[list[int]]:
-        """An invariant store's canonical prefill: compute and publish, in user ``namespace``, the chunks of
-        ``prefixes`` the store lacks,
-        each with a forward of its own; yield how many tokens of each the store held before. What the prefixes
-        hold stays locked until the context exits."""
-        ...
-
-
-_runner: ModelRunner | None = None
-
-
-def set_runner(runner: ModelRunner) -> None:
-    """Install what runs the model for every store (called once, by :mod:`prefixkv.patch` on import): the
-    store needs the model run for :meth:`PrefixStore.pin`, :meth:`PrefixStore.warm` and in-batch sharing, and
-    its model hooked at construction, but both live in the layer above the cache. Mutates module state."""
-    global _runner
-    _runner = runner
-
-
-def _the_runner() -> ModelRunner:
-    if _runner is None:
-        # `from prefixkv.store import PrefixStore` loads no public name of the package (they load lazily, see
-        # prefixkv/__init__.py): load them now, which installs the runner; by name, as this layer imports no layer above
-        importlib.import_module("prefixkv._api")
-    if _runner is None:
-        raise RuntimeError("prefixkv.patch did not install the model runner: prefixkv is not installed whole")
-    return _runner
 
 
 def _check_chunk_size(invariant: Any, chunk_size: Any, block_size: int) -> int | None:
@@ -126,7 +70,7 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(
             f"dtype must be a floating torch dtype (torch.float16, torch.bfloat16, torch.float32, torch.float64) "
-            f"or its name, got {dtype!r}; quantized blocks are not supported yet"
+            f"or its name, got {dtype!r}; for 8-bit blocks pass kv_dtype='int8' or 'fp8' with it"
         )
     return dtype
 
@@ -211,73 +155,69 @@ class PrefixStore:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         # the canonical prefill schedule's chunk length; None: the default schedule (reuse at any block)
-        self.chunk_size = _check_chunk_size(invariant, chunk_size, block_size)
+        chunk = _check_chunk_size(invariant, chunk_size, block_size)
         if max_memory is not None and num_blocks is not None:
             raise ValueError("give the budget as max_memory or as num_blocks, not both")
         store_dtype = _check_dtype(dtype)
         check_kv_dtype(kv_dtype)
         # how attention reads the pool; it changes no K/V, so keys and files leave it out
-        self.attention = reading.check_backend(attention)
+        backend = reading.check_backend(attention)
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
+        _compat.install_generation_patches()
         self.model = model
-        self.block_size = block_size
         shape = attention_shape(model.config)
-        self.model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
-        self.dtype = store_dtype or self.model_dtype
+        model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
+        # what the layers below read of the store (``store.settings``, frozen), and the same values as a user
+        # reads them: ``store.block_size``, ``store.chunk_size``, ``store.dtype``, ``store.model_dtype``, ...
+        settings = StoreSettings(block_size, chunk, store_dtype or model_dtype, model_dtype, kv_dtype, backend)
+        self.settings = settings
+        self.block_size, self.chunk_size, self.dtype = settings.block_size, settings.chunk_size, settings.dtype
+        self.model_dtype, self.kv_dtype, self.attention = settings.model_dtype, settings.kv_dtype, settings.attention
         devices = layer_devices(model, shape.num_layers)
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
-        self.kv_dtype = kv_dtype
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
-        self.max_blocks = self._budget(max_memory, num_blocks)
+        self.max_blocks = _budget(max_memory, num_blocks, self.bytes_per_block, block_size)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
-        # the K/V tensors (``store.blocks.pool``): a file's or a tier file's metadata names their layers
-        self.pool = BlockPool(specs, block_size, first + 1, kv_dtype)
-        # the second tier (``store.blocks.tier``), or None
-        self.tier: OffloadTier | None = None
+        tier = None
         if offload is not None:
             limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
             # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
             # directory serves a model under each of its adapters
             model_print = persist.fingerprint(model, adapters=False)
-            meta = _file_meta(self, model_print, BLOCK_FORMAT) if offload == "disk" else {}
-            self.tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
+            meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}
+            tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self.blocks = BlockManager(
-            self.pool,
-            chunk_size=self.chunk_size,
+            BlockPool(specs, block_size, first + 1, kv_dtype),
+            chunk_size=chunk,
             max_blocks=self.max_blocks,
             bytes_per_block=self.bytes_per_block,
-            tier=self.tier,
+            tier=tier,
             namespace=Namespace(model),
         )
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)
-        self.runner = _the_runner()
+        self.runner = ModelRunner(self)
         self.attention_backend = _choose_attention(self, attention, serves=reading.install(self.hf_model))
-        self._hooks = self.runner.attach(self)
+        self._hooks = attach_hooks(self.hf_model, self)
 
-    def _budget(self, max_memory: int | str | None, num_blocks: int | None) -> int | None:
-        if num_blocks is not None:
-            if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-                raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-            return num_blocks
-        if max_memory is None:
-            return None
-        budget = parse_bytes(max_memory)
-        # the pool's tensors stay within max_memory: the null block (padding) is paid from it too
-        blocks = budget // self.bytes_per_block - 1
-        if blocks < 1:
-            raise ValueError(
-                f"max_memory={max_memory!r} ({budget} bytes) is less than one block of {self.block_size} tokens "
-                f"({self.bytes_per_block} bytes) plus the reserved padding block; raise max_memory or lower block_size"
-            )
-        return blocks
+    # the blocks' pool and tier, as a user reads them: their home is the block manager
+
+    @property
+    def pool(self) -> BlockPool:
+        """The K/V tensors (``store.blocks.pool``). Does not mutate."""
+        return self.blocks.pool
+
+    @property
+    def tier(self) -> OffloadTier | None:
+        """The second tier (``store.blocks.tier``), or ``None``. Does not mutate."""
+        return self.blocks.tier
 
     @property
     def invariant(self) -> bool:
         """Whether the store computes prompt K/V in the canonical schedule (``PrefixStore(invariant=True)``)."""
-        return self.chunk_size is not None
+        return self.settings.invariant
 
     @property
     def stats(self) -> StoreStats:
@@ -326,10 +266,10 @@ class PrefixStore:
             isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
         ):
             raise ValueError(f"pin(priority=) is an int from 0 to 100 (or None: a hard pin), got {priority!r}")
-        ids_list = _as_token_list(ids)
+        ids_list = as_token_list(ids)
         if not ids_list:
             raise ValueError("pin() needs at least one token id")
-        tokens = self._kept(ids_list)
+        tokens = _kept(ids_list, self.chunk_size)
         if not tokens:
             raise ValueError(
                 f"an invariant store caches whole chunks of chunk_size={self.chunk_size} tokens; these "
@@ -344,24 +284,17 @@ class PrefixStore:
             if pins.add(ids_list, tokens, space, priority):
                 return len(tokens)
         # the prefill keeps the published tokens locked until the pin holds them
-        with self.runner.prefill(self, tokens, keep_partial=True, count=True, namespace=namespace):
+        with self.runner.prefill(tokens, keep_partial=True, count=True, namespace=namespace):
             if not pins.add(ids_list, tokens, space, priority):
                 raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
         return len(tokens)
-
-    def _kept(self, tokens: list[int]) -> list[int]:
-        """The part of ``tokens`` that :meth:`pin` and :meth:`warm` cache: all of them, or in the invariant
-        schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
-        if self.chunk_size is None:
-            return tokens
-        return tokens[: len(tokens) // self.chunk_size * self.chunk_size]
 
     def unpin(
         self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None, namespace: str | None = None
     ) -> None:
         """Undo one :meth:`pin` of the same ids, priority and namespace. Mutates; raises ``ValueError`` if they
         are not pinned so."""
-        self.blocks.pins.remove(_as_token_list(ids), user_space(namespace, self.blocks.space()), priority)
+        self.blocks.pins.remove(as_token_list(ids), user_space(namespace, self.blocks.space()), priority)
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and everything the second
@@ -400,8 +333,8 @@ class PrefixStore:
         rows = []
         with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
             for prompt in bar:
-                tokens = _as_token_list(prompt)
-                with self.runner.prefill(self, tokens, keep_partial=False, count=True, namespace=namespace) as row:
+                tokens = as_token_list(prompt)
+                with self.runner.prefill(tokens, keep_partial=False, count=True, namespace=namespace) as row:
                     rows.append(row)
                 reused = sum(r.cached_tokens for r in rows)
                 bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
@@ -431,7 +364,7 @@ class PrefixStore:
         >>> prefixkv.PrefixStore.load(path, model).stats.cached_tokens
         16
         """
-        wanted = None if prefixes is None else [_as_token_list(p) for p in prefixes]
+        wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
         now = getattr(self.model, "dtype", self.model_dtype)
         if now != self.model_dtype:
             raise PersistError(
@@ -440,7 +373,7 @@ class PrefixStore:
             )
         model_print = persist.fingerprint(self.model)
         nodes, tensors, blocks = self.blocks.room.export(wanted, self.blocks.space())
-        return persist.write(path, tensors, _file_meta(self, model_print), nodes, blocks)
+        return persist.write(path, tensors, _file_meta(self, self.pool.specs, model_print), nodes, blocks)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
@@ -537,15 +470,44 @@ class PrefixStore:
         raise _not_a_cache()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """What transformers 5.4-5.12 ask a cache first (before ``is_compileable``): the same refusal."""
+        """What some transformers releases ask a cache first (before ``is_compileable``): the same refusal."""
         raise _not_a_cache()
 
 
-def _file_meta(store: PrefixStore, model_print: str, format: str = persist.FORMAT) -> dict[str, str]:
+def _budget(max_memory: int | str | None, num_blocks: int | None, bytes_per_block: int, block_size: int) -> int | None:
+    """The pool's bound in blocks (``None``: it grows as requests need), from ``max_memory`` or ``num_blocks``."""
+    if num_blocks is not None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        return num_blocks
+    if max_memory is None:
+        return None
+    budget = parse_bytes(max_memory)
+    # the pool's tensors stay within max_memory: the null block (padding) is paid from it too
+    blocks = budget // bytes_per_block - 1
+    if blocks < 1:
+        raise ValueError(
+            f"max_memory={max_memory!r} ({budget} bytes) is less than one block of {block_size} tokens "
+            f"({bytes_per_block} bytes) plus the reserved padding block; raise max_memory or lower block_size"
+        )
+    return blocks
+
+
+def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
+    """The part of ``tokens`` that :meth:`pin` and :meth:`warm` cache: all of them, or in the invariant
+    schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
+    if chunk_size is None:
+        return tokens
+    return tokens[: len(tokens) // chunk_size * chunk_size]
+
+
+def _file_meta(
+    store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = persist.FORMAT
+) -> dict[str, str]:
     """The metadata of a file of ``store``'s K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
     store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
     tiers carry the schedule")."""
-    meta = persist.store_meta(store, model_print, format)
+    meta = persist.store_meta(store.settings, specs, store.model, model_print, format)
     if store.chunk_size is not None:
         meta["chunk_size"] = str(store.chunk_size)
     return meta
@@ -566,11 +528,11 @@ def _check_schedule(chunk_size: int | None, file: persist.PrefixFile, path: str 
 def _not_a_cache() -> CacheMisuseError:
     return CacheMisuseError(
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-        "cache=prefixkv.PagedPrefixCache(store, ids) (past_key_values= before transformers 5.24)"
+        + _compat.CACHE_ARGUMENT_HINT
     )
 
 
-def _as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
+def as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
     """One sequence of token ids as ints; ``ValueError`` for anything else (floats are not truncated)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() == 2 and ids.shape[0] == 1:

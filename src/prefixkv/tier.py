@@ -5,7 +5,7 @@ quantized), keyed by a chained sha256 over the tokens from position 0 to the blo
 chunk ``c`` hashes the key of chunk ``c - 1`` and the ``block_size`` tokens of chunk ``c``. A prefix is
 thus found block by block where the trie's match stops, and two prefixes that share their first blocks
 share those entries. No trie and no allocator here: the store decides what to offload and what to bring
-back (when it makes room, and in :meth:`PrefixStore.claim`); the tier keeps entries within its own
+back (when it makes room, and in :meth:`prefixkv.blocks.BlockManager.claim`); the tier keeps entries within its own
 budget, least recently used first out.
 
 Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU

@@ -1,0 +1,79 @@
+"""What a :class:`~prefixkv.store.PrefixStore` hands down to the layers it composes (docs/how-it-works.md,
+"Layers"): its settings as a frozen record, and :class:`StoreParts`, what a cache, its rows, the model hooks and
+the model runner read of the store they serve. The store sits on top of them and builds them; they know it only
+through this interface, so none of them imports the store."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .blocks import BlockManager
+from .stats import RowStats
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """A store's settings, fixed when it is built (``store.settings``). ``chunk_size`` is the canonical prefill
+    schedule's chunk length of an invariant store, ``None`` for the default schedule; ``attention`` is the backend
+    asked for (``PrefixStore(attention=...)``), which changes no K/V."""
+
+    block_size: int
+    chunk_size: int | None
+    dtype: torch.dtype
+    model_dtype: torch.dtype
+    kv_dtype: str | None
+    attention: str
+
+    @property
+    def invariant(self) -> bool:
+        """Whether prompt K/V are computed in the canonical schedule (``PrefixStore(invariant=True)``)."""
+        return self.chunk_size is not None
+
+
+class Handle(Protocol):
+    """What undoes one hook or patch."""
+
+    def remove(self) -> None: ...
+
+
+class Prefills(Protocol):
+    """The prefills a cache's rows ask of their store's model runner (:class:`prefixkv.runner.ModelRunner`)."""
+
+    def prefill(
+        self, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None
+    ) -> AbstractContextManager[RowStats]:
+        """Compute and publish the uncached rest of ``tokens``, in user ``namespace``; the published tokens stay
+        locked until the context exits. Mutates the store."""
+        ...
+
+    def prefill_shared(self, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
+        """In-batch sharing: compute once each whole-block prefix that several ``rows`` (of user ``namespace``)
+        share; return, per prefix computed, the tokens computed and the rows sharing it. Mutates the store."""
+        ...
+
+    def prefill_chunks(self, prefixes: list[list[int]], namespace: str | None) -> AbstractContextManager[list[int]]:
+        """An invariant store's canonical prefill of ``prefixes`` in user ``namespace``; yields how many tokens
+        of each the store held before, all of them locked until the context exits. Mutates the store."""
+        ...
+
+
+@runtime_checkable
+class StoreParts(Protocol):
+    """What the layers below the user-facing store read of it: its blocks, its settings, the transformers model
+    that computes (inside a PEFT wrapper, its base model) and the runner of that model."""
+
+    @property
+    def blocks(self) -> BlockManager: ...
+
+    @property
+    def settings(self) -> StoreSettings: ...
+
+    @property
+    def hf_model(self) -> torch.nn.Module: ...
+
+    @property
+    def runner(self) -> Prefills: ...
