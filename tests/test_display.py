@@ -187,13 +187,14 @@ def test_trie_text_draws_the_split(llama64: Any) -> None:
     store.warm([[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 20, 21, 22, 23]], progress=False)
     assert display.trie_text(store) == "\n".join(
         [
-            "root",
-            '└── 5 tokens [0, 5)  blocks 1-2  evictable  "5 6 7 8 9"',
-            '    ├── 3 tokens [5, 8)  blocks 2  evictable  "10 11 12"',
-            '    └── 3 tokens [5, 8)  blocks 3  evictable  "20 21 22"',
+            "root",  # the second prompt's lock split the edge after its whole block, its publish after 5 tokens
+            '└── 4 tokens [0, 4)  blocks 1  evictable  "5 6 7 8"',
+            '    └── 1 tokens [4, 5)  blocks 3  evictable  "9"',
+            '        ├── 3 tokens [5, 8)  blocks 2  evictable  "10 11 12"',
+            '        └── 3 tokens [5, 8)  blocks 3  evictable  "20 21 22"',
         ]
     )
-    assert display.trie_text(store, max_nodes=1).endswith("… 2 more nodes")
+    assert display.trie_text(store, max_nodes=1).endswith("… 3 more nodes")
     store.close()
 
 

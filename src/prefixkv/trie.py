@@ -264,7 +264,8 @@ class RadixTrie:
         ``space``. Mutates.
 
         Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
-        ``table``. Returns the node holding the last token and the block occurrences added.
+        ``table``, and where an edge is split inside a block, the upper half takes ``table``'s block of that
+        chunk. Returns the node holding the last token and the block occurrences added.
 
         ``after`` continues from a node whose path spells (at least) ``seq[:known]``, such as the node a
         sequence published last: the walk starts at the deepest of ``after`` and its ancestors that ends within
@@ -309,7 +310,11 @@ class RadixTrie:
             if k < len(child.tokens):
                 child, straddle = self._split(child, k)
                 if straddle is not None:
-                    added.append(straddle)
+                    # the upper half takes the inserted sequence's block of the cut chunk (both hold its K/V up
+                    # to the cut): the path of what is inserted holds its own blocks only, so a request that
+                    # holds it locks no block it does not read (docs/memory.md)
+                    child.blocks[-1] = table[(pos + k) // bs]
+                    added.append(child.blocks[-1])
             node, pos = child, pos + k
 
     def _split(self, node: Node, k: int) -> tuple[Node, int | None]:
