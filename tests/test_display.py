@@ -187,13 +187,14 @@ def test_trie_text_draws_the_split(llama64: Any) -> None:
     store.warm([[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 20, 21, 22, 23]], progress=False)
     assert display.trie_text(store) == "\n".join(
         [
-            "root",
-            '└── 5 tokens [0, 5)  blocks 1-2  evictable  "5 6 7 8 9"',
-            '    ├── 3 tokens [5, 8)  blocks 2  evictable  "10 11 12"',
-            '    └── 3 tokens [5, 8)  blocks 3  evictable  "20 21 22"',
+            "root",  # the second prompt's lock split the edge after its whole block, its publish after 5 tokens
+            '└── 4 tokens [0, 4)  blocks 1  evictable  "5 6 7 8"',
+            '    └── 1 tokens [4, 5)  blocks 3  evictable  "9"',
+            '        ├── 3 tokens [5, 8)  blocks 2  evictable  "10 11 12"',
+            '        └── 3 tokens [5, 8)  blocks 3  evictable  "20 21 22"',
         ]
     )
-    assert display.trie_text(store, max_nodes=1).endswith("… 2 more nodes")
+    assert display.trie_text(store, max_nodes=1).endswith("… 3 more nodes")
     store.close()
 
 
@@ -255,3 +256,26 @@ def test_real_chat_reuses_the_system_prompt_and_matches_stock() -> None:
             assert torch.equal(out.sequences, ref.sequences)
             diff = max((a - b).abs().max().item() for a, b in zip(out.logits, ref.logits))
             assert diff < 1e-4, diff
+
+
+def test_the_text_view_shows_every_namespace_labelled() -> None:
+    """Issue 32, review #10: a store whose prefixes lie in a user's namespace or under changed weights printed an
+    empty ``root``."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    store.warm([list(range(10, 19))], progress=False, namespace="alice")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+    store.warm([list(range(30, 38))], progress=False)
+    text = str(store.show())
+    lines = text.splitlines()
+    assert lines[0] == "root" and len(lines) == 5, text  # the default namespace first: empty here
+    alice = lines.index("root of namespace UserSpace(name='alice', space=None)")
+    assert lines[alice + 1].startswith("└── 8 tokens [0, 8)  blocks")
+    assert lines[alice + 1].endswith('"10 11 12 13 14 15 16 17"')
+    changed = next(
+        i for i, line in enumerate(lines) if line.startswith("root of namespace WeightsChanged(adapters=None")
+    )
+    assert lines[changed + 1].endswith('"30 31 32 33 34 35 36 37"')
+    assert display.trie_text(store, max_nodes=1).endswith("… 1 more nodes")
+    store.close()

@@ -352,6 +352,44 @@ def test_a_cache_hit_needs_no_more_blocks_than_the_cold_call() -> None:
     assert reused > 0 and distance <= 1e-6
 
 
+# (issue 32, review #2) a request under a longer cached prefix, at a budget it fits on a fresh store: its lock
+# covers the whole blocks it reuses, not the node where its match ends, nor a block of a split it does not read
+LONGER_PREFIX = {
+    # one row whose 9-token prompt the store holds 12 tokens of (reuse capped at 8: the lock stayed on 12, then
+    # publishing split the trie's block after the 9th token, and the split's half kept the trie's block locked)
+    "default": ({}, 4, torch.arange(10, 20)[None], torch.arange(10, 19)[None]),
+    # two rows reusing 8 (one offset per batch) though one matches 12: both locked before the first publish
+    "batch": (
+        {},
+        10,
+        torch.arange(10, 34)[None],
+        torch.tensor([[*range(10, 22), *range(60, 68)], [*range(10, 18), *range(70, 82)]]),
+    ),
+    # the canonical chunks of 16 tokens held inside a node of 24: the whole node stayed locked
+    "invariant": (dict(invariant=True, chunk_size=8), 8, torch.arange(10, 36)[None], torch.arange(10, 32)[None]),
+}
+
+
+@pytest.mark.parametrize("kind", list(LONGER_PREFIX))
+def test_a_request_under_a_longer_cached_prefix_fits_where_it_fits_fresh(kind: str) -> None:
+    options, budget, primer, ids = LONGER_PREFIX[kind]
+    model = model64()
+    ref = copy.deepcopy(model)
+    fresh = prefixkv.PrefixStore(model, block_size=4, num_blocks=budget, **options)
+    out, _ = run(model, fresh, ids)  # the request fits this budget
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    fresh.close()
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=budget, **options)
+    run(model, store, primer)
+    assert store.stats.blocks_evictable == store.stats.blocks_used  # all the store holds may go
+    warm, reused = run(model, store, ids)  # CapacityError before the fix
+    assert reused == {"default": 8, "batch": 2 * 8, "invariant": 16}[kind] and store.stats.evictions > 0
+    assert diff(warm, stock(ref, ids)) <= 1e-6
+    store.check_invariants()
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused > 0 and distance <= 1e-6
+
+
 # -- items 5 and 7: copies of a model --------------------------------------------------------------------------
 
 

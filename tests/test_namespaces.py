@@ -229,3 +229,31 @@ def test_an_invariant_store_computes_its_chunks_in_the_namespace(llama64: Any) -
             assert out.cache.stats.cached_tokens == hits, name
         assert store.cached_length(system.tolist(), namespace="alice") == 24
         assert store.cached_length(system.tolist()) == 0
+
+
+def test_a_namespace_per_request_costs_no_memory_once_its_prefixes_are_gone(llama64: Any) -> None:
+    """Issue 32, review #5: a namespace per user (or per request) kept its trie root forever, also after
+    eviction and ``clear()``. A namespace without nodes or locks is dropped; isolation holds throughout."""
+    system = random_tokens(24, seed=1)
+    with PrefixStore(llama64, block_size=BS, num_blocks=24) as store:
+        trie = store.blocks._trie
+        for i in range(40):  # each request in a namespace of its own, through a budget that evicts
+            out = compare(llama64, store, _prompt(10 + i, system), namespace=f"request-{i}", do_sample=False)
+            _exact(out)
+            assert out.cache.stats.cached_tokens == 0  # no other request's K/V
+        assert store.stats.evictions > 0
+        # roots: the default one, those that hold prefixes, at most one emptied since the last new root
+        holding = {n.space for n in trie.view() if n.parent < 0}
+        assert len(trie._roots) <= len(holding | {None}) + 1 < 12, len(trie._roots)  # 41 before the fix
+        live = compare(llama64, store, _prompt(60, system), namespace="request-39", do_sample=False)
+        _exact(live)
+        assert live.cache.stats.cached_tokens == 24  # the latest one kept its prefix and still reuses it
+        store.clear()
+        assert list(trie._roots) == [None] and len(trie._spaces) == 1  # 42 before the fix
+        again = compare(llama64, store, _prompt(61, system), namespace="request-39", do_sample=False)
+        _exact(again)
+        assert again.cache.stats.cached_tokens == 0
+        later = compare(llama64, store, _prompt(62, system), do_sample=False)  # an ordinary request, against stock
+        _exact(later)
+        assert later.cache.stats.cached_tokens == 0
+        store.check_invariants()

@@ -368,6 +368,20 @@ def test_kv_dtype_is_checked(llama64: Any) -> None:
         convert("unused", "unused", "float8")
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def test_the_blocks_backend_over_8bit_blocks_is_refused_at_construction(llama64: Any, invariant: bool) -> None:
+    """The 'blocks' backend cannot read 8-bit blocks: every store refuses it when built (issue 32, review #6: an
+    invariant store was built, reported the gather, then every cache raised), and the model carries on."""
+    with pytest.raises(ValueError, match="the 'blocks' backend reads the pool in the dtype the model computes in"):
+        PrefixStore(llama64, block_size=4, kv_dtype="int8", attention="blocks", invariant=invariant)
+    with PrefixStore(llama64, block_size=4, kv_dtype="int8", invariant=invariant) as store:
+        ids = random_tokens(20, seed=3)[None]
+        for warm in (False, True):  # against a DynamicCache that quantizes alike
+            run = compare(llama64, store, ids, do_sample=False)
+            assert (run.cache.stats.cached_tokens >= 16) == warm
+            assert run.same_tokens and run.max_diff <= EXACT, run.max_diff
+
+
 def test_the_store_view_names_the_storage(llama64: Any) -> None:
     with PrefixStore(llama64, block_size=4, kv_dtype="int8") as store:
         assert "int8 with a bfloat16 scale per token and KV head" in prefixkv.display.store_html(store)

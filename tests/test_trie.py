@@ -318,11 +318,14 @@ def test_split_mid_block_keeps_both_paths() -> None:
     trie = RadixTrie(block_size=4)
     trie.insert([1, 2, 3, 4, 5, 6, 7, 8], [10, 11])
     ins = trie.insert([1, 2, 3, 4, 5, 6, 9, 9], [10, 12])
-    assert ins.added == [11, 12]  # the cut chunk is now held by both halves
+    # the cut chunk is held by both halves: the upper one takes the inserted block, so the new path holds only
+    # its own blocks and evicting the old branch frees block 11
+    assert ins.added == [12, 12]
     assert trie.match([1, 2, 3, 4, 5, 6, 9, 9]).blocks == [10, 12]
     assert trie.match([1, 2, 3, 4, 5, 6, 7, 8]).blocks == [10, 11]
     m = trie.match([1, 2, 3, 4, 5, 0])
-    assert (m.length, m.blocks) == (5, [10, 11])
+    assert (m.length, m.blocks) == (5, [10, 12])
+    assert trie.evict_one() == [11]  # the old branch, least recently used
 
 
 def test_eviction_is_lru_and_parents_follow() -> None:

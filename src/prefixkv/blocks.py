@@ -129,50 +129,47 @@ class BlockManager:
         batch, live there); it runs under the lock and must not call the store.
 
         Each row's claim shares the whole blocks it reuses, holds a copy of a part-block it reuses (copy-on-write:
-        the row will write after it) and keeps the matched node locked. Mutates LRU times, refcounts, locks (and
-        the trie and pool when blocks come back from the second tier); if it raises, every refcount and lock is
-        as before. Callers release the claims (:meth:`release`)."""
-        bs = self.block_size
+        the row will write after it) and keeps locked the node that ends those whole blocks (an edge that runs on
+        past them is split there), so that what the trie holds after them stays evictable: a request whose prefix
+        the store holds needs no more room than on a fresh store (docs/memory.md). Mutates LRU times, refcounts,
+        locks, the trie (that split; and the pool when blocks come back from the second tier); if it raises, every
+        refcount and lock is as before. Callers release the claims (:meth:`release`)."""
+        bs, alloc = self.block_size, self._allocator
         with self.lock:
             matches = self.lookup(rows, space)
             reused = choose([m.length for m in matches])
             claims = [Claim([], None) for _ in rows]
+            # the part-blocks to copy keep a hold until copied: room made for a copy may evict the node past the
+            # whole blocks, which holds them
+            sources = [m.blocks[r // bs] if r % bs else None for m, r in zip(matches, reused)]
+            held = [b for b in sources if b is not None]
+            alloc.incref(held)
             try:
-                for claim, m, r in zip(claims, matches, reused):
-                    if r:  # every match locked before any copy makes room: that must not evict another row's
-                        self._trie.lock(m.node)
-                        claim.node = m.node
-                for claim, m, r in zip(claims, matches, reused):
-                    shared = m.blocks[: r // bs]
-                    self._allocator.incref(shared)
-                    claim.table = shared
-                    if r % bs:
-                        shared.append(self.room.copy_prefix(m.blocks[r // bs], r % bs))
-                for claim, r in zip(claims, reused):
-                    if r % bs:
-                        self._lock_whole_blocks(claim, r // bs * bs)
+                for claim, row, m, r in zip(claims, rows, matches, reused):
+                    claim.table = m.blocks[: r // bs]
+                    alloc.incref(claim.table)
+                    if r >= bs:  # every row's blocks held before any copy makes room: that must not evict them
+                        claim.node = self._lock_prefix(row[: r // bs * bs], space)
+                for claim, src, r in zip(claims, sources, reused):
+                    if src is not None:
+                        claim.table.append(self.room.copy_prefix(src, r % bs))
             except BaseException:
                 self.release(claims)
                 raise
+            finally:
+                alloc.decref(held)
             self._claims.update(claims)
             return Claimed(claims, reused)
 
-    def _lock_whole_blocks(self, claim: Claim, boundary: int) -> None:
-        """Move the claim's lock up to the deepest node on its path that ends by ``boundary``, the end of the whole
-        blocks it shares: the claim holds its own copy of the part-block after them, so the trie's (and what
-        follows) stays evictable, and a repeated request needs no more blocks than the cold one (docs/memory.md).
-        The shared blocks stay the claim's (its refcounts); an unlocked node evicted meanwhile is published again
-        from the locked one. Mutates locks."""
-        node = claim.node
-        while node is not None and node.parent is not None and node.end > boundary:
-            node = node.parent
-        if node is None or node.parent is None:
-            if claim.node is not None:
-                self._trie.unlock(claim.node)
-            claim.node = None
-            return
-        self._trie.move_lock(claim.node, node)
-        claim.node = node
+    def _lock_prefix(self, tokens: list[int], space: Hashable) -> Node:
+        """Lock the node that ends exactly after ``tokens`` (which the trie holds, in namespace ``space``),
+        splitting the edge that runs on past them; return it. Mutates the trie, locks and refcounts (a split inside
+        a block makes it occur twice)."""
+        end = self._trie.end_node(tokens, space)
+        assert end is not None, "a claim locks only what its match holds"
+        self._allocator.incref(end.added)
+        self._trie.lock(end.node)
+        return end.node
 
     def empty_claims(self, n: int) -> list[Claim]:
         """``n`` claims that hold nothing yet (rows a cache starts from scratch). Mutates (registers them)."""

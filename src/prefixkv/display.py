@@ -90,22 +90,28 @@ def top_prefixes(store: StoreLike, n: int = 5) -> list[CachedPrefix]:
 
 
 def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> str:
-    """The trie (its default namespace) as an indented tree, one line per node: its token span, the blocks
-    holding it, whether it is pinned, in use or evictable, and its first tokens (decoded when a tokenizer is
-    given). Does not mutate."""
+    """The trie as an indented tree, one line per node: its token span, the blocks holding it, whether it is
+    pinned, in use or evictable, and its first tokens (decoded when a tokenizer is given). The default namespace
+    comes first, under ``root``; every other one that holds prefixes (a user's ``namespace=``, an adapter, weights
+    changed since the store was built) follows under a root line that names it. Does not mutate."""
     nodes = store.blocks.prefix_view()
     children = _children(nodes)
-    lines = ["root"]
-    for shown, (i, prefix, last) in enumerate(_walk(nodes, children)):
-        if shown == max_nodes:
-            lines.append(f"… {len(nodes) - shown} more nodes")
-            break
-        node = nodes[i]
-        state = "pinned" if node.pinned else ("in use" if node.lock else "evictable")  # the HTML view's words
-        lines.append(
-            f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
-            f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'
-        )
+    spaces = list(dict.fromkeys([None, *(n.space for n in nodes if n.parent < 0)]))
+    lines: list[str] = []
+    shown = 0
+    for space in spaces:
+        lines.append("root" if space is None else f"root of namespace {space!r}")
+        for i, prefix, last in _walk(nodes, children, space):
+            if shown == max_nodes:
+                lines.append(f"… {len(nodes) - shown} more nodes")
+                return "\n".join(lines)
+            shown += 1
+            node = nodes[i]
+            state = "pinned" if node.pinned else ("in use" if node.lock else "evictable")  # the HTML view's words
+            lines.append(
+                f"{prefix}{'└── ' if last else '├── '}{len(node.tokens)} tokens [{node.start}, {node.end})  "
+                f'blocks {_block_ranges(node.blocks)}  {state}  "{_label(node.tokens, tokenizer, 40)}"'
+            )
     return "\n".join(lines)
 
 
@@ -290,10 +296,10 @@ def _path_tokens(nodes: list[NodeView], i: int) -> list[int]:
     return [t for part in reversed(parts) for t in part]
 
 
-def _walk(nodes: list[NodeView], children: list[list[int]]) -> Iterator[tuple[int, str, bool]]:
-    """Depth-first over the default namespace, children in token order: (node index, indentation, is last
+def _walk(nodes: list[NodeView], children: list[list[int]], space: Any) -> Iterator[tuple[int, str, bool]]:
+    """Depth-first over namespace ``space``, children in token order: (node index, indentation, is last
     child). Iterative: a long chat is a chain of many nodes."""
-    top = [i for i, n in enumerate(nodes) if n.parent < 0 and n.space is None]
+    top = [i for i, n in enumerate(nodes) if n.parent < 0 and n.space == space]
     stack = _below(nodes, top, "")
     while stack:
         i, prefix, last = stack.pop()

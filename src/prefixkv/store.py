@@ -78,9 +78,11 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
 def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
     """The one-line reason of the backend ``name`` resolves to for the store's pool (``store.attention_backend``;
     every cache of the store reads through ``store.attention``); warns when an explicit ``"flex"``
-    (:mod:`prefixkv.flex`) falls back. Does not mutate."""
+    (:mod:`prefixkv.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool (``"blocks"``
+    over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
         from . import flex  # noqa: F401
+    named = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
     if store.invariant:
         reason = (
             "gather: an invariant store reads each row whole, in logical order (its canonical read, "
@@ -92,7 +94,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
             "own code), so update hands it whole rows"
         )
     else:
-        reason = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
+        reason = named
     if name == "flex" and not reason.startswith("flex"):
         warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
     return reason

@@ -151,6 +151,9 @@ class RadixTrie:
         self.protected_share = protected_share
         self._roots: dict[Hashable, Node] = {}
         self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
+        # namespaces whose root lost its last node: dropped at the next new root or clear(), not at once, so
+        # that space_of() still names a node just evicted (a namespace per user must not cost memory forever)
+        self._emptied: set[Hashable] = set()
         self.root = self.root_of(None)
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
@@ -165,10 +168,20 @@ class RadixTrie:
         """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
         root = self._roots.get(space)
         if root is None:
+            self._drop_empty_roots()
             root = self._roots[space] = Node([], 0, [], None)
             root.lock = 1
             self._spaces[id(root)] = space
         return root
+
+    def _drop_empty_roots(self) -> None:
+        """Forget the roots of namespaces (but the default one) that hold no node and no lock. Mutates."""
+        for space in self._emptied:
+            root = self._roots.get(space)
+            if root is not None and space is not None and not root.children and root.lock == 1:
+                del self._roots[space]
+                del self._spaces[id(root)]
+        self._emptied.clear()
 
     def space_of(self, node: Node) -> Hashable:
         """The namespace ``node`` is in (also for a node just evicted). Does not mutate."""
@@ -264,7 +277,8 @@ class RadixTrie:
         ``space``. Mutates.
 
         Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
-        ``table``. Returns the node holding the last token and the block occurrences added.
+        ``table``, and where an edge is split inside a block, the upper half takes ``table``'s block of that
+        chunk. Returns the node holding the last token and the block occurrences added.
 
         ``after`` continues from a node whose path spells (at least) ``seq[:known]``, such as the node a
         sequence published last: the walk starts at the deepest of ``after`` and its ancestors that ends within
@@ -309,7 +323,11 @@ class RadixTrie:
             if k < len(child.tokens):
                 child, straddle = self._split(child, k)
                 if straddle is not None:
-                    added.append(straddle)
+                    # the upper half takes the inserted sequence's block of the cut chunk (both hold its K/V up
+                    # to the cut): the path of what is inserted holds its own blocks only, so a request that
+                    # holds it locks no block it does not read (docs/memory.md)
+                    child.blocks[-1] = table[(pos + k) // bs]
+                    added.append(child.blocks[-1])
             node, pos = child, pos + k
 
     def _split(self, node: Node, k: int) -> tuple[Node, int | None]:
@@ -519,6 +537,8 @@ class RadixTrie:
         if parent.parent is not None:  # see touch()
             parent.last_access = max(parent.last_access, node.last_access)
             self._add_hits(parent, node.hits)
+        elif not parent.children:
+            self._emptied.add(self._spaces[id(parent)])
         self._offer(parent)
         return node
 
@@ -527,6 +547,7 @@ class RadixTrie:
         released: list[int] = []
         while (blocks := self.evict_one()) is not None:
             released.extend(blocks)
+        self._drop_empty_roots()
         return released
 
     # -- checks ----------------------------------------------------------------------------------
