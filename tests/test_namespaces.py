@@ -249,7 +249,7 @@ def test_a_namespace_per_request_costs_no_memory_once_its_prefixes_are_gone(llam
         _exact(live)
         assert live.cache.stats.cached_tokens == 24  # the latest one kept its prefix and still reuses it
         store.clear()
-        assert list(trie._roots) == [None] and len(trie._spaces) == 1  # 42 before the fix
+        assert list(trie._roots) == [None] and len(trie._roots._spaces) == 1  # 42 before the fix
         again = compare(llama64, store, _prompt(61, system), namespace="request-39", do_sample=False)
         _exact(again)
         assert again.cache.stats.cached_tokens == 0

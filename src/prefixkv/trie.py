@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, ItemsView, Iterator, Sequence, ValuesView
 from typing import NamedTuple
 
 ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every namespace
@@ -130,6 +130,64 @@ def path_tokens(node: Node) -> list[int]:
     return [t for part in reversed(parts) for t in part]
 
 
+class Roots:
+    """The root of each namespace of a trie. A root is made on first use; the root of a namespace (but the
+    default one) that lost its last node is forgotten at the next new root or :meth:`drop_empty`, not at once, so
+    that :meth:`space_of` still names a node just evicted: a namespace per user must not cost memory forever."""
+
+    def __init__(self) -> None:
+        self._roots: dict[Hashable, Node] = {}
+        self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
+        self._emptied: set[Hashable] = set()
+
+    def get(self, space: Hashable) -> Node:
+        """The root of ``space``, made (locked forever) if it has none. Mutates on first use."""
+        root = self._roots.get(space)
+        if root is None:
+            self.drop_empty()
+            root = self._roots[space] = Node([], 0, [], None)
+            root.lock = 1
+            self._spaces[id(root)] = space
+        return root
+
+    def space_of(self, node: Node) -> Hashable:
+        """The namespace ``node`` is in. Does not mutate."""
+        while node.parent is not None:
+            node = node.parent
+        return self._spaces[id(node)]
+
+    def emptied(self, root: Node) -> None:
+        """Note that ``root`` lost its last node. Mutates."""
+        self._emptied.add(self._spaces[id(root)])
+
+    def drop_empty(self) -> None:
+        """Forget the roots of namespaces (but the default one) that hold no node and no lock. Mutates."""
+        for space in self._emptied:
+            root = self._roots.get(space)
+            if root is not None and space is not None and not root.children and root.lock == 1:
+                del self._roots[space]
+                del self._spaces[id(root)]
+        self._emptied.clear()
+
+    def __contains__(self, space: Hashable) -> bool:
+        return space in self._roots
+
+    def __getitem__(self, space: Hashable) -> Node:
+        return self._roots[space]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._roots)
+
+    def __len__(self) -> int:
+        return len(self._roots)
+
+    def items(self) -> ItemsView[Hashable, Node]:
+        return self._roots.items()
+
+    def values(self) -> ValuesView[Node]:
+        return self._roots.values()
+
+
 class RadixTrie:
     """Token-granular radix trie over block ids.
 
@@ -149,11 +207,7 @@ class RadixTrie:
         self.block_size = block_size
         self.protect_after = protect_after
         self.protected_share = protected_share
-        self._roots: dict[Hashable, Node] = {}
-        self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
-        # namespaces whose root lost its last node: dropped at the next new root or clear(), not at once, so
-        # that space_of() still names a node just evicted (a namespace per user must not cost memory forever)
-        self._emptied: set[Hashable] = set()
+        self._roots = Roots()
         self.root = self.root_of(None)
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
@@ -166,28 +220,11 @@ class RadixTrie:
 
     def root_of(self, space: Hashable) -> Node:
         """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
-        root = self._roots.get(space)
-        if root is None:
-            self._drop_empty_roots()
-            root = self._roots[space] = Node([], 0, [], None)
-            root.lock = 1
-            self._spaces[id(root)] = space
-        return root
-
-    def _drop_empty_roots(self) -> None:
-        """Forget the roots of namespaces (but the default one) that hold no node and no lock. Mutates."""
-        for space in self._emptied:
-            root = self._roots.get(space)
-            if root is not None and space is not None and not root.children and root.lock == 1:
-                del self._roots[space]
-                del self._spaces[id(root)]
-        self._emptied.clear()
+        return self._roots.get(space)
 
     def space_of(self, node: Node) -> Hashable:
         """The namespace ``node`` is in (also for a node just evicted). Does not mutate."""
-        while node.parent is not None:
-            node = node.parent
-        return self._spaces[id(node)]
+        return self._roots.space_of(node)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -538,7 +575,7 @@ class RadixTrie:
             parent.last_access = max(parent.last_access, node.last_access)
             self._add_hits(parent, node.hits)
         elif not parent.children:
-            self._emptied.add(self._spaces[id(parent)])
+            self._roots.emptied(parent)
         self._offer(parent)
         return node
 
@@ -547,7 +584,7 @@ class RadixTrie:
         released: list[int] = []
         while (blocks := self.evict_one()) is not None:
             released.extend(blocks)
-        self._drop_empty_roots()
+        self._roots.drop_empty()
         return released
 
     # -- checks ----------------------------------------------------------------------------------
