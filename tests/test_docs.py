@@ -3,8 +3,9 @@ namespace per page, as a reader pasting the page would run them, and a ```text b
 ``<!-- docs-test: output -->`` must be exactly what the python block before it printed; a block that warns fails
 (on every supported transformers, 4.57 to the newest, every example runs without a warning but one: from 5.24,
 transformers' FutureWarning that ``generate(past_key_values=...)`` is deprecated for ``cache=``, the spelling that
-4.57-5.23 do not know; docs/getting-started.md says so). CI runs this file on the oldest supported release too. The site builds with warnings as errors, the ``>>>`` examples of the
-docstrings (shown on the API page) run, and the API page lists every public name.
+4.57-5.23 do not know; docs/getting-started.md says so). CI runs this file on the oldest supported release too.
+The site builds with warnings as errors, the ``>>>`` examples of the docstrings (shown on the API page) run,
+and the API page lists every public name.
 
 Markers, an HTML comment on the line before a fence (invisible on the site):
 
@@ -162,3 +163,13 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     assert "&gt;&gt;&gt; " not in re.sub(r"<pre.*?</pre>", "", api, flags=re.S), (
         "a doctest rendered outside a code block"
     )
+
+
+def test_install_lines_work_from_a_checkout() -> None:
+    """prefixkv is not on the package index: an install line names the checkout (``-e .``), not ``prefixkv``."""
+    sources = [*PAGES, *sorted((ROOT / "notebooks").glob("*.ipynb")), *sorted((ROOT / "src").rglob("*.py"))]
+    for path in sources:
+        for m in re.finditer(r"pip install[^\n`]*?['\"\\]*prefixkv(\[|\b)", path.read_text()):
+            raise AssertionError(
+                f"{path.name}: {m.group(0)!r} fails (not on the index); write pip install -e '.[extra]'"
+            )
