@@ -74,3 +74,13 @@ def test_generate_many_bar_counts_rows_as_they_end_and_this_calls_reuse(
     assert _Recorder.events[-1][2] == {"reused": sum(g.cached_tokens for g in again)}
     assert sum(g.cached_tokens for g in again) < store.stats.hit_tokens, "per call, not the store's running total"
     store.close()
+
+
+def test_cache_display_says_a_fresh_cache_holds_only_the_reused_prefix(model: torch.nn.Module) -> None:
+    store = prefixkv.PrefixStore(model, block_size=16)
+    system = torch.arange(3, 99)
+    store.warm([system], progress=False)
+    with prefixkv.PagedPrefixCache(store, torch.cat([system, torch.arange(100, 110)])[None]) as cache:
+        html = prefixkv.display.cache_html(cache)
+    assert "1 row &#215; 96 columns held (the reused prefix of 106 prompt tokens" in html, html
+    store.close()
