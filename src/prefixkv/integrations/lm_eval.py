@@ -5,7 +5,8 @@ does it for command-line users). It takes the same ``model_args`` as ``hf``, plu
 ``prefix_max_memory``, ``invariant`` and ``prefix_chunk_size`` for its :class:`~prefixkv.PrefixStore`.
 ``loglikelihood`` and ``loglikelihood_rolling`` score through :func:`prefixkv.score.logprob_rows`, so a
 few-shot prefix that every request shares is computed once; ``generate_until`` calls ``generate`` on the
-model that :func:`prefixkv.enable` patched, with the same store. Needs ``pip install 'prefixkv[eval]'``.
+model that :func:`prefixkv.enable` patched, with the same store. Needs ``pip install -e '.[eval]'`` from a clone of
+prefixkv (or ``bash scripts/setup.sh``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ try:
     from lm_eval.models.utils import Collator
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
-        "prefixkv.integrations.lm_eval needs lm-evaluation-harness: pip install 'prefixkv[eval]'"
+        "prefixkv.integrations.lm_eval needs lm-evaluation-harness: run `pip install -e '.[eval]'` in a "
+        "clone of prefixkv (or `bash scripts/setup.sh`)"
     ) from exc
 from tqdm import tqdm
 
