@@ -30,8 +30,9 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import prefixkv
 from _common import machine, table
+
+import prefixkv
 
 BYTE_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
 _BYTE_CHAT_TEMPLATE = (
@@ -115,13 +116,14 @@ AGENT_SYSTEM_PROMPT = (
 
 @dataclass
 class AgentRun:
-    """One agent run: its final answer, each step's model output and seconds, and the store's stats (``None``
-    without prefixkv)."""
+    """One agent run: its final answer, each step's model output and seconds, the store's stats (``None``
+    without prefixkv) and the dtype the model was loaded in."""
 
     answer: Any
     outputs: list[str]
     step_s: list[float]
     stats: prefixkv.StoreStats | None
+    dtype: torch.dtype
 
 
 def agent_run(model_dir: str, *, steps: int, enabled: bool, manual: str = "", free: int = 6) -> AgentRun:
@@ -151,13 +153,17 @@ def agent_run(model_dir: str, *, steps: int, enabled: bool, manual: str = "", fr
 
     prompt_templates = yaml.safe_load(templates)
     prompt_templates["system_prompt"] = AGENT_SYSTEM_PROMPT + manual
-    agent = CodeAgent(tools=[lookup], model=model, prompt_templates=prompt_templates, max_steps=steps, verbosity_level=0)
+    agent = CodeAgent(
+        tools=[lookup], model=model, prompt_templates=prompt_templates, max_steps=steps, verbosity_level=0
+    )
     answer = agent.run("Look up the records one by one, then answer.")
     actions = [s for s in agent.memory.steps if hasattr(s, "model_output")]
     stats = None if store is None else store.stats
     if store is not None:
         prefixkv.disable(model.model)
-    return AgentRun(answer, [s.model_output for s in actions], [s.timing.duration for s in actions], stats)
+    return AgentRun(
+        answer, [s.model_output for s in actions], [s.timing.duration for s in actions], stats, model.model.dtype
+    )
 
 
 @dataclass
@@ -216,7 +222,9 @@ def grpo_run(
     )
     model = make_model()
     dataset = datasets.Dataset.from_dict({"prompt": prompts})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=byte_tokenizer())
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=byte_tokenizer()
+    )
     if enabled:
         store = prefixkv_trl.enable(trainer)
     generate, patched = model.generate, model.__dict__.get("generate")
@@ -249,9 +257,12 @@ class ChainRun:
     stats: prefixkv.StoreStats | None
 
 
-def chain_run(model: Any, *, turns: int, enabled: bool, document: str, new_tokens: int = 16) -> ChainRun:
+def chain_run(
+    model: Any, *, turns: int, enabled: bool, document: str, new_tokens: int = 16, stream: bool = False
+) -> ChainRun:
     """``ChatPromptTemplate | ChatHuggingFace(HuggingFacePipeline) | StrOutputParser``: a system message holding
-    ``document``, the conversation so far, the next question; greedy, ``new_tokens`` per answer. ``enabled``: with
+    ``document``, the conversation so far, the next question; greedy, ``new_tokens`` per answer; ``stream``: each
+    answer streamed (``chain.stream``, LangChain's TextIteratorStreamer path) and joined. ``enabled``: with
     ``prefixkv.enable(pipe.model)``."""
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_core.output_parsers import StrOutputParser
@@ -260,7 +271,12 @@ def chain_run(model: Any, *, turns: int, enabled: bool, document: str, new_token
 
     tok = byte_tokenizer()
     pipe = transformers.pipeline(
-        "text-generation", model=model, tokenizer=tok, max_new_tokens=new_tokens, do_sample=False, return_full_text=False
+        "text-generation",
+        model=model,
+        tokenizer=tok,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        return_full_text=False,
     )
     store = prefixkv.enable(pipe.model) if enabled else None
     chat = ChatHuggingFace(llm=HuggingFacePipeline(pipeline=pipe), tokenizer=tok)
@@ -273,7 +289,8 @@ def chain_run(model: Any, *, turns: int, enabled: bool, document: str, new_token
     for turn in range(turns):
         question = f"question {turn}: what does part {turn} say?"
         start = time.perf_counter()
-        answer = chain.invoke({"document": document, "history": history, "question": question})
+        inputs = {"document": document, "history": history, "question": question}
+        answer = "".join(chain.stream(inputs)) if stream else chain.invoke(inputs)
         run.turn_s.append(time.perf_counter() - start)
         run.answers.append(answer)
         history += [HumanMessage(question), AIMessage(answer)]
