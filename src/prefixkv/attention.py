@@ -74,7 +74,7 @@ def prefixkv_attention_forward(
                 return backend.attend(forward, layer, call), None
             key, value = forward.gather(layer)
         elif forward.canonical and canonical_servable(module, query, attention_mask, kwargs, forward):
-            return whole_rows_attention(query, key, value, attention_mask, kwargs.get("scaling")), None
+            return whole_rows_attention(query, key, value, attention_mask, kwargs.get("scaling"), forward), None
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
     return out
@@ -121,18 +121,35 @@ def canonical_servable(
 
 
 def whole_rows_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    forward: ForwardReads | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` ``[B, Hq, q, D]`` over every row's whole ``key``/``value`` ``[B, Hkv, n, D]`` under the
     model's boolean ``mask`` (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``, in one kernel
     call per row that reads the grouped K/V heads without repeating them (:func:`attend`). Its shapes and
     reduction order follow from the call's shapes alone, never from where the K/V came from, which is what an
-    invariant store's canonical read needs (docs/correctness.md, "Outputs that never depend on the cache"). Does
-    not mutate."""
-    if mask is None:
-        q, n = query.shape[2], key.shape[2]
-        mask = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
-    out, _ = attend(query, key.to(query.dtype), value.to(query.dtype), mask, scale)
+    invariant store's canonical read needs (docs/correctness.md, "Outputs that never depend on the cache"). With
+    ``forward``, the mask in the kernel's form is worked out once per forward for each mask the model passes, not
+    per layer (mutates the plan's memo)."""
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    group = packs(query, key, False)
+    memo = (id(mask), -2)  # the reads' memo keys are (mask, part >= 0) and (mask, -1): new_mask
+    hit = None if forward is None else forward.masks.get(memo)
+    if hit is not None and hit[0] is mask:
+        prepared = hit[1]
+    else:
+        whole = mask
+        if whole is None:
+            q, n = query.shape[2], key.shape[2]
+            whole = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
+        prepared = kernel_mask(whole, query.dtype, group)
+        if forward is not None:
+            forward.masks[memo] = (mask, prepared)
+    out, _ = attend_masked(query, key, value, prepared, scale)
     return out.transpose(1, 2).contiguous()
 
 
@@ -566,9 +583,10 @@ class GatherBackend:
 
     def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
         """Attention of the call's query over every row's whole K/V of ``layer`` (``forward.gather``) under its
-        mask (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``. Does not mutate."""
+        mask (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``. Mutates only the plan's
+        mask memo."""
         k, v = forward.gather(layer)
-        return whole_rows_attention(call.query, k, v, call.mask, call.kwargs.get("scaling"))
+        return whole_rows_attention(call.query, k, v, call.mask, call.kwargs.get("scaling"), forward)
 
 
 BACKENDS = ("auto", "blocks", "flex", "gather")
