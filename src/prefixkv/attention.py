@@ -680,8 +680,9 @@ class Reader:
     the whole-row reader. A backend
     reads in place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
     layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
-    invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
-    "Outputs that never depend on the cache")."""
+    invariant store reads whole rows in logical order, attended in one grouped-head kernel call
+    (:func:`whole_rows_attention`) or by the model's own attention (docs/correctness.md, "Outputs that never
+    depend on the cache")."""
 
     def __init__(
         self,
