@@ -146,7 +146,10 @@ def whole_rows_attention(
         if whole is None:
             q, n = query.shape[2], key.shape[2]
             whole = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
-        prepared = kernel_mask(whole, query.dtype, group)
+        # a mask that lets every query see every column (a decode step without padding): none, which the kernel
+        # runs faster; decided by the call's mask alone, so the same cold and warm
+        everything = whole.dtype == torch.bool and bool(whole.all())
+        prepared = NO_MASK if everything else kernel_mask(whole, query.dtype, group)
         if forward is not None:
             forward.masks[memo] = (mask, prepared)
     out, _ = attend_masked(query, key, value, prepared, scale)
