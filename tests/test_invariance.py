@@ -27,6 +27,7 @@ from conftest import compare, left_pad, random_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_families import FAMILIES
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
 from prefixkv import PersistError, PrefixStore, UnsupportedModelError
@@ -176,6 +177,45 @@ def test_a_padded_batch_is_identical_warm_and_cold() -> None:
     prime(model, store, [rows[2], rows[1][:10]])
     out, stats = run(model, store, ids, mask)
     assert stats.cached_tokens > 0
+    assert_identical(out, ref)
+    store.close()
+
+
+def test_matches_ending_inside_chunks_under_other_batches_read_one_grouped_kernel(monkeypatch: Any) -> None:
+    """Each row of a padded batch finds a match that ends inside a chunk, cached by earlier calls of other batch
+    compositions; warm equals cold, and every attention call of both ran the canonical read's grouped-head kernel
+    on whole rows (never the model's own attention, which repeats the K/V heads: the tiny llama has 4 query heads
+    over 2)."""
+    calls: list[tuple[int, ...]] = []
+    canonical = prefixkv.attention.whole_rows_attention
+
+    def counted(query: torch.Tensor, key: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(tuple(key.shape))
+        return canonical(query, key, *args)
+
+    monkeypatch.setattr(prefixkv.attention, "whole_rows_attention", counted)
+    own = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    owns: list[int] = []
+
+    def own_counted(*args: Any, **kwargs: Any) -> Any:
+        owns.append(1)
+        return own(*args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", own_counted)
+    model = model_of(torch.bfloat16)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    rows = [random_tokens(31, seed=6), random_tokens(22, seed=7), random_tokens(37, seed=8)]
+    ids, mask = left_pad(rows)
+    ref = cold(model, ids, mask)
+    assert calls and not owns and all(shape[1] == model.config.num_key_value_heads for shape in calls)
+    store = invariant_store(model)
+    prime(model, store, [rows[0][:13], random_tokens(9, seed=9)])  # 13: inside the second chunk
+    prime(model, store, [rows[2][:27]])
+    prime(model, store, [rows[1][:19], random_tokens(30, seed=10), rows[0][:21], random_tokens(4, seed=11)])
+    calls.clear()
+    out, stats = run(model, store, ids, mask)
+    assert stats.cached_tokens > 0
+    assert calls and not owns
     assert_identical(out, ref)
     store.close()
 

@@ -73,6 +73,8 @@ def prefixkv_attention_forward(
             if backend.servable(forward, call):
                 return backend.attend(forward, layer, call), None
             key, value = forward.gather(layer)
+        elif forward.canonical and canonical_servable(module, query, attention_mask, kwargs, forward):
+            return whole_rows_attention(query, key, value, attention_mask, kwargs.get("scaling"), forward), None
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
     return out
@@ -103,6 +105,55 @@ def sdpa_servable(
         and mask.shape[2] == query.shape[2]
         and mask.shape[3] == forward.columns
     )
+
+
+def canonical_servable(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    forward: ForwardReads,
+) -> bool:
+    """Whether :func:`whole_rows_attention` serves a call of an invariant store's canonical read (whole rows, in
+    logical order): what :func:`sdpa_servable` admits, on a device whose pools attention reads in place (the
+    CPU's flash kernel reads grouped heads; elsewhere the model's own attention runs, as it always did)."""
+    return query.device.type in READ_DEVICES and sdpa_servable(module, query, mask, kwargs, forward)
+
+
+def whole_rows_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    forward: ForwardReads | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` ``[B, Hq, q, D]`` over every row's whole ``key``/``value`` ``[B, Hkv, n, D]`` under the
+    model's boolean ``mask`` (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``, in one kernel
+    call per row that reads the grouped K/V heads without repeating them (:func:`attend`). Its shapes and
+    reduction order follow from the call's shapes alone, never from where the K/V came from, which is what an
+    invariant store's canonical read needs (docs/correctness.md, "Outputs that never depend on the cache"). With
+    ``forward``, the mask in the kernel's form is worked out once per forward for each mask the model passes, not
+    per layer (mutates the plan's memo)."""
+    key, value = key.to(query.dtype), value.to(query.dtype)
+    group = packs(query, key, False)
+    memo = (id(mask), -2)  # the reads' memo keys are (mask, part >= 0) and (mask, -1): new_mask
+    hit = None if forward is None else forward.masks.get(memo)
+    if hit is not None and hit[0] is mask:
+        prepared = hit[1]
+    else:
+        whole = mask
+        if whole is None:
+            q, n = query.shape[2], key.shape[2]
+            whole = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
+        # a mask that lets every query see every column (a decode step without padding): none, which the kernel
+        # runs faster; decided by the call's mask alone, so the same cold and warm
+        everything = whole.dtype == torch.bool and bool(whole.all())
+        prepared = NO_MASK if everything else kernel_mask(whole, query.dtype, group)
+        if forward is not None:
+            forward.masks[memo] = (mask, prepared)
+    out, _ = attend_masked(query, key, value, prepared, scale)
+    return out.transpose(1, 2).contiguous()
 
 
 def prefixkv_mask(*args: Any, **kwargs: Any) -> Any:
@@ -535,14 +586,10 @@ class GatherBackend:
 
     def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
         """Attention of the call's query over every row's whole K/V of ``layer`` (``forward.gather``) under its
-        mask (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``. Does not mutate."""
-        query, mask = call.query, call.mask
+        mask (``None``: every held column, the new ones causally), ``[B, q, Hq, D]``. Mutates only the plan's
+        mask memo."""
         k, v = forward.gather(layer)
-        if mask is None:
-            q, n = query.shape[2], k.shape[2]
-            mask = torch.ones(q, n, dtype=torch.bool, device=query.device).tril(n - q)[None, None]
-        out, _ = attend(query, k.to(query.dtype), v.to(query.dtype), mask, call.kwargs.get("scaling"))
-        return out.transpose(1, 2).contiguous()
+        return whole_rows_attention(call.query, k, v, call.mask, call.kwargs.get("scaling"), forward)
 
 
 BACKENDS = ("auto", "blocks", "flex", "gather")
@@ -636,8 +683,9 @@ class Reader:
     the whole-row reader. A backend
     reads in place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
     layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
-    invariant store reads whole rows in logical order for the model's own attention (docs/correctness.md,
-    "Outputs that never depend on the cache")."""
+    invariant store reads whole rows in logical order, attended in one grouped-head kernel call
+    (:func:`whole_rows_attention`) or by the model's own attention (docs/correctness.md, "Outputs that never
+    depend on the cache")."""
 
     def __init__(
         self,
@@ -660,7 +708,8 @@ class Reader:
         self._whole.begin(pads, tables, start + q)
         gather = self._gather
         if self._invariant or not serves(self._model) or self._backend is None:
-            return ForwardReads(self._pool, [], start + q, None, gather, in_place=False)
+            canonical = self._invariant and serves(self._model)
+            return ForwardReads(self._pool, [], start + q, None, gather, in_place=False, canonical=canonical)
         layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
         return self._backend.plan(layout, probe=not verified(self._model))
 

@@ -238,7 +238,7 @@ class PagedPrefixCache(Cache):
         keys, values = plan.gather(layer_idx)
         if keys.dtype != key_states.dtype:
             keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
-        if plan.probe:
+        if plan.probe or plan.canonical:
             _hand_out(plan, layer_idx, keys)
         return keys, values
 

@@ -334,7 +334,9 @@ class ForwardReads:
     ``in_place``: ``update`` hands out only
     the new K/V and the attention reads the pool; otherwise it hands out whole rows, and with ``probe`` the
     forward notes which layers reach the attention (a model is read in place once a forward showed that every
-    layer hands its K/V to the attention unchanged). Records per layer what ``update`` handed out."""
+    layer hands its K/V to the attention unchanged). ``canonical``: an invariant store's read of whole rows, which
+    the attention computes in one grouped-head kernel call (:func:`prefixkv.attention.whole_rows_attention`).
+    Records per layer what ``update`` handed out."""
 
     def __init__(
         self,
@@ -347,6 +349,7 @@ class ForwardReads:
         probe: bool = False,
         in_place: bool = True,
         backend: AttentionBackend | None = None,
+        canonical: bool = False,
     ) -> None:
         self.pool = pool
         self.reads = reads
@@ -356,6 +359,7 @@ class ForwardReads:
         self.probe = probe
         self.in_place = in_place and not probe
         self.backend = backend
+        self.canonical = canonical and not self.in_place
         self.handed: set[int] = set()
         self.served: set[int] = set()
         # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
