@@ -52,8 +52,12 @@ def warmed() -> tuple[Any, Any, prefixkv.PrefixStore, torch.Tensor]:
 
 
 def run(model: Any, store: prefixkv.PrefixStore, ids: torch.Tensor, **kwargs: Any) -> tuple[Any, int]:
-    with prefixkv.PagedPrefixCache(store, ids, kwargs.pop("attention_mask", None)) as cache:
-        out = model.generate(ids, cache=cache, **RUN, **kwargs)
+    """``generate`` with a cache built with ``attention_mask`` (and a call given it too); ``attention_mask_call``
+    is given to the call alone."""
+    mask = kwargs.pop("attention_mask", None)
+    call_mask = kwargs.pop("attention_mask_call", mask)
+    with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+        out = model.generate(ids, cache=cache, attention_mask=call_mask, **RUN, **kwargs)
     return out, cache.stats.cached_tokens
 
 
@@ -80,6 +84,26 @@ def test_chunked_prefill_reuses_exactly() -> None:
     store.check_invariants()
     reused, distance = later_request(model, ref, store, longer)
     assert reused == 59 and distance <= 1e-6
+
+
+def test_chunked_prefill_replans_for_a_mask_the_cache_was_not_built_with() -> None:
+    # issue 32, review finding 11: a cache built without the call's holed mask is re-planned for it, chunked (the
+    # chunks are cut by the columns it holds) as unchunked; each on a store of its own, since a call publishes
+    for hole, chunk in [(20, 8), (3, 8), (37, 3), (29, 64)]:
+        mask = torch.ones(1, 40, dtype=torch.long)
+        mask[0, hole] = 0
+        model, ref, store, ids = warmed()
+        plain, plain_reused = run(model, store, ids, attention_mask_call=mask)
+        model, ref, store, ids = warmed()
+        out, reused = run(
+            model, store, ids, attention_mask_call=mask, prefill_chunk_size=chunk
+        )  # CacheMisuseError before
+        assert reused == plain_reused and hole - 4 < reused <= hole  # what lies before the hole, at most
+        expected = stock(ref, ids, attention_mask=mask, prefill_chunk_size=chunk)
+        assert diff(out, expected) <= 1e-6 and diff(plain, expected) <= 1e-6
+        store.check_invariants()
+        reused, distance = later_request(model, ref, store, ids)
+        assert reused == 39 and distance <= 1e-6
 
 
 # -- item 11: the display of keys of masked tokens -------------------------------------------------------------

@@ -21,7 +21,11 @@ never by comparing version numbers:
   before a call's first step, is wrapped to note it (:func:`_noting_start`). :func:`generate_step` reads what
   ``generate`` asks for and :func:`ask_columns` asks for what the cache chose, in the installed release's terms;
   5.3's ``_prefill`` cuts ``inputs_embeds`` by the cache's length itself, so it is wrapped to keep the whole ones
-  (:func:`_keeping_embeds`).
+  (:func:`_keeping_embeds`). A ``_prefill`` that does the chunked prefill (``prefill_chunk_size``; 5.24's
+  does) cuts the prompt by the cache's ``get_seq_length`` before any ``prepare_inputs_for_generation``, so it is
+  wrapped to let the cache first fit its reuse to the whole prompt and mask (:func:`_planning_chunks`); 4.57's
+  ``_prefill_chunking`` feeds the prompt from its first column whatever the cache holds, and a cache that reused
+  columns refuses it.
 - transformers 4.57-5.13 start assisted and prompt-lookup decoding without calling the cache's
   ``activate_past_recording``, which is how a ``PagedPrefixCache`` learns that the first forward re-feeds the
   columns it holds (docs/correctness.md, rule 7): their ``_assisted_decoding`` is wrapped to call it first, as
@@ -32,7 +36,7 @@ never by comparing version numbers:
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
 
-The three wrappers of ``GenerationMixin`` methods are installed by :func:`install_generation_patches`, which
+The wrappers of ``GenerationMixin`` methods are installed by :func:`install_generation_patches`, which
 every ``PrefixStore`` calls when it is built (not on import); each wrapper's docstring says when it can be deleted.
 Messages that name a release's spelling (:data:`CACHE_ARGUMENT_HINT`) and the inputs only some releases pass
 (:data:`RELEASE_NEUTRAL_INPUTS`) live here too.
@@ -279,6 +283,33 @@ def _keeping_embeds(prefill: Callable[..., Any]) -> Callable[..., Any]:
     return keeping
 
 
+def _planning_chunks(
+    prefill: Callable[..., Any], plan: Callable[[Any, torch.Tensor, dict[str, Any]], None]
+) -> Callable[..., Any]:
+    """``GenerationMixin._prefill`` that does the chunked prefill (``prefill_chunk_size``) itself, cutting the
+    prompt by the cache's ``get_seq_length`` before the first ``prepare_inputs_for_generation``, which then sees a
+    chunk only: for a cache that chooses its columns at the first step, it first calls ``plan`` (the model, the
+    whole ``input_ids`` and the call's keywords, its mask included), so the chunks start after the columns that
+    fit the call. Unchunked prefill and other caches run as before."""
+
+    @functools.wraps(prefill)
+    def planning(
+        self: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: Any, *a: Any, **k: Any
+    ) -> Any:
+        first = (a[0] if a else k.get("is_first_iteration", True)) is not False
+        cache = next((model_kwargs.get(name) for name in _generation.ALL_CACHE_NAMES if name in model_kwargs), None)
+        if (
+            first
+            and generation_config.prefill_chunk_size is not None
+            and hasattr(cache, "activate_past_recording")
+            and not isinstance(model_kwargs.get("inputs_embeds"), torch.Tensor)
+        ):
+            plan(self, input_ids, model_kwargs)
+        return prefill(self, input_ids, generation_config, model_kwargs, *a, **k)
+
+    return planning
+
+
 def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin._get_initial_cache_position`` of transformers 4.x, which every decoding method calls once
     before its first step (their steps do not say which is the first): notes that the next step with the call's
@@ -299,11 +330,12 @@ def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
 _installed = False
 
 
-def install_generation_patches() -> None:
+def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[str, Any]], None]) -> None:
     """Wrap the ``GenerationMixin`` methods this release needs for a cache that chooses its columns at the first
-    step (:func:`_recording_past`, :func:`_keeping_embeds`, :func:`_noting_start`); each wrapper changes nothing
-    for other caches. Called by every ``PrefixStore`` when it is built (no ``PagedPrefixCache`` exists before
-    one), once per process. Mutates ``transformers.generation.utils.GenerationMixin``."""
+    step (:func:`_recording_past`, :func:`_keeping_embeds`, :func:`_planning_chunks` with ``plan_chunks``,
+    :func:`_noting_start`); each wrapper changes nothing for other caches. Called by every ``PrefixStore`` when it
+    is built (no ``PagedPrefixCache`` exists before one), once per process. Mutates
+    ``transformers.generation.utils.GenerationMixin``."""
     global _installed
     if _installed:
         return
@@ -313,6 +345,8 @@ def install_generation_patches() -> None:
         mixin._assisted_decoding = _recording_past(mixin._assisted_decoding)  # type: ignore[method-assign]
     if hasattr(mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(mixin._prefill):
         mixin._prefill = _keeping_embeds(mixin._prefill)  # type: ignore[method-assign]
+    if hasattr(mixin, "_prefill") and "prefill_chunk_size" in inspect.getsource(mixin._prefill):
+        mixin._prefill = _planning_chunks(mixin._prefill, plan_chunks)  # type: ignore[method-assign]
     if not _MARKS_FIRST_STEP:
         initial_positions = vars(mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
         setattr(mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010

@@ -413,6 +413,13 @@ def plan_call(
     return cache._plan_call(input_ids, next_sequence_length, kwargs)
 
 
+def plan_prompt(cache: PagedPrefixCache, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Before ``generate``'s chunked prefill cuts the prompt: make what ``cache`` holds fit the call's whole
+    ``input_ids`` and the mask in ``kwargs`` (:meth:`prefixkv.call.GenerateCall.plan_prompt`). Mutates."""
+    if not cache.closed:  # a closed cache raises at the call's first forward
+        cache._gen_call.plan_prompt(cache._rowset, cache.store, input_ids, kwargs)
+
+
 def begin_forward(cache: PagedPrefixCache, forward: proof.ForwardInputs) -> None:
     """Before a forward of the store's model with ``cache``: allocate the slots of the columns it feeds, apply the
     proof's verdicts to every row, and plan the forward's reads. Mutates."""

@@ -84,6 +84,15 @@ class GenerateCall:
             return None
         return input_ids.shape[1] - columns
 
+    def plan_prompt(
+        self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, kwargs: dict[str, Any]
+    ) -> None:
+        """Before a chunked prefill (``prefill_chunk_size``) cuts the call's ``input_ids`` by the columns ``held``
+        holds: redo or drop construction's reuse for the whole prompt and mask, as the first step of an unchunked
+        call does (its first chunk shows only its own columns). Mutates ``held``."""
+        if input_ids.dim() == 2 and not self.computed:
+            self._redo(held, store, input_ids, kwargs)
+
     def _redo(self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> bool:
         """Redo or drop construction's reuse as :meth:`replan` decides; whether what ``held`` holds changed.
         Mutates ``held``."""

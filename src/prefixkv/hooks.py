@@ -18,7 +18,7 @@ import torch
 
 from . import _compat
 from .attention import outside_compile
-from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call
+from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt
 from .errors import CacheMisuseError
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
@@ -144,6 +144,16 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     else:
         _DECODE_STEPS.discard(cache)
     return inputs
+
+
+def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Before ``generate`` on ``model`` cuts ``input_ids`` into the chunks of a chunked prefill (by the columns the
+    cache holds, read before any ``prepare_inputs_for_generation``): let a ``PagedPrefixCache`` of a store on
+    ``model`` fit its reuse to the whole prompt and mask, which no chunk shows (the ``_prefill`` wrapper of
+    :func:`prefixkv._compat.install_generation_patches` calls this). Mutates the cache."""
+    cache = paged_cache(kwargs)
+    if cache is not None and has_open_store(model) and cache.store.hf_model is model:
+        plan_prompt(cache, input_ids, kwargs)
 
 
 _PREPARE = "prepare_inputs_for_generation"

@@ -21,7 +21,7 @@ from . import _compat, display, persist
 from . import attention as reading
 from .blocks import BlockManager
 from .errors import CacheMisuseError, PersistError
-from .hooks import attach_hooks
+from .hooks import attach_hooks, plan_chunked_prompt
 from .memory import attention_shape, format_bytes, parse_bytes
 from .namespace import Namespace, layer_devices, transformers_model, user_space
 from .parts import StoreSettings
@@ -167,7 +167,7 @@ class PrefixStore:
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
-        _compat.install_generation_patches()
+        _compat.install_generation_patches(plan_chunked_prompt)
         self.model = model
         shape = attention_shape(model.config)
         model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
