@@ -187,6 +187,21 @@ def test_compiled_decode_matches_sdpa_and_the_blocks_reader(index: int) -> None:
     assert bucket in flex._buckets
 
 
+def test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start() -> None:
+    """The compiled kernel skips the mask of the blocks the plan marks full, so a block is full only when its
+    first column is inside the window: with a window of 37, a query at position 69 sees columns 33-69, and the
+    block starting at 32 (69 - 37) is partial. Each row's window edge falls on a block start (issue 32)."""
+    window = 37
+    layout = dict(
+        batch=3, prefill=False, q=1, share=1, sharers=[True, True, False], lengths=[70, 54, 38], pads=[0, 0, 0],
+        holes=False, window=window, group=2, scale=None, seed=7,
+    )  # fmt: skip
+    pool_k, pool_v = pools(7)
+    case = build(layout)
+    out = run(case, pool_k, pool_v, window)
+    assert (out.double() - reference(case, pool_k, pool_v, window, None)).abs().max().item() <= 1e-5
+
+
 def test_the_compiled_buckets_stay_few() -> None:
     before = flex.compiles()
     for index in range(2):

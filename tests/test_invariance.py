@@ -589,3 +589,19 @@ def test_smollm2_chat_answers_are_identical_warm_and_cold_in_bfloat16() -> None:
 def test_smollm2_the_whole_chat_experiment_is_identical_warm_and_cold_in_bfloat16() -> None:
     """Issue 21's experiment: all 12 questions, 32 new tokens each."""
     smollm2_chat_is_identical_warm_and_cold(questions=12, new=32)
+
+
+@pytest.mark.parametrize("shared", [4, 9, 12, 13, 20])
+def test_a_match_that_ends_inside_a_chunk_reuses_only_whole_chunks(shared: int) -> None:
+    """An earlier prompt that shares ``shared`` tokens with this one and then goes on: the store's match ends
+    where they part, inside a chunk or on a block boundary of it, and only the whole chunks before it are reused."""
+    model = model_of(torch.bfloat16)
+    ids = random_tokens(30, seed=40)[None]
+    ref = cold(model, ids)
+    store = invariant_store(model)
+    prime(model, store, [torch.cat([ids[0, :shared], random_tokens(30 - shared, seed=41)])])
+    assert store.cached_length(ids[0].tolist()) >= shared // BS * BS  # the match reaches past the last whole chunk
+    out, stats = run(model, store, ids)
+    assert stats.cached_tokens == shared // CHUNK * CHUNK
+    assert_identical(out, ref)
+    store.close()

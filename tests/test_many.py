@@ -285,6 +285,35 @@ def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.
     store.close()
 
 
+def test_refilling_keeps_a_users_prefixes_in_its_namespace(llama64: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refilled job of more prompts than one call holds, under ``namespace="alice"``: the system prompt that
+    refill computes alone, before a call, is published for alice only; the shared namespace (and bob's) hold
+    none of it, and a shared request after the job reuses nothing."""
+    prompts = workload(2, 5)
+    answers = [stock(llama64, p, max_new_tokens=14, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    eos = sorted({answers[0][1], answers[3][6], answers[6][11]})  # as in the test above: refill computes one alone
+    kw: dict[str, Any] = dict(max_new_tokens=14, do_sample=False, eos_token_id=eos)
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    warmed: list[str | None] = []
+    warm = store.warm
+    monkeypatch.setattr(
+        store, "warm", lambda prompts, **kw: warmed.append(kw.get("namespace", "(none given)")) or warm(prompts, **kw)
+    )
+    out = prefixkv.generate_many(
+        llama64, prompts, store=store, batch_size=3, progress=False, namespace="alice", refill=True, **kw
+    )
+    assert warmed == ["alice"]  # the lone prefill ran, for alice
+    for g in out:
+        assert g.tokens == stock(llama64, g.prompt, **kw).sequences[0, len(g.prompt) :].tolist()
+    for p in prompts:
+        assert store.cached_length(p, namespace="alice") >= 40
+        assert store.cached_length(p) == 0 and store.cached_length(p, namespace="bob") == 0
+    with prefixkv.PagedPrefixCache(store, torch.tensor([prompts[1] + [7, 8]])) as cache:
+        assert cache.stats.cached_tokens == 0
+    store.check_invariants()
+    store.close()
+
+
 def test_refilling_within_a_store_budget_and_streaming(llama64: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """In a store of 40 blocks the rows running at once never need more than half of them (what the planner
     counts for each: prompt and new tokens, less the blocks it shares), where an unbounded store runs four at once;

@@ -142,8 +142,10 @@ def test_a_disk_tier_outlives_its_store(llama64: Any, tmp_path: Path) -> None:
         dict(model_seed=1),
         dict(kv_dtype="int8"),
         dict(block_size=8),
+        dict(invariant=True),
+        dict(invariant=True, chunk_size=8),
     ],
-    ids=["another model", "quantized", "another block size"],
+    ids=["another model", "quantized", "another block size", "the invariant schedule", "another chunk size"],
 )
 def test_a_disk_tier_of_another_store_is_not_read(llama64: Any, tmp_path: Path, other: dict[str, Any]) -> None:
     with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:

@@ -348,3 +348,21 @@ def test_match_cost_does_not_depend_on_trie_size() -> None:
     m = trie.match([*prefix, 7, 8])
     assert m.length == 514
     assert len(trie.root.children) == 1
+
+
+def test_nested_retains_keep_the_highest_priority_on_their_common_path() -> None:
+    """A system prompt retained at 90 under a few-shot prompt retained at 10: the shared path keeps 90 (the
+    highest retain through a node is its priority, docs/generate.md "Many prompts at once"), so after the
+    few-shot tail (10) the unretained one-off prompts (35) go, and the system prompt last."""
+    trie = RadixTrie(block_size=1)
+    system = trie.insert([1, 2], [1, 2]).node
+    few_shot = trie.insert([1, 2, 3, 4], [1, 2, 3, 4]).node
+    trie.insert([7], [7])
+    trie.insert([8], [8])
+    trie.retain(system, 90)
+    trie.retain(few_shot, 10)
+    order = [trie.evict_one() for _ in range(4)]
+    assert order[0] == [3, 4]  # the few-shot tail: only the retain at 10 reaches it
+    assert sorted(order[1:3]) == [[7], [8]]  # the one-off prompts, at the default 35
+    assert order[3] == [1, 2]  # the system prompt: 90 and 10 reach it, 90 counts
+    assert trie.evict_one() is None

@@ -1,0 +1,214 @@
+"""Mutation check: does the test suite notice a realistic bug? (tests/README.md, "Mutants")
+
+Each mutation replaces one exact text of ``src/prefixkv`` (it must occur exactly once) in a copy of ``src/`` made in a
+temporary directory, then runs the test files that should catch it there (``pytest -x -q`` with ``PYTHONPATH``
+pointing at the copy, one thread). A mutation is *caught* when those tests fail, *survived* when they pass. The working
+tree is never modified.
+
+    python scripts/mutants.py              # every mutation, then a summary
+    python scripts/mutants.py --list       # the mutations, their files and tests
+    python scripts/mutants.py --only NAME  # one mutation (repeat --only for several)
+
+Exits 1 when a mutation survived or its original text was not found exactly once (the source moved on: update the
+text here), 0 when every mutation run was caught. Too slow for .ci/run (minutes); run it before a release and after
+changing the code a mutation names."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """Replace ``old`` (found exactly once in ``src/prefixkv/<file>``) by ``new``; ``tests`` should then fail."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str
+
+
+MUTATIONS = [
+    # -- the five bugs of issue 32, which the suite once let through
+    Mutation(
+        "rows-reuse-floored-to-block",
+        "rows.py",
+        "matched = [m // chunk * chunk for m in matched]",
+        "matched = [m // bs * bs for m in matched]",
+        ("tests/test_invariance.py::test_a_match_that_ends_inside_a_chunk_reuses_only_whole_chunks",),
+        "an invariant store reuses a match that ends inside a chunk up to its block: not the canonical schedule",
+    ),
+    Mutation(
+        "many-lone-prefill-without-namespace",
+        "many.py",
+        "self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)",
+        "self.store.warm([prompt[:shared]], progress=False)",
+        ("tests/test_many.py::test_refilling_keeps_a_users_prefixes_in_its_namespace",),
+        "refill's lone shared-prefix prefill is published in the shared namespace, not the caller's",
+    ),
+    Mutation(
+        "tier-identity-without-chunk-size",
+        "store.py",
+        'meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
+        'meta = persist.store_meta(self.settings, specs, self.model, model_print, BLOCK_FORMAT) if offload == "disk"'
+        " else {}",
+        ("tests/test_tier.py::test_a_disk_tier_of_another_store_is_not_read",),
+        "a disk tier written in one prefill schedule is restored by a store of another",
+    ),
+    Mutation(
+        "flex-full-one-column-early-at-window-edge",
+        "flex.py",
+        "full &= start > last[..., None] - window",
+        "full &= start >= last[..., None] - window",
+        ("tests/test_flex.py::test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start",),
+        "a block whose first column is just outside a sliding window is marked full (its mask skipped)",
+    ),
+    Mutation(
+        "trie-priority-lowest-retain",
+        "trie.py",
+        "return max(self.retains) if self.retains else DEFAULT_PRIORITY",
+        "return min(self.retains) if self.retains else DEFAULT_PRIORITY",
+        ("tests/test_trie.py::test_nested_retains_keep_the_highest_priority_on_their_common_path",),
+        "a prefix pinned high under one pinned low is evicted at the low priority",
+    ),
+    # -- the proof, the claim contract, namespaces, eviction, generate_many and the id checks
+    Mutation(
+        "proof-use-cache-false-proven",
+        "proof.py",
+        '    if forward.use_cache is False:\n        return "use_cache=False"',
+        '    if forward.use_cache is False and forward.decode_step:\n        return "use_cache=False"',
+        ("tests/test_proof.py", "tests/test_never_wrong.py"),
+        "a forward with use_cache=False (which re-feeds the sequence) is taken as proven",
+    ),
+    Mutation(
+        "claim-locks-where-the-match-ends",
+        "blocks.py",
+        "claim.node = self._lock_prefix(row[: r // bs * bs], space)",
+        "claim.node = self._lock_prefix(row[: m.length], space)",
+        ("tests/test_edges.py", "tests/test_store_contract.py"),
+        "a claim locks the node where the match ends, not where its reused whole blocks end (issue 32, #2)",
+    ),
+    Mutation(
+        "namespace-roots-kept-forever",
+        "trie.py",
+        "            self._roots.emptied(parent)",
+        "            pass",
+        ("tests/test_namespaces.py",),
+        "an emptied namespace's root is never dropped: memory grows with the number of users (issue 32, #5)",
+    ),
+    Mutation(
+        "eviction-newest-first",
+        "trie.py",
+        "heapq.heappush(heap, (node.priority, node.last_access, next(self._tiebreak), node))",
+        "heapq.heappush(heap, (node.priority, -node.last_access, next(self._tiebreak), node))",
+        ("tests/test_trie.py", "tests/test_store_stateful.py"),
+        "eviction takes the most recently used leaf first",
+    ),
+    Mutation(
+        "many-invariant-plan-follows-pins",
+        "many.py",
+        "return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2",
+        "return (store.max_blocks - store.stats.blocks_pinned) // 2",
+        ("tests/test_many.py", "tests/test_many_arguments.py"),
+        "an invariant store's generate_many batches are sized by what is pinned (issue 32, #1)",
+    ),
+    Mutation(
+        "many-pad-inside-a-prompt-attended",
+        "many.py",
+        "return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()",
+        "return [1] * len(prompt)",
+        ("tests/test_many.py", "tests/test_many_arguments.py"),
+        "generate_many attends a pad token inside a prompt, which generate masks (issue 32, #7)",
+    ),
+    Mutation(
+        "ids-floats-truncated",
+        "store.py",
+        "if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:",
+        "if ids.dim() != 1 or ids.is_complex() or ids.dtype == torch.bool:",
+        ("tests/test_many_arguments.py", "tests/test_score.py", "tests/test_errors.py"),
+        "float token ids are truncated instead of refused (issue 32, #3, #4)",
+    ),
+]
+
+
+def run_one(mutation: Mutation, python: str) -> tuple[str, float, str]:
+    """``("caught" | "survived" | "not found", seconds, detail)`` for ``mutation``; the working tree is untouched."""
+    source = (ROOT / "src" / "prefixkv" / mutation.file).read_text()
+    count = source.count(mutation.old)
+    if count != 1:
+        return (
+            "not found",
+            0.0,
+            f"src/prefixkv/{mutation.file}: the text occurs {count} times (needs exactly 1): {mutation.old!r}",
+        )
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutation.name}-") as tmp:
+        copy = Path(tmp) / "src"
+        shutil.copytree(ROOT / "src", copy, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        (copy / "prefixkv" / mutation.file).write_text(source.replace(mutation.old, mutation.new))
+        env = dict(os.environ, PYTHONPATH=str(copy), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        check = subprocess.run(
+            [python, "-c", "import prefixkv; print(prefixkv.__file__)"], env=env, capture_output=True, text=True
+        )
+        if not check.stdout.strip().startswith(str(copy)):
+            return "not found", 0.0, f"the copy is not what imports: {check.stdout.strip() or check.stderr.strip()}"
+        test = subprocess.run(
+            [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    seconds = time.monotonic() - start
+    lines = [line for line in test.stdout.splitlines() if line.strip()]
+    detail = lines[-1] if lines else test.stderr.strip()[-300:]
+    if test.returncode == 0:
+        return "survived", seconds, detail
+    if test.returncode in (1,):
+        failed = next((line for line in lines if line.startswith("FAILED")), detail)
+        return "caught", seconds, failed
+    return "caught?", seconds, f"pytest exited {test.returncode} (not a test failure): {detail}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutation (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs the tests")
+    args = parser.parse_args()
+    chosen = MUTATIONS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.name for m in MUTATIONS})
+        if unknown:
+            parser.error(f"no mutation named {', '.join(unknown)}; --list shows them")
+        chosen = [m for m in MUTATIONS if m.name in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}\n    src/prefixkv/{m.file}: {m.why}\n    tests: {' '.join(m.tests)}")
+        return 0
+    results: dict[str, int] = {}
+    began = time.monotonic()
+    for m in chosen:
+        outcome, seconds, detail = run_one(m, args.python)
+        results[outcome] = results.get(outcome, 0) + 1
+        print(f"{outcome:>9}  {m.name}  ({seconds:.0f} s)\n           {detail}", flush=True)
+    total = time.monotonic() - began
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(results.items()))
+    print(f"\n{len(chosen)} mutations: {summary} in {total:.0f} s")
+    return 0 if results.get("caught", 0) == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
