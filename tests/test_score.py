@@ -29,7 +29,8 @@ def check_reuse_is_exact(model: Any, store: prefixkv.PrefixStore, published: lis
     ids = torch.tensor([published + random_tokens(5, 99).tolist()])
     result = compare(model, store, ids, max_new_tokens=3)
     assert result.cache.stats.cached_tokens >= len(published) // store.block_size * store.block_size - store.block_size
-    assert result.cache.stats.cached_tokens > 0
+    if len(published) >= 2 * store.block_size:  # a shorter score may publish no whole block
+        assert result.cache.stats.cached_tokens > 0
     assert result.max_diff < 1e-6 and result.same_tokens
 
 
