@@ -9,6 +9,7 @@ or a generate call passes makes its rows unproven."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -169,10 +170,14 @@ def mask_rows(mask: Any, rows: int, width: int, since: int) -> list[list[bool]] 
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or tuple(mask.shape) != (rows, width):
         return False
     values = mask[:, since:].detach().cpu()
-    if values.dtype != torch.bool and ((values != 0) & (values != 1)).any():
+    rows_list: list[list[bool]] = values.tolist()
+    if values.dtype == torch.bool:
+        return rows_list
+    # checked on the Python values: a decode step's one column costs no tensor ops (Python's 0, 1, 0.0, 1.0 are the
+    # ints' and floats' 0 and 1 as the tensor compares them; NaN is neither)
+    if not set(itertools.chain.from_iterable(rows_list)) <= {0, 1}:
         return False
-    rows_list: list[list[bool]] = values.to(torch.bool).tolist()
-    return rows_list
+    return [[v == 1 for v in row] for row in rows_list]
 
 
 def position_rows(position_ids: Any, rows: int, q: int) -> list[list[int]] | Literal[False] | None:
