@@ -2,14 +2,17 @@
 
 ``python benchmarks/run_all.py`` (full: the ~100M model, about 25 min on 2 cores) or ``--quick`` (the small
 model and sizes, seconds: prints the tables with no verdicts, as the targets are set for the full run's
-sizes, and writes nothing). Also ``python -m prefixkv bench [--quick]``.
+sizes, and writes nothing). Also ``python -m prefixkv bench [--quick]``. A line on stderr as each benchmark
+starts and ends says where the run is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,6 +54,39 @@ def plot(ttft_result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+SECTIONS = (
+    "Time to first token",
+    "Decode speed",
+    "Memory",
+    "Throughput",
+    "Throughput, answers that end anywhere",
+    "Zero-hit overhead",
+    "Store operations",
+)
+
+
+class Progress:
+    """Lines on stderr as each benchmark starts and ends, with its time and the run's: a full run takes about
+    25 minutes and prints its tables only at the end."""
+
+    def __init__(self, total: int, started: float) -> None:
+        self.total, self.started, self.done = total, started, 0
+
+    @contextlib.contextmanager
+    def section(self, title: str) -> Iterator[None]:
+        self.done += 1
+        tag = f"[bench {self.done}/{self.total}] {title}"
+        print(f"{tag}: started", file=sys.stderr, flush=True)
+        begun = time.perf_counter()
+        yield
+        now = time.perf_counter()
+        print(
+            f"{tag}: done in {now - begun:.1f} s ({now - self.started:.1f} s since the start)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small model and sizes (a smoke run)")
@@ -61,36 +97,46 @@ def main(argv: list[str] | None = None) -> None:
     size = "small" if q else "100m"
     started = time.perf_counter()
     sections = []
-    r = ttft.run(size, [128, 512] if q else [256, 1024, 2048], repeat=2 if q else 5)
-    if not q:  # a smoke run must not replace the published figures
-        plot(r, args.out.with_suffix(".png"))
-    sections.append(("Time to first token", ttft.report(r)))
-    if q:
-        r = decode.run(size, [128], [1, 8], new=16, repeat=1, shared=[(80, 4, 64)], warm=[96])
-    else:  # a 4096-token batch of 8 takes minutes to prefill: measured once
-        short = decode.run(size, [512], [1, 8], 128, repeat=3, warm=[512])
-        one = decode.run(size, [4096], [1], 128, repeat=3)
-        long = decode.run(size, [4096], [8], 128, repeat=1, shared=[(2112, 16, 2048)])
-        r = {**short, "rows": short["rows"] + one["rows"] + long["rows"]}
-    sections.append(("Decode speed", decode.report(r)))
-    r = memory.run(size, 256 if q else 1024, 16, 32, 8 if q else 32)
-    sections.append(("Memory", memory.report(r)))
-    r = throughput.run(
-        size,
-        2 if q else 4,
-        4 if q else 16,
-        128 if q else 512,
-        8 if q else 32,
-        ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_many", "generate_batch"],
-    )
-    sections.append(("Throughput", throughput.report(r)))
-    variants = ["prefixkv_batched", "generate_many", "generate_many_batches", "generate_batch"]
-    r = throughput.run(size, 2 if q else 4, 4 if q else 16, 128 if q else 512, 8 if q else 64, variants, stops="varied")
-    sections.append(("Throughput, answers that end anywhere", throughput.report(r)))
-    r = zero_hit.run(size, 128 if q else 512, 8 if q else 32, repeat=2 if q else 6)
-    sections.append(("Zero-hit overhead", zero_hit.report(r)))
-    r = trie_ops.run(2_000 if q else 100_000, 100, 1536, 64, 2000, 100 if q else 500, 16)
-    sections.append(("Store operations", trie_ops.report(r)))
+    progress = Progress(len(SECTIONS), started)
+    with progress.section("Time to first token"):
+        r = ttft.run(size, [128, 512] if q else [256, 1024, 2048], repeat=2 if q else 5)
+        if not q:  # a smoke run must not replace the published figures
+            plot(r, args.out.with_suffix(".png"))
+        sections.append(("Time to first token", ttft.report(r)))
+    with progress.section("Decode speed"):
+        if q:
+            r = decode.run(size, [128], [1, 8], new=16, repeat=1, shared=[(80, 4, 64)], warm=[96])
+        else:  # a 4096-token batch of 8 takes minutes to prefill: measured once
+            short = decode.run(size, [512], [1, 8], 128, repeat=3, warm=[512])
+            one = decode.run(size, [4096], [1], 128, repeat=3)
+            long = decode.run(size, [4096], [8], 128, repeat=1, shared=[(2112, 16, 2048)])
+            r = {**short, "rows": short["rows"] + one["rows"] + long["rows"]}
+        sections.append(("Decode speed", decode.report(r)))
+    with progress.section("Memory"):
+        r = memory.run(size, 256 if q else 1024, 16, 32, 8 if q else 32)
+        sections.append(("Memory", memory.report(r)))
+    with progress.section("Throughput"):
+        r = throughput.run(
+            size,
+            2 if q else 4,
+            4 if q else 16,
+            128 if q else 512,
+            8 if q else 32,
+            ["plain", "deepcopy", "prefixkv", "prefixkv_batched", "generate_many", "generate_batch"],
+        )
+        sections.append(("Throughput", throughput.report(r)))
+    with progress.section("Throughput, answers that end anywhere"):
+        variants = ["prefixkv_batched", "generate_many", "generate_many_batches", "generate_batch"]
+        r = throughput.run(
+            size, 2 if q else 4, 4 if q else 16, 128 if q else 512, 8 if q else 64, variants, stops="varied"
+        )
+        sections.append(("Throughput, answers that end anywhere", throughput.report(r)))
+    with progress.section("Zero-hit overhead"):
+        r = zero_hit.run(size, 128 if q else 512, 8 if q else 32, repeat=2 if q else 6)
+        sections.append(("Zero-hit overhead", zero_hit.report(r)))
+    with progress.section("Store operations"):
+        r = trie_ops.run(2_000 if q else 100_000, 100, 1536, 64, 2000, 100 if q else 500, 16)
+        sections.append(("Store operations", trie_ops.report(r)))
     elapsed = time.perf_counter() - started
     command = "python benchmarks/run_all.py" + (" --quick" if q else "")
     text = [f"Machine: {machine()}. Command: `{command}` ({elapsed / 60:.1f} min).", ""]

@@ -115,6 +115,35 @@ def test_bench_quick_prints_no_verdicts(monkeypatch: Any) -> None:
     assert "MISSED" in zero_hit.report(_ZERO_HIT)  # the same numbers in a full run
 
 
+def test_bench_prints_progress_as_each_benchmark_starts_and_ends(monkeypatch: Any, capsys: Any) -> None:
+    """``bench`` runs for about 25 minutes and prints its tables only at the end: each benchmark says on stderr when
+    it starts and when it ends, with its time and the run's (issue 33, item 5)."""
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import run_all
+
+    for module in (
+        run_all.ttft,
+        run_all.decode,
+        run_all.memory,
+        run_all.throughput,
+        run_all.zero_hit,
+        run_all.trie_ops,
+    ):
+        monkeypatch.setattr(module, "run", lambda *args, **kwargs: {"rows": []})
+        monkeypatch.setattr(module, "report", lambda result: "a table")
+    run_all.main(["--quick"])
+    err = capsys.readouterr().err.splitlines()
+    total = len(run_all.SECTIONS)
+    assert len(err) == 2 * total, err
+    for i, title in enumerate(run_all.SECTIONS):
+        assert err[2 * i] == f"[bench {i + 1}/{total}] {title}: started", err
+        assert re.fullmatch(
+            rf"\[bench {i + 1}/{total}\] {re.escape(title)}: done in [\d.]+ s \([\d.]+ s since the start\)",
+            err[2 * i + 1],
+        ), err
+
+
 def test_help_answers_without_torch() -> None:
     """``python -m prefixkv --help`` parses its arguments before importing torch (it took 5 s), and its text has no
     raw reStructuredText backticks; every demo option has help."""

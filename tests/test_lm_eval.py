@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 from typing import Any
 
 import pytest
@@ -151,10 +152,11 @@ def test_hf_prefixkv_gives_the_results_of_hf(
 
 
 def test_the_launcher_runs_lm_eval_with_hf_prefixkv(
-    tasks: pathlib.Path, reference: dict[int, dict[str, Any]], tmp_path: pathlib.Path
+    tasks: pathlib.Path, reference: dict[int, dict[str, Any]], tmp_path: pathlib.Path, capsys: Any
 ) -> None:
     """``python -m prefixkv.lm_eval`` with ``--log_samples``: every sample's log-likelihoods (within 1e-6) and
-    generated text are those of lm-eval's ``hf`` model, and so are the aggregate metrics."""
+    generated text are those of lm-eval's ``hf`` model, and so are the aggregate metrics; at the end it prints
+    the store's reuse (the few-shot examples every prompt shares are reused)."""
     model_dir = tmp_path / "model"
     _model().save_pretrained(model_dir)
     prefixkv.models.tiny_tokenizer().save_pretrained(model_dir)
@@ -171,6 +173,13 @@ def test_the_launcher_runs_lm_eval_with_hf_prefixkv(
             "--log_samples",
         ]
     )  # fmt: skip
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    found = re.fullmatch(
+        r"hf-prefixkv store: reused (\d+) of (\d+) prompt tokens \([\d.]+%\) over (\d+) looked-up rows", last
+    )
+    assert found, last
+    reused, total, rows = map(int, found.groups())
+    assert 0 < reused < total and rows > 0, last
     (path,) = out.rglob("results_*.json")
     results = json.loads(path.read_text())["results"]
     for task, metric in (("tiny_mc", "acc,none"), ("tiny_gen", "exact_match,none")):

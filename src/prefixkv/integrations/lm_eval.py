@@ -11,6 +11,8 @@ prefixkv (or ``bash scripts/setup.sh``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,6 +33,22 @@ from ..score import logprob_rows
 from ..store import PrefixStore
 
 Request = tuple[tuple[str, str], list[int], list[int]]
+
+# the lists that stores_made() hands out: every PrefixKVLM built inside it adds its store
+_watching: list[list[PrefixStore]] = []
+
+
+@contextlib.contextmanager
+def stores_made() -> Iterator[list[PrefixStore]]:
+    """The stores of the ``hf-prefixkv`` models that lm-eval builds inside the ``with`` block, in order: lm-eval
+    builds its model from the command line's arguments, so this is how ``python -m prefixkv.lm_eval`` finds the
+    store whose reuse it prints at the end."""
+    stores: list[PrefixStore] = []
+    _watching.append(stores)
+    try:
+        yield stores
+    finally:
+        _watching.remove(stores)
 
 
 @register_model("hf-prefixkv")
@@ -69,6 +87,8 @@ class PrefixKVLM(HFLM):
             chunk_size=prefix_chunk_size,
         )
         enable(self.model, self.store)  # generate_until: HFLM calls model.generate
+        for stores in _watching:
+            stores.append(self.store)
 
     def _loglikelihood_tokens(
         self,
