@@ -290,7 +290,8 @@ def _planning_chunks(
     prompt by the cache's ``get_seq_length`` before the first ``prepare_inputs_for_generation``, which then sees a
     chunk only: for a cache that chooses its columns at the first step, it first calls ``plan`` (the model, the
     whole ``input_ids`` and the call's keywords, its mask included), so the chunks start after the columns that
-    fit the call. Unchunked prefill and other caches run as before."""
+    fit the call. Unchunked prefill and other caches run as before. It can be deleted once the oldest supported
+    release lets the cache choose its columns before the chunks are cut (none does up to 5.24)."""
 
     @functools.wraps(prefill)
     def planning(
