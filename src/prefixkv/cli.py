@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the store (default: 16)")
     d.set_defaults(func=_demo_main)
     b = sub.add_parser("bench", help="the benchmark tables (benchmarks/run_all.py of a source checkout)")
-    b.add_argument("--quick", action="store_true", help="the small model and sizes: a smoke run of a minute")
+    b.add_argument(
+        "--quick", action="store_true", help="the small model and sizes: a smoke run, about 5 minutes on 2 busy cores"
+    )
     b.set_defaults(func=_bench_main)
     args = parser.parse_args(argv)
     code: int = args.func(args)
