@@ -263,6 +263,24 @@ def test_enable_uses_the_preferred_keyword(models: tuple[Any, Any]) -> None:
     assert model.config._attn_implementation == ref.config._attn_implementation
 
 
+def test_an_enabled_model_takes_a_cache_of_its_own_as_cache(models: tuple[Any, Any]) -> None:
+    """Under enable(), a call that passes its own cache as ``cache=`` (a stock ``DynamicCache`` here) runs with it,
+    as stock, without a warning, on every supported release."""
+    model, ref = models
+    store = prefixkv.enable(model, block_size=8)
+    try:
+        ids = torch.cat([PREFIX, torch.arange(100, 108)])[None]
+        want = _run(ref, ids, None, do_sample=False)
+        own = DynamicCache(config=model.config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _run(model, ids, None, cache=own, do_sample=False)
+        assert torch.equal(got.sequences, want.sequences) and _max_diff(got, want) < TOL
+        assert own.get_seq_length() > 0 and store.stats.hit_tokens == 0  # the call's cache was its own
+    finally:
+        prefixkv.disable(model)
+
+
 def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) -> None:
     model, ref = models
     store = prefixkv.PrefixStore(model)
