@@ -95,7 +95,7 @@ SMOKE_NOTE = (
     "DynamicCache's) and generate_batch faster than generate_many; the targets do not apply (n/a), and timings "
     "this short swing from run to run. The published tables come from the full run (python -m prefixkv bench, "
     "the ~100M model and 512-4096-token prefixes); python -m prefixkv demo --small shows reuse at work in "
-    "under a minute. This run takes about 5 minutes on 2 busy cores."
+    "about a minute. This run takes about 5 minutes on 2 busy cores."
 )
 
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     source.add_argument(
         "--small",
         action="store_true",
-        help="the 4-layer embedded model, a 1536-token prompt and 8-token answers: under a minute",
+        help="the 4-layer embedded model, a 1536-token prompt and 8-token answers: about a minute",
     )
     source.add_argument("--model", help="a local checkpoint folder (default: the embedded ~100M-parameter model)")
     source.add_argument(
