@@ -157,7 +157,9 @@ def _max_diff(a: Any, b: Any) -> float:
 
 
 def _keywords() -> list[str]:
-    return ["past_key_values", "cache"] if _generate_takes_cache_keyword() else ["past_key_values"]
+    """Every keyword ``generate`` takes the cache by: ``cache=`` on every supported release (4.57-5.23 through
+    prefixkv's alias), ``past_key_values=`` until transformers drops it."""
+    return ["past_key_values", "cache"]
 
 
 @pytest.mark.parametrize("keyword", _keywords())
@@ -194,6 +196,55 @@ def test_generate_matches_stock(models: tuple[Any, Any], store: prefixkv.PrefixS
             assert cache.stats.cached_tokens >= PREFIX.numel(), (mode, n, cache.stats)
 
 
+def test_stock_generate_takes_cache_before_any_store() -> None:
+    """``cache=`` runs without a warning on every supported release once prefixkv has loaded (a model from
+    ``prefixkv.models`` loads it), before any store exists: a stock reference takes the same spelling."""
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "import torch, prefixkv\n"
+        "from transformers import DynamicCache\n"
+        "model = prefixkv.models.tiny_model('llama', dtype=torch.float64)\n"
+        "ids = torch.arange(3, 20)[None]\n"
+        "kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)\n"
+        "cache = DynamicCache(config=model.config)\n"
+        "out = model.generate(ids, cache=cache, **kw)\n"
+        "assert cache.get_seq_length() == 19, cache.get_seq_length()  # it was the call's cache\n"
+        "assert torch.equal(out, model.generate(ids, **kw))\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
+class _OwnCacheModel:
+    """A model whose forward takes an argument named ``cache`` of its own (as XLM's and Flaubert's do)."""
+
+    def forward(self, input_ids: Any, cache: Any = None) -> None: ...
+
+
+class _PlainModel:
+    def forward(self, input_ids: Any, past_key_values: Any = None) -> None: ...
+
+
+def test_the_cache_alias_renames_only_what_would_fail() -> None:
+    """The alias gives 4.57-5.23's ``generate`` a ``cache=`` as ``past_key_values=``, leaves a model's own
+    ``cache`` argument alone, and refuses a cache given both ways."""
+    seen: list[dict[str, Any]] = []
+    generate = _compat._taking_cache(lambda self, *args, **kwargs: seen.append(kwargs))
+    generate(_PlainModel(), "ids", cache="c", max_new_tokens=1)
+    generate(_OwnCacheModel(), "ids", cache="c")
+    generate(_PlainModel(), "ids", past_key_values="p")
+    generate(_PlainModel(), "ids", cache="c", past_key_values=None)
+    assert seen == [
+        {"past_key_values": "c", "max_new_tokens": 1},
+        {"cache": "c"},
+        {"past_key_values": "p"},
+        {"past_key_values": "c"},
+    ]
+    with pytest.raises(TypeError, match="cache twice"):
+        generate(_PlainModel(), "ids", cache="c", past_key_values="p")
+
+
 def test_enable_uses_the_preferred_keyword(models: tuple[Any, Any]) -> None:
     """enable() passes the cache as the installed generate prefers (no deprecation warning), reuses, and matches."""
     model, ref = models
@@ -210,6 +261,24 @@ def test_enable_uses_the_preferred_keyword(models: tuple[Any, Any]) -> None:
     finally:
         prefixkv.disable(model)
     assert model.config._attn_implementation == ref.config._attn_implementation
+
+
+def test_an_enabled_model_takes_a_cache_of_its_own_as_cache(models: tuple[Any, Any]) -> None:
+    """Under enable(), a call that passes its own cache as ``cache=`` (a stock ``DynamicCache`` here) runs with it,
+    as stock, without a warning, on every supported release."""
+    model, ref = models
+    store = prefixkv.enable(model, block_size=8)
+    try:
+        ids = torch.cat([PREFIX, torch.arange(100, 108)])[None]
+        want = _run(ref, ids, None, do_sample=False)
+        own = DynamicCache(config=model.config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _run(model, ids, None, cache=own, do_sample=False)
+        assert torch.equal(got.sequences, want.sequences) and _max_diff(got, want) < TOL
+        assert own.get_seq_length() > 0 and store.stats.hit_tokens == 0  # the call's cache was its own
+    finally:
+        prefixkv.disable(model)
 
 
 def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) -> None:

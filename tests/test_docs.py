@@ -1,9 +1,9 @@
 """The docs run: every ```python block of every docs page and of the README executes, in order, in one
 namespace per page, as a reader pasting the page would run them, and a ```text block marked
 ``<!-- docs-test: output -->`` must be exactly what the python block before it printed; a block that warns fails
-(on every supported transformers, 4.57 to the newest, every example runs without a warning but one: from 5.24,
-transformers' FutureWarning that ``generate(past_key_values=...)`` is deprecated for ``cache=``, the spelling that
-4.57-5.23 do not know; docs/getting-started.md says so). CI runs this file on the oldest supported release too.
+(every example runs without a warning on every supported transformers, 4.57 to the newest: ``generate`` takes
+``cache=`` on all of them, natively from 5.24 and through prefixkv's alias before, docs/getting-started.md). CI
+runs this file on the oldest supported release too.
 The site builds with warnings as errors, the ``>>>`` examples of the docstrings (shown on the API page) run,
 and the API page lists every public name.
 
@@ -51,10 +51,6 @@ def _smollm2_installed() -> bool:
 
 
 REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1" or _smollm2_installed()
-# from transformers 5.24 generate() takes the cache as cache= and warns for past_key_values=, which the examples
-# use because 4.57-5.23 know no other spelling
-_DEPRECATED_SPELLING = r"`past_key_values` is deprecated .* Use `cache` instead"
-
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 _KINDS = {"skip", "real", "output"}
@@ -119,7 +115,6 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             out = io.StringIO()
             with contextlib.redirect_stdout(out), warnings.catch_warnings():
                 warnings.simplefilter("error")
-                warnings.filterwarnings("ignore", _DEPRECATED_SPELLING, FutureWarning)
                 exec(compile(b.code, f"{page.name}:{b.line}", "exec"), namespace)
             printed = out.getvalue()
         elif b.marker == "output" and printed is not None:
@@ -134,7 +129,6 @@ def test_docstring_examples_run(module: ModuleType, tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warnings.filterwarnings("ignore", _DEPRECATED_SPELLING, FutureWarning)
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) of {module.__name__} failed (details above)"
 

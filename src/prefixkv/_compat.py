@@ -6,7 +6,9 @@ adapts what older releases name or call differently, found by looking at the ins
 never by comparing version numbers:
 
 - ``generate`` takes the cache as ``cache=`` from transformers 5.24 (``past_key_values=`` is then deprecated),
-  as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers.
+  as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers, and
+  on older releases ``generate`` is given ``cache=`` too (:func:`_taking_cache`), so that one spelling runs without
+  a warning on every supported release.
 - transformers 4.57-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
   number of columns to drop), and 4.57-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
@@ -37,7 +39,10 @@ never by comparing version numbers:
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
 
 The wrappers of ``GenerationMixin`` methods are installed by :func:`install_generation_patches`, which
-every ``PrefixStore`` calls when it is built (not on import); each wrapper's docstring says when it can be deleted.
+every ``PrefixStore`` calls when it is built (not on import), except the ``cache=`` alias, installed when this
+module loads (when prefixkv's public names first load): it only lets a call that would fail run, and a stock call
+with a ``DynamicCache`` made before any store (a reference to compare with) takes it too. Each wrapper's docstring
+says when it can be deleted.
 Messages that name a release's spelling (:data:`CACHE_ARGUMENT_HINT`) and the inputs only some releases pass
 (:data:`RELEASE_NEUTRAL_INPUTS`) live here too.
 
@@ -118,6 +123,30 @@ from transformers.generation import utils as _generation  # noqa: E402
 
 GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "past_key_values"
 """The keyword by which the installed transformers' ``generate`` prefers to take a cache."""
+
+
+def _taking_cache(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin.generate`` of transformers 4.57-5.23, which take the cache only as ``past_key_values=``
+    (and refuse ``cache=`` as a keyword the model does not use): also takes it as ``cache=``, the spelling of 5.24
+    and later, which deprecate ``past_key_values=``. A model whose own forward takes a ``cache`` (XLM's and
+    Flaubert's dict of tensors) is given it as before. Delete when the oldest supported transformers is 5.24 or
+    newer (its ``generate`` takes ``cache=`` itself)."""
+
+    @functools.wraps(generate)
+    def taking_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "cache" in kwargs and "cache" not in inspect.signature(self.forward).parameters:
+            if kwargs.get("past_key_values") is not None:
+                raise TypeError("generate() got a cache twice, as cache= and as past_key_values=; pass it once")
+            kwargs["past_key_values"] = kwargs.pop("cache")
+        return generate(self, *args, **kwargs)
+
+    return taking_cache
+
+
+if GENERATE_CACHE_KWARG != "cache":
+    _generation.GenerationMixin.generate = _taking_cache(  # type: ignore[method-assign]
+        _generation.GenerationMixin.generate
+    )
 
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 _ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
@@ -353,11 +382,8 @@ def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[st
         setattr(mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010
 
 
-# the cache keyword of the generate call on this release: how messages spell passing one
-CACHE_ARGUMENT_HINT = (
-    f"{GENERATE_CACHE_KWARG}=prefixkv.PagedPrefixCache(store, ids) (cache= from transformers 5.24, "
-    "past_key_values= before)"
-)
+# how messages spell passing a cache to generate (every supported release takes cache=, see _taking_cache)
+CACHE_ARGUMENT_HINT = "cache=prefixkv.PagedPrefixCache(store, ids)"
 
 # inputs of a forward that do not change K/V and that only some releases pass: num_logits_to_keep (4.x, before
 # logits_to_keep), cache_position (dropped by the newest releases), is_first_iteration and next_sequence_length

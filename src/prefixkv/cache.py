@@ -99,7 +99,7 @@ class PagedPrefixCache(Cache):
     >>> store = prefixkv.PrefixStore(model, block_size=4)
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-    ...     out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    ...     out = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
     >>> cache.stats.cached_tokens, cache.stats.computed_tokens
     (0, 11)
     """

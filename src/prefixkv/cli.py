@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d = sub.add_parser("demo", help="a shared-system-prompt workload with and without prefixkv")
     source = d.add_mutually_exclusive_group()
     source.add_argument(
-        "--small", action="store_true", help="the 4-layer embedded model and a 384-token prompt: a few seconds"
+        "--small",
+        action="store_true",
+        help="the 4-layer embedded model, a 1536-token prompt and 8-token answers: about a minute",
     )
     source.add_argument("--model", help="a local checkpoint folder (default: the embedded ~100M-parameter model)")
     source.add_argument(
@@ -47,12 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument(
         "--new-tokens",
         type=int,
-        help="tokens generated per call (default: 24; 16 with --small, 32 with --real or --model)",
+        help="tokens generated per call (default: 24; 8 with --small, 32 with --real or --model)",
     )
     d.add_argument("--block-size", type=int, default=16, help="tokens per KV block of the store (default: 16)")
     d.set_defaults(func=_demo_main)
     b = sub.add_parser("bench", help="the benchmark tables (benchmarks/run_all.py of a source checkout)")
-    b.add_argument("--quick", action="store_true", help="the small model and sizes: a smoke run of a minute")
+    b.add_argument(
+        "--quick", action="store_true", help="the small model and sizes: a smoke run, about 5 minutes on 2 busy cores"
+    )
     b.set_defaults(func=_bench_main)
     args = parser.parse_args(argv)
     code: int = args.func(args)

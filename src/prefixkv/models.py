@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import transformers
 
+from . import _compat  # noqa: F401  (checks the releases, and gives older ones' generate cache=: a stock reference)
+
 # family -> (config class name, overrides for a tiny 2-layer model, hidden 64)
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"num_key_value_heads": 2}),

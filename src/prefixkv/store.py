@@ -133,7 +133,7 @@ class PrefixStore:
     >>> store = prefixkv.PrefixStore(model, block_size=4)
     >>> ids = torch.arange(1, 12).unsqueeze(0)
     >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-    ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
     >>> prefixkv.PagedPrefixCache(store, ids).stats.cached_tokens  # all but the last prompt token
     10
     """
@@ -363,7 +363,7 @@ class PrefixStore:
         >>> store = prefixkv.PrefixStore(model, block_size=4)
         >>> ids = torch.arange(3, 20)[None]
         >>> with prefixkv.PagedPrefixCache(store, ids) as cache:
-        ...     _ = model.generate(ids, past_key_values=cache, max_new_tokens=2, do_sample=False)
+        ...     _ = model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
         >>> path = os.path.join(tempfile.mkdtemp(), "prefixes.safetensors")
         >>> store.save(path).tokens
         16
