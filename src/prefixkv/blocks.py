@@ -10,6 +10,7 @@ one insert, :meth:`BlockManager.insert`. See docs/how-it-works.md, "The block ma
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -110,6 +111,10 @@ class BlockManager:
     def space(self) -> Hashable:
         """The namespace that K/V computed now are cached under (:meth:`Namespace.space`). Does not mutate."""
         return self._namespace.space()
+
+    def steady_space(self) -> contextlib.AbstractContextManager[None]:
+        """A block within which :meth:`space` is worked out once on this thread (:meth:`Namespace.steady`)."""
+        return self._namespace.steady()
 
     def ensure_open(self) -> None:
         """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""
