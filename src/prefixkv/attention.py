@@ -740,7 +740,7 @@ def _lone_run(
     ``None``. Does not mutate."""
     if len(tables) != 1 or pads[0] or pool.kv_dtype is not None or not pool.keys:
         return None
-    if pool.keys[0].device.type not in READ_DEVICES:
+    if any(k.device.type not in READ_DEVICES for k in pool.keys):
         return None
     count = -(-columns // bs)
     table = tables[0][:count]

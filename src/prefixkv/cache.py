@@ -135,7 +135,7 @@ class PagedPrefixCache(Cache):
         blocks.ensure_open()
         self._gen_call: GenerateCall = GenerateCall(None)
         # the construction, the runner's prefills for its rows included, walks the model's weights once
-        with blocks.steady_space():
+        with blocks.key_space.steady():
             self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
             if input_ids is not None:
                 pads, keys = check_prompt(input_ids, attention_mask)
