@@ -1,10 +1,12 @@
 """The cost of the invariant schedule (``PrefixStore(invariant=True)``, docs/correctness.md) against the default
-one, on one model, the two modes taking turns in every repeat (medians): warm time to first token after a
-cached prefix, with queries of several lengths (the invariant store recomputes up to a chunk); decode
-milliseconds per token on a warm call; the demo's workload (``prefixkv demo``: questions after one system
-prompt, then a follow-up turn) from an empty store. With ``--real``, SmolLM2's 12-question chat experiment in
-bfloat16: how many answers are identical (tokens, and logits bit for bit) cold vs stock and warm vs cold, in
-both modes. Run: ``python benchmarks/invariance.py [--size 100m] [--real]``.
+one, the budget for making it the default measured in one run, the two modes taking turns in every repeat
+(medians): warm time to first token after a cached prefix (1024 + 32 and 2048 + 32 tokens on the ~100M model,
+fresh query tokens every call), warm time to first token of the demo's workload (``python -m prefixkv demo``:
+questions after one 2048-token system prompt, on the same model), decode milliseconds per token on a warm call,
+cold time to first token (an empty store), and memory (the bytes and blocks each store holds after the same
+calls). With ``--real``, SmolLM2's 12-question chat experiment in bfloat16: how many answers are identical
+(tokens, and logits bit for bit) cold vs stock and warm vs cold, in both modes. Run:
+``python benchmarks/invariance.py [--size 100m] [--real]``.
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ QUESTIONS = (
 )
 CHAT = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
 
-MODES: dict[str, dict[str, Any]] = {"default": {}, "invariant": {"invariant": True}}
+MODES: dict[str, dict[str, Any]] = {"default": {"invariant": False}, "invariant": {"invariant": True}}
 BLOCK = 16
-QUERIES = (8, 24, 40, 56)  # query lengths: the warm prompt ends anywhere in a 64-token chunk
+QUERY = 32  # the warm and cold calls' query after the prefix
+# the budget for making the invariant schedule the default (issue 35): invariant / default at most
+BUDGET = {"warm": 1.15, "decode": 1.02, "cold": 1.05, "memory": 1.0}
 
 
 class _StepClock(LogitsProcessor):
@@ -81,29 +85,67 @@ def _stores(model: Any) -> dict[str, prefixkv.PrefixStore]:
     return {mode: prefixkv.PrefixStore(model, block_size=BLOCK, **kw) for mode, kw in MODES.items()}
 
 
-def warm_ttft(model: Any, prefix: int, repeat: int) -> dict[str, float]:
-    """Median ms of a one-token generate call (cache construction included) after a cached ``prefix``, the
-    query length cycling through :data:`QUERIES`, fresh query tokens every call."""
-    vocab = model.config.vocab_size
-    system = tokens(prefix, vocab, seed=prefix)
-    stores = _stores(model)
-    for store in stores.values():
-        _generate(model, store, system[None], 1)
-    lengths = itertools.cycle(QUERIES)
-    fresh = (torch.cat([system, tokens(next(lengths), vocab, seed=1000 + i)])[None] for i in itertools.count())
+def _memory(stores: dict[str, prefixkv.PrefixStore]) -> dict[str, dict[str, int]]:
+    """What each store holds now: the bytes and blocks of K/V in use (its pool grows to what it holds)."""
+    return {mode: {"bytes_used": s.stats.bytes_used, "blocks_used": s.stats.blocks_used} for mode, s in stores.items()}
 
-    def call(store: prefixkv.PrefixStore, queries: Iterator[torch.Tensor]) -> Callable[[], None]:
+
+def _first_tokens(model: Any, stores: dict[str, prefixkv.PrefixStore], prompts: list[torch.Tensor]) -> dict[str, float]:
+    """Median ms of a one-token generate call (cache construction included) over ``prompts`` in turn, each mode's
+    store seeing the same prompts in the same order (the first one a warm-up)."""
+
+    def call(store: prefixkv.PrefixStore, queue: Iterator[torch.Tensor]) -> Callable[[], None]:
         def first_token() -> None:
-            _generate(model, store, next(queries), 1)
+            _generate(model, store, next(queue), 1)
 
         return first_token
 
-    # each mode sees the same query lengths in the same order
-    queries = list(itertools.islice(fresh, len(QUERIES) * (repeat + 1)))
+    return interleaved({mode: call(s, iter(prompts)) for mode, s in stores.items()}, len(prompts) - 1, warmup=1)
+
+
+def warm_ttft(model: Any, prefix: int, repeat: int) -> dict[str, Any]:
+    """Median ms of a one-token call after a cached ``prefix``, with a :data:`QUERY`-token query, fresh query
+    tokens every call; and what each store holds after the calls (:func:`_memory`)."""
+    vocab = model.config.vocab_size
+    system = tokens(prefix, vocab, seed=prefix)
+    stores = _stores(model)
     try:
-        return interleaved(
-            {mode: call(store, iter(queries)) for mode, store in stores.items()}, len(queries) - 1, warmup=1
-        )
+        for store in stores.values():
+            _generate(model, store, system[None], 1)
+        prompts = [torch.cat([system, tokens(QUERY, vocab, seed=1000 + i)])[None] for i in range(repeat + 1)]
+        return {**_first_tokens(model, stores, prompts), "memory": _memory(stores)}
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+def cold_ttft(model: Any, length: int, repeat: int) -> dict[str, float]:
+    """Median ms of a one-token call of ``length`` prompt tokens on an empty store (built outside the timing)."""
+    vocab = model.config.vocab_size
+
+    def call(kw: dict[str, Any], seeds: Iterator[int]) -> Callable[[], float]:
+        def first_token() -> float:
+            ids = tokens(length, vocab, seed=next(seeds))[None]
+            with prefixkv.PrefixStore(model, block_size=BLOCK, **kw) as store:
+                start = time.perf_counter()
+                _generate(model, store, ids, 1)
+                return 1000 * (time.perf_counter() - start)
+
+        return first_token
+
+    return interleaved({mode: call(kw, itertools.count()) for mode, kw in MODES.items()}, repeat)
+
+
+def demo_ttft(model: Any, system: int, repeat: int) -> dict[str, float]:
+    """Median ms of the first token of the demo's questions (``prefixkv demo``'s workload) once its first
+    question cached the system prompt, up to ``repeat`` of them."""
+    workload = synthetic_workload(model.config.vocab_size, system_len=system, new_tokens=1)
+    questions = [turn([]) for turn in workload.turns[:-1]]  # the follow-up continues an answer
+    stores = _stores(model)
+    try:
+        for store in stores.values():
+            _generate(model, store, questions[0], 1)
+        return _first_tokens(model, stores, questions[1 : repeat + 2])
     finally:
         for store in stores.values():
             store.close()
@@ -136,22 +178,6 @@ def decode(model: Any, context: int, batch: int, new: int, repeat: int) -> dict[
     finally:
         for store in stores.values():
             store.close()
-
-
-def demo(model: Any, system: int, new: int, repeat: int) -> dict[str, float]:
-    """Median ms of the demo's whole workload (every turn, from an empty store) in each mode."""
-    workload = synthetic_workload(model.config.vocab_size, system_len=system, new_tokens=new)
-
-    def call(kw: dict[str, Any]) -> Callable[[], None]:
-        def whole() -> None:
-            outs: list[torch.Tensor] = []
-            with prefixkv.PrefixStore(model, block_size=BLOCK, **kw) as store:
-                for turn in workload.turns:
-                    outs.append(_generate(model, store, turn(outs), new))
-
-        return whole
-
-    return interleaved({mode: call(kw) for mode, kw in MODES.items()}, repeat, warmup=0)
 
 
 def chat_prompts(tokenizer: Any) -> list[torch.Tensor]:
@@ -201,13 +227,25 @@ def _agreement(outs: list[Any], refs: list[Any]) -> dict[str, int]:
     return {"same_tokens": same_tokens, "same_logits": same_logits, "tokens_before_difference": before}
 
 
-def run(size: str, prefix: int, context: int, batches: list[int], system: int, repeat: int) -> dict[str, Any]:
+def run(size: str, prefixes: list[int], context: int, batches: list[int], system: int, repeat: int) -> dict[str, Any]:
     model = model_for(size)
-    result: dict[str, Any] = {"size": size, "machine": machine(), "chunk_size": 4 * BLOCK}
-    result["ttft"] = {"prefix": prefix, **warm_ttft(model, prefix, repeat)}
+    result: dict[str, Any] = {"size": size, "machine": machine(), "chunk_size": 4 * BLOCK, "query": QUERY}
+    result["warm"] = [{"prefix": p, **warm_ttft(model, p, repeat)} for p in prefixes]
+    result["demo"] = {"system": system, **demo_ttft(model, system, repeat)}
     result["decode"] = [{"batch": b, "context": context, **decode(model, context, b, 16, repeat)} for b in batches]
-    result["demo"] = {"system": system, **demo(model, system, 16, max(1, repeat // 2))}
+    result["cold"] = {"length": prefixes[0] + QUERY, **cold_ttft(model, prefixes[0] + QUERY, max(2, repeat // 2))}
     return result
+
+
+def ratios(result: dict[str, Any]) -> dict[str, float]:
+    """Invariant over default for every measure of :func:`run`, by name."""
+    out = {f"warm {w['prefix']}+{result['query']}": w["invariant"] / w["default"] for w in result["warm"]}
+    out[f"demo {result['demo']['system']}"] = result["demo"]["invariant"] / result["demo"]["default"]
+    out.update({f"decode batch {d['batch']}": d["invariant"] / d["default"] for d in result["decode"]})
+    out[f"cold {result['cold']['length']}"] = result["cold"]["invariant"] / result["cold"]["default"]
+    memory = result["warm"][-1]["memory"]
+    out["memory"] = memory["invariant"]["bytes_used"] / memory["default"]["bytes_used"]
+    return out
 
 
 def report(result: dict[str, Any]) -> str:
@@ -216,14 +254,23 @@ def report(result: dict[str, Any]) -> str:
         budgeted = f"{ratio:.2f}x ({target(ratio <= budget)}: <= {budget}x)"
         return [label, f"{r['default']:.{digits}f}", f"{r['invariant']:.{digits}f}", budgeted]
 
-    t, d = result["ttft"], result["demo"]
+    q, d, c = result["query"], result["demo"], result["cold"]
+    memory = result["warm"][-1]["memory"]
+    pool = {mode: m["bytes_used"] / 2**20 for mode, m in memory.items()}
     rows = [
-        row(f"warm TTFT, {t['prefix']}-token prefix + {min(QUERIES)}-{max(QUERIES)}-token query, ms", t, 1, 1.3),
+        *(row(f"warm TTFT, {w['prefix']} + {q} tokens, ms", w, 1, BUDGET["warm"]) for w in result["warm"]),
+        row(f"warm TTFT, demo workload ({d['system']}-token system prompt), ms", d, 1, BUDGET["warm"]),
         *(
-            row(f"decode, batch {r['batch']}, {r['context']}-token context, ms/token", r, 2, 1.05)
+            row(f"decode, batch {r['batch']}, {r['context']}-token context, ms/token", r, 2, BUDGET["decode"])
             for r in result["decode"]
         ),
-        row(f"demo workload, {d['system']}-token system prompt, ms", d, 0, 1.05),
+        row(f"cold TTFT, {c['length']} tokens, empty store, ms", c, 0, BUDGET["cold"]),
+        row(
+            f"memory: K/V held after the {result['warm'][-1]['prefix']}-token warm calls, MiB",
+            pool,
+            2,
+            BUDGET["memory"],
+        ),
     ]
     out = [table(["measure", "default", "invariant", "invariant / default (budget)"], rows)]
     chat = result.get("chat")
@@ -244,10 +291,11 @@ def report(result: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--size", default="100m")
-    ap.add_argument("--prefix", type=int, default=552, help="the cached prefix: 40 tokens into a 64-token chunk")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[1024, 2048], help="the warm calls' cached prefixes")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--system", type=int, default=2048, help="the demo workload's system prompt (the demo's 2048)")
+    ap.add_argument("--runs", type=int, default=1, help="whole runs, one after the other, each one's ratios printed")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--real", action="store_true", help="also SmolLM2's chat experiment (bfloat16: slow on CPUs)")
     ap.add_argument(
@@ -256,9 +304,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    result = run(args.size, args.prefix, args.context, args.batches, args.system, args.repeat)
+    runs = []
+    for i in range(args.runs):
+        result = run(args.size, args.prefixes, args.context, args.batches, args.system, args.repeat)
+        runs.append(ratios(result))
+        print(f"run {i + 1}: " + ", ".join(f"{k} {v:.2f}x" for k, v in runs[-1].items()), flush=True)
     if args.real:
         result["chat"] = chat_counts()
+    result["runs"] = runs
     save("invariance", result)
     print(f"{result['machine']}; chunk_size {result['chunk_size']}, block_size {BLOCK}\n")
     print(report(result))

@@ -176,3 +176,26 @@ def test_gpu_check_without_cuda_says_so_and_exits_0(
     assert gpu_check.main([]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and printed[0].startswith("gpu_check: no CUDA device here")
+
+
+def test_invariance_smoke() -> None:
+    import invariance
+
+    r = invariance.run("tiny", [40, 72], 24, [1, 2], system=48, repeat=2)
+    ratios = invariance.ratios(r)
+    assert list(ratios) == [
+        "warm 40+32", "warm 72+32", "demo 48", "decode batch 1", "decode batch 2", "cold 72", "memory"
+    ]  # fmt: skip
+    assert all(v > 0 for v in ratios.values()), ratios
+    memory = r["warm"][-1]["memory"]
+    # the invariant store holds the 72-token prefix's whole chunk, the default one every prompt's whole blocks
+    assert memory["invariant"]["blocks_used"] == 64 // 16
+    assert memory["default"]["blocks_used"] > memory["invariant"]["blocks_used"]
+    assert ratios["memory"] == memory["invariant"]["bytes_used"] / memory["default"]["bytes_used"] < 1
+    cells = _cells(invariance.report(r))
+    assert [row[0] for row in cells][:3] == [
+        "warm TTFT, 40 + 32 tokens, ms",
+        "warm TTFT, 72 + 32 tokens, ms",
+        "warm TTFT, demo workload (48-token system prompt), ms",
+    ]
+    assert cells[-1][3].startswith(f"{ratios['memory']:.2f}x (")

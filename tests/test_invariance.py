@@ -605,3 +605,50 @@ def test_a_match_that_ends_inside_a_chunk_reuses_only_whole_chunks(shared: int) 
     assert stats.cached_tokens == shared // CHUNK * CHUNK
     assert_identical(out, ref)
     store.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_grouped_kernel_gives_the_same_bits_on_a_view_of_the_pool_and_on_a_copy(dtype: torch.dtype) -> None:
+    """A lone row whose blocks lie one after the other in the pool reads a view of them (``Reader._gather``),
+    any other row a copy: the kernel's result for the same values is bit-identical either way, at every length
+    and query length a call feeds (a decode step, a partial chunk, a whole chunk), on grouped heads."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    pool = torch.randn(kv_heads, 700, bs, dim, generator=g).to(dtype)  # [kv_heads, blocks, block_size, dim]
+    for q, columns, first in ((1, 37, 3), (7, 300, 120), (32, 1056, 400), (64, 2048, 40), (1, 2048, 0)):
+        count = -(-columns // bs)
+        view = pool[:, first : first + count].reshape(kv_heads, count * bs, dim)[None, :, :columns]
+        copy = pool.index_select(1, torch.arange(first, first + count)).reshape(kv_heads, -1, dim)[None, :, :columns]
+        assert view.data_ptr() == pool[:, first].data_ptr() and copy.is_contiguous() is (count * bs == columns)
+        query = torch.randn(1, heads, q, dim, generator=g).to(dtype)
+        mask = torch.ones(q, columns, dtype=torch.bool).tril(columns - q)[None, None]
+        a = prefixkv.attention.whole_rows_attention(query, view, view, mask, None)
+        b = prefixkv.attention.whole_rows_attention(query, copy.contiguous(), copy.contiguous(), mask, None)
+        assert torch.equal(a, b), (q, columns)
+
+
+def test_a_lone_row_reads_a_view_cold_and_a_copy_warm_with_the_same_bits() -> None:
+    """Cold, a lone row's blocks lie one after the other and every forward reads a view of the pool; warm, its
+    prefix sits in blocks an earlier call left apart, so it reads copies: the logits are bit-identical."""
+    model = model_of(torch.bfloat16)
+    prompt = random_tokens(45, seed=21)[None]
+    views: list[bool] = []
+    original = prefixkv.attention.Reader._gather
+
+    def spy(self: Any, layer: int) -> Any:
+        views.append(self._run is not None)
+        return original(self, layer)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(prefixkv.attention.Reader, "_gather", spy)
+        ref = cold(model, prompt, new=6)
+        assert views and all(views)  # cold: views only
+        views.clear()
+        store = invariant_store(model)
+        # an earlier batch: the prefix's chunks interleaved with another row's in the pool
+        prime(model, store, [prompt[0, :33], random_tokens(33, seed=22)])
+        views.clear()
+        out, stats = run(model, store, prompt, new=6)
+        store.close()
+    assert stats.cached_tokens == 32 and not any(views)
+    assert_identical(out, ref)

@@ -347,6 +347,40 @@ def test_refilling_within_a_store_budget_and_streaming(llama64: Any, monkeypatch
     store.close()
 
 
+def test_an_invariant_store_refills_with_the_same_bits_cold_and_warm_in_bfloat16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refilling in an invariant store: rows end far apart, calls end early, rows carry on and waiting prompts
+    join, and which prompts join a call follows the prompts alone, never what the store holds; so the same job,
+    cold and after earlier calls cached other prompts whole (one that cold waits for a call of its own, as its
+    30 tokens after the system prompt are not cached), makes the same calls and gives bit-identical tokens and
+    logits in bfloat16."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
+    prompts = workload(2, 5, system_len=40)
+    prompts[4] = prompts[4] + random_tokens(30, seed=7).tolist()
+    kw: dict[str, Any] = dict(max_new_tokens=14, do_sample=False)
+    answers = [stock(model, p, min_new_tokens=14, **kw).sequences[0, len(p) :].tolist() for p in prompts]
+    eos = sorted({answers[0][1], answers[3][6], answers[6][11]})
+    kw.update(eos_token_id=eos, output_logits=True)
+    runs, made = [], []
+    for warm in (False, True):
+        calls = _spy_calls(monkeypatch)
+        with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8) as store:
+            if warm:  # earlier work: every prompt but the first two, whole, and the other system prompt
+                store.warm([prompts[1][:40], *prompts[2:]], progress=False)
+            runs.append(
+                prefixkv.generate_many(model, prompts, store=store, batch_size=3, progress=False, refill=True, **kw)
+            )
+        made.append([prompts_ for prompts_, _ in calls])
+    cold, warm_ = runs
+    assert any(p not in prompts for prompts_ in made[0] for p in prompts_), "no row was carried on"
+    assert made[0] == made[1]  # the same calls, on the same rows
+    assert sum(g.cached_tokens for g in warm_) > sum(g.cached_tokens for g in cold)
+    for a, b in zip(cold, warm_, strict=True):
+        assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
+        assert torch.equal(a.logits, b.logits), a.index
+
+
 def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
     llama64: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -372,8 +406,7 @@ def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
 def test_an_invariant_store_gives_the_same_bits_cold_and_warm_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     """In an invariant store a job's results never depend on what the store holds: the same prompts, cold and
     after earlier calls cached some of them at other lengths (and pinned none), give bit-identical tokens and
-    logits in bfloat16. The batches must not follow the store's contents, nor may rows be carried on (its decode
-    steps publish nothing, so a carried-on row would be computed otherwise)."""
+    logits in bfloat16. The batches must not follow the store's contents (refill=False: no row carried on)."""
     model = prefixkv.models.tiny_model("llama", dtype=torch.bfloat16)
     prompts = workload(2, 5, system_len=40)
     answers = [stock(model, p, max_new_tokens=10, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
@@ -386,11 +419,11 @@ def test_an_invariant_store_gives_the_same_bits_cold_and_warm_in_bfloat16(monkey
         with prefixkv.PrefixStore(model, block_size=4, invariant=True, chunk_size=8) as store:
             if warm:  # earlier work: a prefix of one system prompt, one whole prompt and a longer one
                 store.warm([prompts[1][:16], prompts[2], prompts[4] + [9, 9, 9, 9, 9, 9, 9, 9]], progress=False)
-            runs.append(prefixkv.generate_many(model, prompts, store=store, batch_size=3, progress=False, **kw))
+            runs.append(
+                prefixkv.generate_many(model, prompts, store=store, batch_size=3, progress=False, refill=False, **kw)
+            )
     cold, warm_ = runs
     assert all(p in prompts for prompts_, _ in calls for p in prompts_)  # no row carried on
-    with prefixkv.PrefixStore(model, invariant=True) as store, pytest.raises(ValueError, match="an invariant store"):
-        prefixkv.generate_many(model, prompts, store=store, refill=True, progress=False, **kw)
     assert any(g.cached_tokens for g in warm_)  # the warm run did reuse what the store held
     for a, b in zip(cold, warm_, strict=True):
         assert a.tokens == b.tokens and a.logits is not None and b.logits is not None

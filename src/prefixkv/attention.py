@@ -73,8 +73,11 @@ def prefixkv_attention_forward(
             if backend.servable(forward, call):
                 return backend.attend(forward, layer, call), None
             key, value = forward.gather(layer)
-        elif forward.canonical and canonical_servable(module, query, attention_mask, kwargs, forward):
-            return whole_rows_attention(query, key, value, attention_mask, kwargs.get("scaling"), forward), None
+        elif forward.canonical:
+            if canonical_servable(module, query, attention_mask, kwargs, forward):
+                return whole_rows_attention(query, key, value, attention_mask, kwargs.get("scaling"), forward), None
+            if key.shape[0] == 1:  # a lone row's view of the pool (Reader._gather) as the copy it stands for
+                key, value = key.contiguous(), value.contiguous()
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
     return out
@@ -701,6 +704,7 @@ class Reader:
         self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
         self._whole = reads.WholeRows(gather, block_size)
         self._backend, _ = pool_backend(name, pool, model, model_dtype)
+        self._run: tuple[int, int, int] | None = None  # a lone row's consecutive blocks: first, count, columns
 
     def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
         """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads
@@ -709,10 +713,37 @@ class Reader:
         gather = self._gather
         if self._invariant or not serves(self._model) or self._backend is None:
             canonical = self._invariant and serves(self._model)
+            self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
             return ForwardReads(self._pool, [], start + q, None, gather, in_place=False, canonical=canonical)
         layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
         return self._backend.plan(layout, probe=not verified(self._model))
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool."""
+        """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool; in an
+        invariant store's canonical read, a lone row whose blocks lie one after the other in the pool reads a
+        view of them instead: the same values in the same per-head layout (a row's columns ``head_dim`` apart),
+        so the same kernel call, without the copy."""
+        if self._run is not None:
+            first, count, columns = self._run
+            heads, _, bs, dim = self._pool.keys[layer].shape
+            k, v = (t[layer][:, first : first + count] for t in (self._pool.keys, self._pool.values))
+            shape = (heads, count * bs, dim)
+            return k.reshape(shape)[None, :, :columns], v.reshape(shape)[None, :, :columns]
         return self._whole.read(layer, self._pool.specs[layer].device)
+
+
+def _lone_run(
+    pool: Any, pads: list[int], tables: list[list[int]], columns: int, bs: int
+) -> tuple[int, int, int] | None:
+    """``(first block, blocks, columns)`` when the forward has one row, no padding, and its first ``columns``
+    lie in consecutive blocks of an unquantized pool on a device whose pools attention reads in place; else
+    ``None``. Does not mutate."""
+    if len(tables) != 1 or pads[0] or pool.kv_dtype is not None or not pool.keys:
+        return None
+    if any(k.device.type not in READ_DEVICES for k in pool.keys):
+        return None
+    count = -(-columns // bs)
+    table = tables[0][:count]
+    if len(table) < count or any(b != table[0] + i for i, b in enumerate(table)):
+        return None
+    return table[0], count, columns

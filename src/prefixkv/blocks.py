@@ -96,7 +96,7 @@ class BlockManager:
         self._allocator = BlockAllocator(pool.capacity)
         self._trie = RadixTrie(pool.block_size)
         self._claims: weakref.WeakSet[Claim] = weakref.WeakSet()
-        self._namespace = namespace
+        self.key_space = namespace  # what keys the K/V besides the tokens (Namespace.steady: a memo of space())
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = 0
         self.closed = False  # set by close() only
         self.room = Room(self)
@@ -109,7 +109,7 @@ class BlockManager:
 
     def space(self) -> Hashable:
         """The namespace that K/V computed now are cached under (:meth:`Namespace.space`). Does not mutate."""
-        return self._namespace.space()
+        return self.key_space.space()
 
     def ensure_open(self) -> None:
         """Raise ``RuntimeError`` if the store is closed (a new cache cannot use it). Does not mutate."""

@@ -123,7 +123,6 @@ class PagedPrefixCache(Cache):
         user_space(namespace, None)  # a wrong name fails here, before any block is claimed
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
-        self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
         self._plan: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
             blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
@@ -135,12 +134,15 @@ class PagedPrefixCache(Cache):
         self._release_pending = False  # closed from another thread mid-forward: that forward releases at its end
         blocks.ensure_open()
         self._gen_call: GenerateCall = GenerateCall(None)
-        if input_ids is not None:
-            pads, keys = check_prompt(input_ids, attention_mask)
-            self._gen_call = GenerateCall(input_ids.cpu().tolist())
-            self._rowset.attach(store, pads, keys)
-        elif attention_mask is not None:
-            raise ValueError("attention_mask was given without input_ids")
+        # the construction, the runner's prefills for its rows included, walks the model's weights once
+        with blocks.key_space.steady():
+            self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
+            if input_ids is not None:
+                pads, keys = check_prompt(input_ids, attention_mask)
+                self._gen_call = GenerateCall(input_ids.cpu().tolist())
+                self._rowset.attach(store, pads, keys)
+            elif attention_mask is not None:
+                raise ValueError("attention_mask was given without input_ids")
 
     @property
     def stats(self) -> CacheStats:

@@ -17,6 +17,7 @@ same thing so; beam search and processors that count from a call's start do not,
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -386,10 +387,8 @@ def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixSto
     """Why the rows of these ``generate`` arguments (over ``store``) cannot be refilled
     (``generate_many(refill=...)``), or ``None``. A row goes on in a later call with its tokens so far as its
     prompt: that is the same computation for greedy decoding and sampling with processors that only look at the
-    tokens, not for beam search or processors that count from the start of the call; nor in an invariant store,
-    whose results must not depend on what it holds, while which prompts join a call does. Does not mutate."""
-    if store is not None and store.invariant:
-        return "an invariant store: which prompts join a call follows what the store holds"
+    tokens, not for beam search or processors that count from the start of the call. An invariant store refills
+    too: which prompts join a call then follows the prompts alone (``_Run.uncached``). Does not mutate."""
     settings = generation_settings(model, generate_kwargs)
     beams = settings.num_beams or 1
     if beams > 1:
@@ -521,6 +520,8 @@ class _Run:
     namespace: str | None
     pad: int
     masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
+    # in an invariant store, the last prompts and prefixes this run computed (``_Run.uncached``)
+    computed: collections.deque[list[int]] = field(default_factory=lambda: collections.deque(maxlen=_RECENT))
 
     def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
         """One left-padded ``generate`` call on ``prompts`` (with their ``masks``): its output, the padded width
@@ -576,7 +577,8 @@ class _Run:
         alone, before the call (the work it needs anyway), so that those prompts can join."""
         waiting = _order(self.rows, self.store, new_tokens, self.namespace)[::-1]
         room = _room(self.store)
-        limit = _JOIN * self.store.block_size
+        # in an invariant store a prompt's last part-filled chunk is computed by every call it is in
+        limit = max(_JOIN * self.store.block_size, self.store.chunk_size or 0)
         running: list[tuple[_Running, int]] = []
         while running or waiting:
             fresh, need = not running, sum(blocks for _, blocks in running)
@@ -588,6 +590,7 @@ class _Run:
             ):
                 i, blocks = waiting.pop()
                 running.append((_Running(i, self.rows[i]), blocks))
+                self.computed.append(self.rows[i])
                 need += blocks
             joinable = bool(waiting) and self.ready(waiting, running) <= limit
             rows = [row for row, _ in running]
@@ -614,8 +617,15 @@ class _Run:
 
     def uncached(self, i: int, running: list[tuple[_Running, Any]]) -> int:
         """How many of prompt ``i``'s tokens neither the store nor (in whole blocks) a running row holds. Does not
-        mutate."""
-        prompt, bs = self.rows[i], self.store.block_size
+        mutate.
+
+        In an invariant store, the tokens that none of the last :data:`_RECENT` prompts and prefixes this run
+        computed holds in whole chunks (``computed``), whatever the store holds: which prompts join a call, and so
+        every row's results, follow the prompts alone (docs/correctness.md, "Outputs that never depend on the
+        cache")."""
+        prompt, bs, chunk = self.rows[i], self.store.block_size, self.store.chunk_size
+        if chunk is not None:
+            return len(prompt) - max((_common_length(prompt, p) // chunk * chunk for p in self.computed), default=0)
         held = max((_common_length(prompt, row.prompt) // bs * bs for row, _ in running), default=0)
         return len(prompt) - max(
             held, self.store.cached_length(prompt, self.store.blocks.space(), namespace=self.namespace)
@@ -631,8 +641,11 @@ class _Run:
         missing = self.uncached(i, running) - (len(prompt) - shared)
         if missing > _JOIN * bs:
             self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)
+            self.computed.append(prompt[:shared])
         return self.uncached(i, running)
 
 
 # how many blocks of a prompt may be left to compute when it joins running rows (``_Run.refilling``)
 _JOIN = 4
+# how many of the prompts and prefixes it computed last an invariant store's refilling compares a prompt with
+_RECENT = 64

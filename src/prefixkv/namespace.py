@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Hashable, Sequence
+import threading
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,22 @@ class Namespace:
         self.model = model
         self._tuners = _tuner_layers(model)
         self._weights_at_start = _weights_state(model)
+        self._steady = threading.local()  # this thread's memo of space() inside steady(): [] or [space]
+
+    @contextlib.contextmanager
+    def steady(self) -> Iterator[None]:
+        """Within the block, :meth:`space` walks the model's tensors once on this thread and then says the same:
+        one cache's construction, with the prefills its rows ask of the store's runner (an invariant store's
+        chunk forwards, in-batch sharing), computes all its K/V with the same weights. Nested blocks share the
+        outer one's memo. Mutates only this thread's memo."""
+        if getattr(self._steady, "memo", None) is not None:
+            yield
+            return
+        self._steady.memo = []
+        try:
+            yield
+        finally:
+            self._steady.memo = None
 
     def space(self) -> Hashable:
         """The namespace that K/V computed now are cached under: ``None``, or for a PEFT model the active,
@@ -137,12 +154,19 @@ class Namespace:
         (or with the adapter disabled); and, once a weight or buffer was written or replaced since the store was
         built (a training step, ``load_state_dict``), :class:`WeightsChanged`, so that K/V of the old weights are
         never reused (they wait for eviction or ``store.clear()``). Walks the model's tensors (once per call,
-        not per decode step). Mutates only the list of adapter layers, when adapters were added since."""
+        not per decode step; once inside :meth:`steady`). Mutates only the list of adapter layers, when adapters
+        were added since, and the memo of :meth:`steady`."""
+        memo: list[Hashable] | None = getattr(self._steady, "memo", None)
+        if memo:
+            return memo[0]
         if not self._tuners and hasattr(self.model, "peft_config"):
             self._tuners = _tuner_layers(self.model)  # adapters added after the store was built
         adapters = adapter_space(self._tuners)
         state = _weights_state(self.model)
-        return adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
+        space = adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
+        if memo is not None:
+            memo.append(space)
+        return space
 
 
 def _execution_device(module: torch.nn.Module) -> torch.device | None:

@@ -61,6 +61,7 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
     if chunk is None:
         raise ValueError("prefill_chunks is the prefill of an invariant store: StoreParts(model, invariant=True)")
     with contextlib.ExitStack() as holds:
+        holds.enter_context(store.blocks.key_space.steady())  # every chunk computed with the same weights
         held = []
         for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
             cache = holds.enter_context(PagedPrefixCache(store, namespace=namespace))
