@@ -24,9 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import prefixkv
 from prefixkv import CapacityError
-from prefixkv.cache import begin_forward, end_forward
-from prefixkv.proof import ForwardInputs
-from prefixkv.tier import chunk_keys
+from prefixkv.hf.cache import begin_forward, end_forward
+from prefixkv.hf.proof import ForwardInputs
+from prefixkv.kv.tier import chunk_keys
 
 BLOCK = 2
 BUDGET = 8

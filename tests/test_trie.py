@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import prefixkv.trie as trie_module
-from prefixkv.trie import Node, RadixTrie, path_tokens
+import prefixkv.kv.trie as trie_module
+from prefixkv.kv.trie import Node, RadixTrie, path_tokens
 
 # a small alphabet makes shared prefixes and mid-edge splits common
 seqs = st.lists(st.integers(0, 3), min_size=1, max_size=24)

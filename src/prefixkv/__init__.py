@@ -6,16 +6,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import display, models
-    from .cache import PagedPrefixCache
     from .enabling import disable, enable
     from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .hf.cache import PagedPrefixCache
+    from .kv.persist import PersistStats
+    from .kv.tier import TierStats
     from .many import Generation, generate_many
     from .memory import estimate, kv_bytes_per_token
-    from .persist import PersistStats
     from .score import Score, score
     from .stats import CacheStats, RowStats, StoreStats
     from .store import PrefixStore
-    from .tier import TierStats
 
 __version__ = "0.1.0"
 

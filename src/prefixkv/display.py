@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
+from .kv.trie import NodeView
 from .memory import format_bytes
 from .stats import CacheStats, StoreStats
-from .trie import NodeView
 
 # in use (live caches or pins), evictable, free; reused, computed
 _COLORS = {"used": "#4c78a8", "evictable": "#f2a93b", "free": "#d9d9d9", "reused": "#54a24b", "computed": "#e45756"}

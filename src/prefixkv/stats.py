@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tier import TierStats
+from .kv.tier import TierStats
 
 
 @dataclass(frozen=True)

@@ -17,19 +17,20 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import _compat, display, persist
-from . import attention as reading
-from .blocks import BlockManager
+from . import _compat, display
+from .attention import backends as reading
 from .errors import CacheMisuseError, PersistError
-from .hooks import attach_hooks, plan_chunked_prompt
+from .hf.hooks import attach_hooks, plan_chunked_prompt
+from .hf.parts import StoreSettings
+from .hf.runner import ModelRunner
+from .hf.support import check_supported
+from .kv import persist
+from .kv.blocks import BlockManager
+from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
+from .kv.pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
+from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import attention_shape, format_bytes, parse_bytes
-from .namespace import Namespace, layer_devices, transformers_model, user_space
-from .parts import StoreSettings
-from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
-from .runner import ModelRunner
 from .stats import CacheStats, StoreStats
-from .support import check_supported
-from .tier import BLOCK_FORMAT, OffloadTier
 
 _INITIAL_BLOCKS = 16
 _DTYPE_NAMES = {
@@ -81,7 +82,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
     (:mod:`prefixkv.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool (``"blocks"``
     over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
-        from . import flex  # noqa: F401
+        from .attention import flex  # noqa: F401
     named = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
     if store.invariant:
         reason = (

@@ -11,8 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .blocks import BlockManager
-from .stats import RowStats
+from ..kv.blocks import BlockManager
+from ..stats import RowStats
 
 
 @dataclass(frozen=True)

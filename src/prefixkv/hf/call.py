@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import CacheMisuseError
 from . import proof, rows
-from .errors import CacheMisuseError
 from .parts import StoreParts
 
 

@@ -36,8 +36,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .errors import PersistError
-from .memory import attention_shape
+from ..errors import PersistError
+from ..memory import attention_shape
 from .pool import KV_DTYPES, SCALE_DTYPE, BlockPool, LayerSpec, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
 

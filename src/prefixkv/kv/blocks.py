@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import CapacityError
+from ..memory import format_bytes
+from ..stats import StoreStats
 from . import persist
 from .allocator import BlockAllocator
-from .errors import CapacityError
-from .memory import format_bytes
 from .namespace import Namespace, WeightsChanged
 from .pool import BlockPool
-from .stats import StoreStats
 from .tier import OffloadTier, chunk_keys
 from .trie import Match, Node, NodeView, RadixTrie, path_tokens
 
