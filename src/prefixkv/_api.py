@@ -11,9 +11,8 @@ from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .hf.cache import PagedPrefixCache
 from .kv.persist import PersistStats
-from .kv.tier import TierStats
 from .many import Generation, generate_many
 from .memory import estimate, kv_bytes_per_token
 from .score import Score, score
-from .stats import CacheStats, RowStats, StoreStats
+from .stats import CacheStats, RowStats, StoreStats, TierStats
 from .store import PrefixStore

@@ -32,33 +32,17 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..stats import TierStats
 from . import persist
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
 _SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """A snapshot of a tier: blocks and bytes held, blocks moved in (``offloaded``), brought back
-    (``restored``) and dropped for its budget (``evictions``), and the prompt tokens whose K/V came
-    back from it (``hit_tokens``)."""
-
-    kind: str
-    blocks: int
-    bytes: int
-    max_bytes: int | None
-    offloaded: int
-    restored: int
-    hit_tokens: int
-    evictions: int
 
 
 def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
