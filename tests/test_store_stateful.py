@@ -417,7 +417,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert store.pool.capacity <= BUDGET + 1
         assert s.blocks_used + s.blocks_free == BUDGET
         assert s.blocks_pinned <= BUDGET
-        assert len(store.blocks._trie._heap) <= 2 * s.nodes + 65
+        assert store.blocks._trie.policy.queued() <= 2 * s.nodes + 65
         for seq in self.must_hold():
             m = store.blocks._trie.match(seq, store.blocks.space())
             assert m.length == len(seq), f"{seq} was dropped while it had to stay"
