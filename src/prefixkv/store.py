@@ -1,7 +1,7 @@
 """``PrefixStore``: one per model, what a user calls. The budget, pins and warm-up, save/load/merge, statistics,
 the views of a notebook and ``close``; the blocks themselves (pool, allocator, trie, eviction, the second tier
-and the lock) are its :class:`~prefixkv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
-keys them besides the tokens is its :class:`~prefixkv.namespace.Namespace`. The store is built top-down
+and the lock) are its :class:`~prefixkv.kv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
+keys them besides the tokens is its :class:`~prefixkv.kv.namespace.Namespace`. The store is built top-down
 (docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``), its block manager, the runner of
 its model (``store.runner``) and the model's hooks, and hands each what it needs; none of them imports this
 module."""
@@ -27,7 +27,8 @@ from .hf.support import check_supported
 from .kv import persist
 from .kv.blocks import BlockManager
 from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
-from .kv.pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
+from .kv.pool import BlockPool, LayerSpec, block_bytes
+from .kv.quantization import check_kv_dtype
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import attention_shape, format_bytes, parse_bytes
 from .stats import CacheStats, StoreStats
@@ -104,7 +105,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
     cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
-    (:class:`prefixkv.blocks.BlockManager`), which caches use; a user needs only the methods here.
+    (:class:`prefixkv.kv.blocks.BlockManager`), which caches use; a user needs only the methods here.
 
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
@@ -413,7 +414,7 @@ class PrefixStore:
     ) -> persist.PersistStats:
         """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
         ``"fp8"`` or ``None``): the explicit step between quantized and unquantized stores, which refuse
-        each other's files. See :func:`prefixkv.persist.convert`."""
+        each other's files. See :func:`prefixkv.kv.persist.convert`."""
         return persist.convert(path, new_path, kv_dtype)
 
     def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
@@ -511,7 +512,7 @@ def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
 def _file_meta(
     store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = persist.FORMAT
 ) -> dict[str, str]:
-    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
+    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.kv.persist.store_meta`) and, for an invariant
     store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
     tiers carry the schedule")."""
     meta = persist.store_meta(store.settings, specs, store.model, model_print, format)

@@ -18,7 +18,7 @@ Loading inserts each saved leaf's whole path into the trie with its block table:
 already holds keep their blocks, and only the blocks of new positions are copied in.
 
 This module sits below the store and its block manager: it reads, checks and writes files, and plans over a
-trie; the store's ``save``, ``load`` and ``merge`` call the block manager (:class:`prefixkv.blocks.Room`), which
+trie; the store's ``save``, ``load`` and ``merge`` call the block manager (:class:`prefixkv.kv.room.Room`), which
 takes its lock, calls these, and inserts through its one insert.
 """
 
@@ -38,7 +38,8 @@ from safetensors.torch import save_file
 
 from ..errors import PersistError
 from ..memory import attention_shape
-from .pool import KV_DTYPES, SCALE_DTYPE, BlockPool, LayerSpec, check_kv_dtype, code_dtype
+from .pool import BlockPool, LayerSpec
+from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 from .trie import Node, RadixTrie
 
 FORMAT = "prefixkv.prefixes"
@@ -239,7 +240,7 @@ def write(
 
 
 class StoreFacts(Protocol):
-    """What :func:`store_meta` reads of a store's settings (:class:`prefixkv.parts.StoreSettings`)."""
+    """What :func:`store_meta` reads of a store's settings (:class:`prefixkv.hf.parts.StoreSettings`)."""
 
     @property
     def block_size(self) -> int: ...
