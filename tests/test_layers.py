@@ -179,7 +179,10 @@ LAYERS = ["base", "kv", "attention", "hf", "top"]
 # within a layer, each module imports only those listed before it: the order a reader can read them in
 WITHIN = {
     "base": ["errors", "memory", "stats", "display", "_compat"],
-    "kv": ["kv.allocator", "kv.trie", "kv.pool", "kv.persist", "kv.namespace", "kv.tier", "kv.blocks"],
+    "kv": [
+        *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool"),
+        *("kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
+    ],
     "attention": ["attention.reads", "attention.backends", "attention.flex"],
     "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
     "top": ["store", "enabling", "many", "score", "integrations.lm_eval", "integrations.trl", "lm_eval", "_api"],

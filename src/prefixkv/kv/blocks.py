@@ -3,31 +3,28 @@
 :class:`BlockManager` ties the allocator, the trie and the pool together under one lock (generate may run in
 several threads on one store), and is what caches call (as ``store.blocks``): ``claim``, ``extend``,
 ``publish``, ``truncate``, ``fork`` and ``release`` over :class:`Claim` objects, and a few queries. Each method
-takes the lock itself, says what it mutates and leaves refcounts exact if it raises. Below it, :class:`Room`
-makes room (growth within the budget, LRU eviction into the second tier, restores from it, the blocks of a
-saved file) and :class:`Pins` keeps the prefixes a user pinned. Every block that enters the trie goes through
+takes the lock itself, says what it mutates and leaves refcounts exact if it raises. Below it, its
+:class:`~prefixkv.kv.room.Room` makes room (growth within the budget, LRU eviction into the second tier, restores
+from it, the blocks of a saved file) and its :class:`~prefixkv.kv.room.Pins` keeps the prefixes a user pinned
+(``kv/room.py``). Every block that enters the trie goes through
 one insert, :meth:`BlockManager.insert`. See docs/how-it-works.md, "The block manager"."""
 
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CapacityError
-from ..memory import format_bytes
 from ..stats import StoreStats
-from . import persist
 from .allocator import BlockAllocator
-from .namespace import Namespace, WeightsChanged
+from .namespace import Namespace
 from .pool import BlockPool
-from .tier import OffloadTier, chunk_keys
-from .trie import Match, Node, NodeView, RadixTrie, path_tokens
+from .room import Pins, Room
+from .tier import OffloadTier
+from .trie import Match, Node, NodeView, RadixTrie
 
 # tokens of room kept free after each row of a batch's prefill, for the blocks its decode steps add
 _RESERVE_TOKENS = 128
@@ -58,14 +55,6 @@ class TableView(NamedTuple):
 
     blocks: tuple[int, ...]
     shared: tuple[bool, ...]
-
-
-class Export(NamedTuple):
-    """Result of :meth:`Room.export`: what :func:`prefixkv.persist.write` writes."""
-
-    nodes: list[persist.Saved]
-    tensors: dict[str, torch.Tensor]
-    blocks: list[int]
 
 
 class BlockManager:
@@ -99,8 +88,8 @@ class BlockManager:
         self._namespace = namespace
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = 0
         self.closed = False  # set by close() only
-        self.room = Room(self)
-        self.pins = Pins(self)
+        self.room = Room(self, self._allocator, self._trie)
+        self.pins = Pins(self, self._trie, self._allocator)
 
     @property
     def invariant(self) -> bool:
@@ -185,61 +174,53 @@ class BlockManager:
         place), and new blocks cover the chunks up to ``last``. Returns the indices of the claims whose block
         under ``first`` was replaced (their earlier slots in that block moved).
 
-        Mutates the claims' tables, refcounts and the pool (making room: growing, evicting); all or nothing: if
-        it raises (:class:`CapacityError`), the tables and refcounts are as before."""
+        Mutates the claims' tables, refcounts and the pool (making room: growing, evicting); all or nothing: the
+        plan is made first, the blocks taken and copied next (a failure there gives back only what was taken),
+        and the tables change last, when nothing can fail (:class:`CapacityError`: the tables and refcounts are
+        as before)."""
         bs, alloc = self.block_size, self._allocator
-        cow, grow = [], []
-        for i, (claim, (first, last)) in enumerate(zip(claims, spans)):
-            if last <= 0:
-                grow.append(0)
-                continue
-            if first % bs and first // bs < len(claim.table) and alloc.refcount(claim.table[first // bs]) > 1:
-                cow.append(i)
-            grow.append(max(0, -(-last // bs) - len(claim.table)))
-        if not cow and not any(grow):
-            return []
-        copied: list[tuple[int, int]] = []  # (claim, the block it held before its copy)
-        grown: list[int] = []
+        grow = [max(0, -(-last // bs) - len(c.table)) if last > 0 else 0 for c, (_, last) in zip(claims, spans)]
         # several rows growing by more than a block (a batch's prefill) are placed in one free range, each
         # row's run ``stride`` blocks after the previous one's: the blocks its decode steps add later follow it
         # (each row stays one run, and the rows stay evenly spaced: one strided view in attention)
         placed = [i for i, n in enumerate(grow) if n > 1]
         stride = max(grow) + -(-_RESERVE_TOKENS // bs) if len(placed) > 1 else 0
         with self.lock:
-            writers = Counter(claims[i].table[spans[i][0] // bs] for i in cow)
-            # a copy per writer, except that the last holder of a block takes it over when nothing else holds it
-            copies = sum(k if alloc.refcount(b) > k else k - 1 for b, k in writers.items())
-            self.room.ensure_free(copies + sum(grow), spare=stride * len(placed))
+            copying = copy_on_write(claims, spans, bs, alloc.refcount)
+            if not copying and not any(grow):
+                return []
+            self.room.ensure_free(len(copying) + sum(grow), spare=stride * len(placed))
+            taken: list[int] = []  # given back if a step below fails: no table has changed yet
             try:
-                for i in cow:
-                    table, first = claims[i].table, spans[i][0]
-                    old = table[first // bs]
-                    if alloc.refcount(old) == 1:  # the other sharers copied it already: it is this claim's now
-                        continue
-                    table[first // bs] = self.room.copy_prefix(old, first % bs)
-                    copied.append((i, old))
-                    alloc.decref([old])
+                copies = []
+                for i in copying:
+                    first = spans[i][0]
+                    copies.append(self.room.copy_prefix(claims[i].table[first // bs], first % bs))
+                    taken.append(copies[-1])
+                last = {i: c.table[-1] for i, c in enumerate(claims) if c.table}
+                last.update(  # a copy that replaced a claim's last block: its run continues from the copy
+                    (i, dst) for i, dst in zip(copying, copies) if spans[i][0] // bs == len(claims[i].table) - 1
+                )
                 start = self.room.free_range(stride * len(placed)) if stride else None
                 if start is None and stride:  # no room to spare: the runs back to back
                     stride = max(grow)
                     start = alloc.free_run(stride * len(placed))
                 where = {} if start is None else {i: start + k * stride - 1 for k, i in enumerate(placed)}
+                new: dict[int, list[int]] = {}
                 for i, n in enumerate(grow):
                     if n:  # right after the claim's last block where free: a row's blocks stay a run
-                        table = claims[i].table
-                        table.extend(alloc.allocate(n, where.get(i, table[-1] if table else None)))
-                        grown.append(i)
+                        new[i] = alloc.allocate(n, where.get(i, last.get(i)))
+                        taken.extend(new[i])
             except BaseException:
-                for i in grown:
-                    alloc.decref(claims[i].table[-grow[i] :])
-                    del claims[i].table[-grow[i] :]
-                for i, old in reversed(copied):
-                    table, first = claims[i].table, spans[i][0]
-                    alloc.incref([old])
-                    alloc.decref([table[first // bs]])
-                    table[first // bs] = old
+                alloc.decref(taken)
                 raise
-        return [i for i, _ in copied]
+            for i, dst in zip(copying, copies):
+                table, first = claims[i].table, spans[i][0]
+                alloc.decref([table[first // bs]])
+                table[first // bs] = dst
+            for i, blocks in new.items():
+                claims[i].table.extend(blocks)
+        return copying
 
     def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> bool:
         """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
@@ -426,317 +407,16 @@ class BlockManager:
             )
 
 
-class Room:
-    """Room in a manager's pool: growth within the budget, LRU eviction of unlocked leaves (into the second
-    tier, when there is one), blocks brought back from that tier, and the blocks of a saved file. Every method
-    runs under the manager's lock (it takes it itself)."""
-
-    def __init__(self, blocks: BlockManager) -> None:
-        self._blocks = blocks
-        self.evictions = 0
-
-    def free_range(self, n: int) -> int | None:
-        """The first of ``n`` consecutive free blocks, growing the pool by ``n`` for them if it has none and the
-        budget allows (never evicting), or ``None``. Mutates (the pool's size)."""
-        bm = self._blocks
-        alloc, limit = bm._allocator, bm.max_blocks
-        start = alloc.free_run(n)
-        if start is None and (limit is None or alloc.capacity + n <= limit + 1):
-            start = alloc.capacity
-            bm.pool.grow(alloc.capacity + n)
-            alloc.grow(alloc.capacity + n)
-        return start
-
-    def ensure_free(self, n: int, spare: int = 0) -> None:
-        """Make ``n`` blocks free: grow the pool within the budget (when it grows, by ``spare`` blocks at least:
-        a free range for :meth:`free_range`), then evict LRU unlocked leaves. Mutates; raises
-        :class:`CapacityError` with the numbers when even that is not enough."""
-        bm = self._blocks
-        alloc = bm._allocator
-        with bm.lock:
-            if alloc.can_allocate(n):
-                return
-            limit = None if bm.max_blocks is None else bm.max_blocks + 1
-            if limit is None or alloc.capacity < limit:
-                want = max(2 * alloc.capacity, alloc.capacity + n - alloc.num_free, alloc.capacity + spare)
-                target = want if limit is None else min(want, limit)
-                bm.pool.grow(target)
-                alloc.grow(target)
-            collected = False
-            while not alloc.can_allocate(n):
-                node = bm._trie.evict_lru()
-                if node is None:
-                    if collected:
-                        raise self._capacity_error(n)
-                    # caches nobody closed may be waiting for the cyclic collector (a cache kept alive by a
-                    # traceback, a user's own cycle): let them give their blocks back once before giving up
-                    gc.collect()
-                    collected = True
-                    continue
-                self.evictions += 1
-                try:
-                    if bm.tier is not None:
-                        self._offload(bm.tier, node)
-                finally:
-                    alloc.decref(node.blocks)  # the node left the trie: its blocks go back whatever the tier did
-
-    def copy_prefix(self, src: int, n: int) -> int:
-        """A fresh block holding the first ``n`` slots of ``src`` (copy-on-write). Mutates."""
-        bm = self._blocks
-        with bm.lock:
-            self.ensure_free(1)
-            (dst,) = bm._allocator.allocate(1)
-            try:
-                bm.pool.copy_block(src, dst, n)
-            except BaseException:
-                bm._allocator.decref([dst])
-                raise
-            return dst
-
-    def evictable(self) -> int:
-        """Blocks that evicting every unlocked node would free. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
-            unlocked: Counter[int] = Counter()
-            for node in bm._trie.nodes():
-                if node.lock == 0:
-                    unlocked.update(node.blocks)
-            rc = bm._allocator.refcount
-            return sum(1 for b, n in unlocked.items() if rc(b) == n)
-
-    def clear(self) -> int:
-        """Drop every cached prefix that is neither pinned nor read by a live cache, and every block of the second
-        tier (its files too): a later request recomputes what they held. Returns the number of pool blocks
-        freed. Mutates."""
-        bm = self._blocks
-        with bm.lock:
-            freed = bm._allocator.decref(bm._trie.clear())
-            if bm.tier is not None:
-                bm.tier.clear()
-            return freed
-
-    def export(self, wanted: list[list[int]] | None, space: Hashable) -> Export:
-        """What a saved file holds (:func:`prefixkv.persist.write`): the nodes of the cached prefixes in namespace
-        ``space`` (all, or the cached part of each of ``wanted``), their tensors (the paths' and the blocks') and
-        the blocks. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
-            nodes = persist.select_nodes(bm._trie, wanted, space)
-            tensors, blocks = persist.trie_tensors(nodes, bm.block_size)
-            tensors.update(bm.pool.read_blocks(blocks))
-            return Export(nodes, tensors, blocks)
-
-    def add_file(self, file: persist.PrefixFile, space: Hashable) -> persist.PersistStats:
-        """Insert the file's paths in namespace ``space``; copy in only the blocks of positions the store lacks.
-        Mutates, or raises :class:`CapacityError` before any change when the budget cannot make room."""
-        bm = self._blocks
-        bs, trie, alloc = bm.block_size, bm._trie, bm._allocator
-        with bm.lock:
-            plans, anchors = persist.plan(trie, file.paths, space)
-            needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
-            for node in anchors:
-                trie.lock(node)  # what the plan counts on must survive the evictions that make room
-            try:
-                # free blocks, growth left in the budget, and evictable ones (None: the pool grows as needed)
-                limit = bm.max_blocks
-                room = None if limit is None else alloc.num_free + (limit + 1 - alloc.capacity) + self.evictable()
-                if room is not None and len(needed) > room:
-                    raise CapacityError(
-                        f"prefixkv: the file needs {len(needed)} new KV blocks "
-                        f"({format_bytes(len(needed) * bm.bytes_per_block)}) but the store can make room for "
-                        f"only {room} (budget {limit} blocks, {alloc.num_used} in use). Raise "
-                        "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
-                    )
-                self.ensure_free(len(needed))
-                fresh = alloc.allocate(len(needed))
-                try:
-                    bm.pool.write_blocks(fresh, persist.blocks_of(file, needed))
-                    slot = dict(zip(needed, fresh))
-                    for plan in plans:
-                        live = trie.match(plan.tokens, space)
-                        assert live.length == plan.present, "the merge plan went stale under the store lock"
-                        cut = live.length // bs
-                        bm.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
-                finally:
-                    alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing the rest
-            finally:
-                for node in anchors:
-                    trie.unlock(node)
-        return persist.PersistStats(
-            prefixes=len(plans),
-            tokens=sum(len(p.tokens) - p.present for p in plans),
-            blocks=len(needed),
-        )
-
-    # -- the second tier ------------------------------------------------------------------------------
-
-    def _offload(self, tier: OffloadTier, node: Node) -> None:
-        """Copy the whole blocks of an evicted node to the tier. Mutates the tier only."""
-        bm = self._blocks
-        bs = bm.block_size
-        first, end = node.start // bs, node.end // bs  # chunks [first, end) lie wholly before the edge's end
-        space = bm._trie.space_of(node)
-        if end <= first or isinstance(space, WeightsChanged):
-            return
-        keys = chunk_keys(path_tokens(node), bs, end, space)
-        for c in range(first, end):
-            if not tier.touch(keys[c]):
-                tier.put(keys[c], bm.pool.read_blocks([node.blocks[c - first]]), repr(space))
-
-    def restore(self, rows: list[list[int]], space: Hashable) -> None:
-        """Bring back from the second tier the whole blocks that extend each row's match in the trie, and insert
-        them. Nodes matched or restored stay locked until every row is done, so that room made for one row
-        never evicts another's. Mutates."""
-        bm = self._blocks
-        tier = bm.tier
-        if tier is None or isinstance(space, WeightsChanged):
-            return
-        bs, trie, alloc, held = bm.block_size, bm._trie, bm._allocator, []
-        with bm.lock:
-            try:
-                for row in rows:
-                    m = trie.match(row, space)
-                    if m.length:
-                        trie.lock(m.node)
-                        held.append(m.node)
-                    c0 = m.length // bs
-                    if c0 >= len(row) // bs:
-                        continue  # the pool holds every whole block of the row
-                    keys = chunk_keys(row, bs, len(row) // bs, space)
-                    n = 0
-                    while c0 + n < len(keys) and keys[c0 + n] in tier:
-                        n += 1
-                    if (c0 + n) * bs <= m.length:
-                        continue
-                    for k in reversed(keys[c0 : c0 + n]):
-                        tier.touch(k)  # offloading to make room must not drop what this row is about to read
-                    try:
-                        self.ensure_free(n)
-                    except CapacityError:
-                        continue  # no room: the row recomputes what the tier holds
-                    blocks: list[dict[str, torch.Tensor]] = []
-                    for key in keys[c0 : c0 + n]:
-                        block = tier.get(key, repr(space))
-                        if block is None:  # a file gone, of another store or failing its checksum: recomputed
-                            break
-                        blocks.append(block)
-                    n = len(blocks)
-                    if (c0 + n) * bs <= m.length:
-                        continue
-                    fresh = alloc.allocate(n)
-                    try:
-                        bm.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
-                        node = bm.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
-                    finally:
-                        alloc.decref(fresh)  # the restore's own hold: the trie holds them now, or nothing does
-                    trie.lock(node)
-                    held.append(node)
-                    tier.count_restored(n, (c0 + n) * bs - m.length)
-            finally:
-                for node in held:
-                    trie.unlock(node)
-
-    def _capacity_error(self, n: int) -> CapacityError:
-        bm = self._blocks
-        alloc = bm._allocator
-        occurrences = bm._trie.check_invariants()
-        live = sum(1 for b in range(1, alloc.capacity) if alloc.refcount(b) > occurrences.get(b, 0))
-        budget = bm.max_blocks if bm.max_blocks is not None else alloc.capacity - 1
-        return CapacityError(
-            f"prefixkv: {n} more KV blocks are needed, {alloc.num_free} are free and no cached prefix "
-            f"can be evicted: budget {budget} blocks ({format_bytes(budget * bm.bytes_per_block)}, "
-            f"{bm.block_size} tokens each), {live} held by live caches, {len(bm.pins.blocks())} pinned. "
-            "Raise max_memory/num_blocks, close() caches you no longer need, unpin prefixes, "
-            "or generate with fewer rows or new tokens."
-        )
-
-
-class Pins:
-    """The prefixes pinned in a manager (``store.pin``): a hard pin (``priority=None``) keeps the trie node that
-    ends it locked, so that nothing under it is evicted, and counts against the budget; a soft pin retains its
-    path at a priority (the trie's :meth:`~prefixkv.trie.RadixTrie.retain`: evicted after every leaf of lower
-    priority, but never kept when nothing else is left) and counts against nothing. Pins nest: a prefix pinned
-    twice holds two locks (or two retains)."""
-
-    def __init__(self, blocks: BlockManager) -> None:
-        self._blocks = blocks
-        self._pins: dict[tuple[Hashable, tuple[int, ...], int | None], list[Node]] = {}
-
-    def nodes(self) -> list[Node]:
-        """The node each hard pin locks (once per pin). Does not mutate."""
-        return [n for (_, _, priority), nodes in self._pins.items() if priority is None for n in nodes]
-
-    def blocks(self, extra: Node | None = None) -> set[int]:
-        """The blocks on the paths of every pin (and of ``extra``). Does not mutate."""
-        pinned: set[int] = set()
-        for node in [*self.nodes(), extra] if extra is not None else self.nodes():
-            n: Node | None = node
-            while n is not None:
-                pinned.update(n.blocks)
-                n = n.parent
-        return pinned
-
-    def check_budget(self, tokens: list[int], space: Hashable) -> None:
-        """Raise :class:`CapacityError` if pinning ``tokens`` in namespace ``space`` surely exceeds the budget.
-        Does not mutate."""
-        bm = self._blocks
-        if bm.max_blocks is None:
-            return
-        bs = bm.block_size
-        with bm.lock:
-            m = bm._trie.match(tokens, space)
-            full = m.length // bs  # chunks cached whole; the rest needs blocks of its own
-            pinned = self.blocks()
-            total = len(pinned | set(m.blocks[:full])) + -(-len(tokens) // bs) - full
-        if total > bm.max_blocks:
-            raise self._error(len(tokens), total - len(pinned), len(pinned))
-
-    def add(self, ids: list[int], tokens: list[int], space: Hashable, priority: int | None = None) -> bool:
-        """Pin ``tokens`` (the part of ``ids`` kept; ``ids`` and ``priority`` are the pin's key) in namespace
-        ``space`` if the trie holds all of them, within the budget, and return whether it did. Mutates (the node's
-        lock or retain, and the split that makes a node end at the last token); raises :class:`CapacityError` if
-        a hard pin would exceed the budget."""
-        bm = self._blocks
-        with bm.lock:
-            end = bm._trie.end_node(tokens, space)
-            if end is None:
-                return False
-            bm._allocator.incref(end.added)  # a split made the straddled block occur twice
-            if priority is None:
-                pinned = self.blocks()
-                total = len(self.blocks(end.node))
-                if bm.max_blocks is not None and total > bm.max_blocks:
-                    raise self._error(len(ids), total - len(pinned), len(pinned))
-                bm._trie.lock(end.node)
-            else:
-                bm._trie.retain(end.node, priority)
-            self._pins.setdefault((space, tuple(ids), priority), []).append(end.node)
-            return True
-
-    def remove(self, ids: list[int], space: Hashable, priority: int | None = None) -> None:
-        """Undo one :meth:`add` of the same ids and priority. Mutates; raises ``ValueError`` if they are not
-        pinned so."""
-        key = (space, tuple(ids), priority)
-        bm = self._blocks
-        with bm.lock:
-            nodes = self._pins.get(key)
-            if not nodes:
-                raise ValueError(
-                    f"these {len(ids)} ids are not pinned"
-                    + ("" if priority is None else f" at priority {priority}")
-                    + f" ({len(self._pins)} prefixes are); pass the same ids (and priority) that were given to pin()"
-                )
-            if priority is None:
-                bm._trie.unlock(nodes.pop())
-            else:
-                bm._trie.release(nodes.pop(), priority)
-            if not nodes:
-                del self._pins[key]
-
-    def _error(self, n: int, blocks: int, pinned: int) -> CapacityError:
-        limit = self._blocks.max_blocks
-        return CapacityError(
-            f"prefixkv: pinning {n} tokens takes {blocks} more blocks of {self._blocks.block_size} tokens; with "
-            f"the {pinned} blocks already pinned that is {blocks + pinned}, over the budget of {limit} "
-            "blocks. Unpin other prefixes, pin a shorter prefix, or raise max_memory/num_blocks."
-        )
+def copy_on_write(
+    claims: Sequence[Claim], spans: Sequence[tuple[int, int]], block_size: int, refcount: Callable[[int], int]
+) -> list[int]:
+    """The claims of :meth:`BlockManager.extend` whose part-block under ``first`` something else also holds, in
+    order, but the last writer of a block that nothing besides its writers holds (it takes the block over, and
+    writes in place). Does not mutate."""
+    bs, rc = block_size, refcount
+    writers: dict[int, list[int]] = {}  # block -> the claims that write into it
+    for i, (claim, (first, last)) in enumerate(zip(claims, spans)):
+        if last > 0 and first % bs and first // bs < len(claim.table) and rc(claim.table[first // bs]) > 1:
+            writers.setdefault(claim.table[first // bs], []).append(i)
+    taking_over = {ids[-1] for block, ids in writers.items() if rc(block) == len(ids)}
+    return sorted(i for ids in writers.values() for i in ids if i not in taking_over)

@@ -56,7 +56,7 @@ def _weights_state(model: Any) -> int:
     ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
     ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
     every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
-    values (``.data`` writes bump no version), and of :func:`prefixkv.persist.config_state`."""
+    values (``.data`` writes bump no version), and of :func:`prefixkv.kv.persist.config_state`."""
     state = []
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
