@@ -117,6 +117,14 @@ MUTATIONS = [
         "eviction takes the most recently used leaf first",
     ),
     Mutation(
+        "extend-last-writer-copies-too",
+        "kv/blocks.py",
+        "taking_over = {ids[-1] for block, ids in writers.items() if rc(block) == len(ids)}",
+        "taking_over: set[int] = set()",
+        ("tests/test_store_contract.py",),
+        "extend copies a shared part-block for its last writer too, which could write in place (a block wasted)",
+    ),
+    Mutation(
         "many-invariant-plan-follows-pins",
         "many.py",
         "return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2",
