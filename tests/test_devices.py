@@ -14,7 +14,7 @@ from conftest import compare, random_tokens
 
 import prefixkv
 from prefixkv import CacheMisuseError
-from prefixkv.kv.persist import fingerprint
+from prefixkv.kv.fingerprint import fingerprint
 
 TOL = 1e-6
 SYSTEM = random_tokens(37, seed=201)

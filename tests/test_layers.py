@@ -180,7 +180,7 @@ LAYERS = ["base", "kv", "attention", "hf", "top"]
 WITHIN = {
     "base": ["errors", "memory", "stats", "display", "_compat"],
     "kv": [
-        *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool"),
+        *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
         *("kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
     ],
     "attention": ["attention.reads", "attention.backends", "attention.flex"],

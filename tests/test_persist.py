@@ -13,7 +13,8 @@ from conftest import compare, random_tokens
 
 import prefixkv
 from prefixkv import CacheMisuseError, CapacityError, PersistError
-from prefixkv.kv.persist import FORMAT_VERSION, fingerprint
+from prefixkv.kv.fingerprint import fingerprint
+from prefixkv.kv.persist import FORMAT_VERSION
 
 TOL = 1e-6
 BS = 4

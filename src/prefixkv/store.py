@@ -26,6 +26,7 @@ from .hf.runner import ModelRunner
 from .hf.support import check_supported
 from .kv import persist
 from .kv.blocks import BlockManager
+from .kv.fingerprint import fingerprint
 from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
 from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.quantization import check_kv_dtype
@@ -189,7 +190,7 @@ class PrefixStore:
             limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
             # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
             # directory serves a model under each of its adapters
-            model_print = persist.fingerprint(model, adapters=False)
+            model_print = fingerprint(model, adapters=False)
             meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}
             tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self.blocks = BlockManager(
@@ -379,7 +380,7 @@ class PrefixStore:
                 f"the model now computes in {now} but the store's K/V were computed in "
                 f"{self.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
             )
-        model_print = persist.fingerprint(self.model)
+        model_print = fingerprint(self.model)
         nodes, tensors, blocks = self.blocks.room.export(wanted, self.blocks.space())
         return persist.write(path, tensors, _file_meta(self, self.pool.specs, model_print), nodes, blocks)
 
