@@ -185,10 +185,11 @@ class BlockManager:
         # (each row stays one run, and the rows stay evenly spaced: one strided view in attention)
         placed = [i for i, n in enumerate(grow) if n > 1]
         stride = max(grow) + -(-_RESERVE_TOKENS // bs) if len(placed) > 1 else 0
+        # a decode step mostly needs neither: said without the lock, as each claim's blocks are its cache's
+        if not any(grow) and not copy_on_write(claims, spans, bs, alloc.refcount):
+            return []
         with self.lock:
             copying = copy_on_write(claims, spans, bs, alloc.refcount)
-            if not copying and not any(grow):
-                return []
             self.room.ensure_free(len(copying) + sum(grow), spare=stride * len(placed))
             taken: list[int] = []  # given back if a step below fails: no table has changed yet
             try:
@@ -418,5 +419,7 @@ def copy_on_write(
     for i, (claim, (first, last)) in enumerate(zip(claims, spans)):
         if last > 0 and first % bs and first // bs < len(claim.table) and rc(claim.table[first // bs]) > 1:
             writers.setdefault(claim.table[first // bs], []).append(i)
+    if not writers:
+        return []
     taking_over = {ids[-1] for block, ids in writers.items() if rc(block) == len(ids)}
     return sorted(i for ids in writers.values() for i in ids if i not in taking_over)
