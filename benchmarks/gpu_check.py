@@ -46,7 +46,8 @@ from decode import batch_ids, decode_ms
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv import flex, models
+from prefixkv import models
+from prefixkv.attention import flex
 
 
 @dataclass(frozen=True)

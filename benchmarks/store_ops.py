@@ -23,8 +23,8 @@ import torch
 from _common import machine, model_for, save, table, tokens
 
 import prefixkv
-from prefixkv.cache import PagedPrefixCache, begin_forward, end_forward
-from prefixkv.proof import ForwardInputs
+from prefixkv.hf.cache import PagedPrefixCache, begin_forward, end_forward
+from prefixkv.hf.proof import ForwardInputs
 
 # the store operations of one request, and the method that performs each
 OPERATIONS: dict[str, tuple[type, str]] = {

@@ -12,8 +12,8 @@ from typing import Any
 
 from _common import save, table, target
 
-from prefixkv.allocator import BlockAllocator
-from prefixkv.trie import RadixTrie
+from prefixkv.kv.allocator import BlockAllocator
+from prefixkv.kv.trie import RadixTrie
 
 
 def run(

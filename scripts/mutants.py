@@ -44,7 +44,7 @@ MUTATIONS = [
     # -- the five bugs of issue 32, which the suite once let through
     Mutation(
         "rows-reuse-floored-to-block",
-        "rows.py",
+        "hf/rows.py",
         "matched = [m // chunk * chunk for m in matched]",
         "matched = [m // bs * bs for m in matched]",
         ("tests/test_invariance.py::test_a_match_that_ends_inside_a_chunk_reuses_only_whole_chunks",),
@@ -69,7 +69,7 @@ MUTATIONS = [
     ),
     Mutation(
         "flex-full-one-column-early-at-window-edge",
-        "flex.py",
+        "attention/flex.py",
         "full &= start > last[..., None] - window",
         "full &= start >= last[..., None] - window",
         ("tests/test_flex.py::test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start",),
@@ -77,16 +77,16 @@ MUTATIONS = [
     ),
     Mutation(
         "trie-priority-lowest-retain",
-        "trie.py",
-        "return max(self.retains) if self.retains else DEFAULT_PRIORITY",
-        "return min(self.retains) if self.retains else DEFAULT_PRIORITY",
+        "kv/eviction.py",
+        "return max(retains) if retains else DEFAULT_PRIORITY",
+        "return min(retains) if retains else DEFAULT_PRIORITY",
         ("tests/test_trie.py::test_nested_retains_keep_the_highest_priority_on_their_common_path",),
         "a prefix pinned high under one pinned low is evicted at the low priority",
     ),
     # -- the proof, the claim contract, namespaces, eviction, generate_many and the id checks
     Mutation(
         "proof-use-cache-false-proven",
-        "proof.py",
+        "hf/proof.py",
         '    if forward.use_cache is False:\n        return "use_cache=False"',
         '    if forward.use_cache is False and forward.decode_step:\n        return "use_cache=False"',
         ("tests/test_proof.py", "tests/test_never_wrong.py"),
@@ -94,7 +94,7 @@ MUTATIONS = [
     ),
     Mutation(
         "claim-locks-where-the-match-ends",
-        "blocks.py",
+        "kv/blocks.py",
         "claim.node = self._lock_prefix(row[: r // bs * bs], space)",
         "claim.node = self._lock_prefix(row[: m.length], space)",
         ("tests/test_edges.py", "tests/test_store_contract.py"),
@@ -102,7 +102,7 @@ MUTATIONS = [
     ),
     Mutation(
         "namespace-roots-kept-forever",
-        "trie.py",
+        "kv/trie.py",
         "            self._roots.emptied(parent)",
         "            pass",
         ("tests/test_namespaces.py",),
@@ -110,11 +110,19 @@ MUTATIONS = [
     ),
     Mutation(
         "eviction-newest-first",
-        "trie.py",
-        "heapq.heappush(heap, (node.priority, node.last_access, next(self._tiebreak), node))",
-        "heapq.heappush(heap, (node.priority, -node.last_access, next(self._tiebreak), node))",
+        "kv/eviction.py",
+        "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",
+        "heapq.heappush(queue, (self.priority(node), -node.last_access, next(self._tiebreak), node))",
         ("tests/test_trie.py", "tests/test_store_stateful.py"),
         "eviction takes the most recently used leaf first",
+    ),
+    Mutation(
+        "extend-last-writer-copies-too",
+        "kv/blocks.py",
+        "taking_over = {ids[-1] for block, ids in writers.items() if rc(block) == len(ids)}",
+        "taking_over: set[int] = set()",
+        ("tests/test_store_contract.py",),
+        "extend copies a shared part-block for its last writer too, which could write in place (a block wasted)",
     ),
     Mutation(
         "many-invariant-plan-follows-pins",

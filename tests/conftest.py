@@ -26,7 +26,7 @@ from transformers import DynamicCache, GenerationMixin
 
 import prefixkv
 from prefixkv._compat import GENERATE_CACHE_KWARG
-from prefixkv.pool import BlockPool, LayerSpec
+from prefixkv.kv.pool import BlockPool, LayerSpec
 
 SPELLINGS = ("cache", "past_key_values") if GENERATE_CACHE_KWARG == "cache" else ("past_key_values",)
 """Every keyword by which the installed transformers' ``generate`` and models take a cache, the preferred one
@@ -141,7 +141,7 @@ def untouched(model: Any) -> None:
     inner = getattr(model, "base_model", model)
     inner = getattr(inner, "model", inner) if hasattr(model, "peft_config") else inner
     for m in (model, inner):
-        assert getattr(m.config, "_attn_implementation", None) != prefixkv.attention.NAME, "prefixkv attention"
+        assert getattr(m.config, "_attn_implementation", None) != prefixkv.attention.backends.NAME, "prefixkv attention"
         assert not m._forward_pre_hooks and not m._forward_hooks, "a forward hook on the reference model"
         assert not any(k.startswith("_prefixkv") for k in vars(m)), "a prefixkv attribute on the reference model"
         assert "prepare_inputs_for_generation" not in vars(m) and "generate" not in vars(m), "a wrapped method"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.allocator import NULL_BLOCK, BlockAllocator, OutOfBlocksError
+from prefixkv.kv.allocator import NULL_BLOCK, BlockAllocator, OutOfBlocksError
 
 ops = st.lists(
     st.one_of(

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv import attention, reads
-from prefixkv.reads import ForwardReads, plan_reads, table_runs
+from prefixkv.attention import backends as attention
+from prefixkv.attention import reads
+from prefixkv.attention.reads import ForwardReads, plan_reads, table_runs
 
 
 @st.composite
@@ -181,7 +182,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     store = prefixkv.PrefixStore(model, block_size=4)
     steps: list[tuple[int, list[list[int]]]] = []
-    original = prefixkv.reads.plan_reads
+    original = prefixkv.attention.reads.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
         planned = original(pads, tables, start, q, *rest, **kw)
@@ -189,7 +190,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
             steps.append((len(planned[0]), [list(t) for t in tables]))
         return planned
 
-    monkeypatch.setattr(prefixkv.reads, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.attention.reads, "plan_reads", recording)
     for seed in (1, 2):  # a fresh store, then one whose pool holds what the first call published
         steps.clear()
         ids = torch.stack([random_tokens(18, seed=10 * seed + r) for r in range(3)])
@@ -253,7 +254,7 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=dtype)
     store = prefixkv.PrefixStore(model, block_size=4)
     plans: list[list[tuple]] = []
-    original = prefixkv.reads.plan_reads
+    original = prefixkv.attention.reads.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
         planned = original(pads, tables, start, q, *rest, **kw)
@@ -261,9 +262,9 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
             plans.append([(r.rows, r.slots is None) for r in planned[0]])
         return planned
 
-    monkeypatch.setattr(prefixkv.reads, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.attention.reads, "plan_reads", recording)
     if not fold:
-        monkeypatch.setattr(prefixkv.reads, "_FOLD_TOKENS", 0)
+        monkeypatch.setattr(prefixkv.attention.reads, "_FOLD_TOKENS", 0)
     expected = [((0,), False)] if fold else [((0,), True), ((0,), True)]
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     ids = random_tokens(23, seed=7)[None]

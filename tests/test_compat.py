@@ -482,7 +482,7 @@ def test_the_text_trie_view_says_pinned_like_the_html_view(
     [
         "from prefixkv import PagedPrefixCache, PrefixStore, models",
         "from prefixkv.store import PrefixStore\n"
-        "from prefixkv.cache import PagedPrefixCache\nfrom prefixkv import models",
+        "from prefixkv.hf.cache import PagedPrefixCache\nfrom prefixkv import models",
     ],
     ids=["package", "modules"],
 )

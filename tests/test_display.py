@@ -199,7 +199,7 @@ def test_trie_text_draws_the_split(llama64: Any) -> None:
 
 
 def test_views_of_a_long_chain_do_not_recurse(llama64: Any) -> None:
-    from prefixkv.trie import RadixTrie
+    from prefixkv.kv.trie import RadixTrie
 
     # a long chat publishes one node per block: a chain deeper than Python's recursion limit
     trie = RadixTrie(block_size=1)

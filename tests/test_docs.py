@@ -77,8 +77,9 @@ def blocks(text: str) -> list[Block]:
 
 def _modules() -> list[ModuleType]:
     """Every module of the package that has docstring examples."""
-    names = sorted(m.name for m in pkgutil.iter_modules(prefixkv.__path__) if m.name != "__main__")
-    modules = [importlib.import_module(f"prefixkv.{name}") for name in names]
+    found = pkgutil.walk_packages(prefixkv.__path__, "prefixkv.")
+    names = sorted(m.name for m in found if m.name != "prefixkv.__main__" and ".integrations." not in m.name)
+    modules = [importlib.import_module(name) for name in names]
     return [m for m in modules if any(test.examples for test in doctest.DocTestFinder().find(m))]
 
 

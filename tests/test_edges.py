@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 import prefixkv
+from prefixkv.kv.tier import OffloadTier
 
 RUN: dict[str, Any] = dict(
     max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
@@ -233,14 +234,14 @@ def test_a_store_over_a_directory_of_another_model_misses_and_leaves_its_files(t
 def test_a_tier_file_of_another_namespace_is_a_miss(tmp_path: Any) -> None:
     """Every read checks the file's metadata and namespace, not only the scan at construction."""
     block = {"k.0": torch.ones(1, 4, 2, 8)}
-    tier = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
+    tier = OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
     assert tier.put("a", block, "('lora-1',)")
     assert tier.get("a", "('lora-2',)") is None  # another adapter's K/V under the same key: a miss
     assert tier.path("a").exists() and "a" not in tier  # the file stays for its namespace
-    again = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
+    again = OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "4"})
     got = again.get("a", "('lora-1',)")
     assert got is not None and bool((got["k.0"] == 1).all())
-    other = prefixkv.tier.OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "8"})
+    other = OffloadTier("disk", directory=tmp_path, meta={"format": "prefixkv.block", "block_size": "8"})
     assert len(other) == 0 and other.get("a", "('lora-1',)") is None  # another store's file: never listed
     again.check_invariants()
 

@@ -19,7 +19,7 @@ from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv import attention
+from prefixkv.attention import backends as attention
 
 FAMILIES = [
     "llama",

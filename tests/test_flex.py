@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv import attention, flex
+from prefixkv.attention import backends as attention
+from prefixkv.attention import flex
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 

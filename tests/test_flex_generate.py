@@ -20,7 +20,9 @@ import torch
 from conftest import compare, left_pad, random_tokens
 
 import prefixkv
-from prefixkv import PagedPrefixCache, PrefixStore, attention, flex
+from prefixkv import PagedPrefixCache, PrefixStore
+from prefixkv.attention import backends as attention
+from prefixkv.attention import flex
 
 TOL = 1e-4
 BS = 16

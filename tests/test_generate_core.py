@@ -8,7 +8,7 @@ import torch
 from conftest import SPELLINGS, cache_kw, compare, left_pad, random_tokens
 
 import prefixkv
-from prefixkv.reads import WholeRows
+from prefixkv.attention.reads import WholeRows
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 TOL = 1e-6
@@ -125,7 +125,7 @@ def test_a_cache_finalized_at_interpreter_shutdown_stays_quiet(model: object) ->
     prompt = random_tokens(18, seed=13)[None]
     cache = prefixkv.PagedPrefixCache(store, prompt)
     model.generate(prompt, **cache_kw(cache), max_new_tokens=5, do_sample=False)
-    module = sys.modules["prefixkv.cache"]
+    module = sys.modules["prefixkv.hf.cache"]
     saved = dict(vars(module))
     unraisable: list[object] = []
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append

@@ -187,13 +187,13 @@ def test_matches_ending_inside_chunks_under_other_batches_read_one_grouped_kerne
     on whole rows (never the model's own attention, which repeats the K/V heads: the tiny llama has 4 query heads
     over 2)."""
     calls: list[tuple[int, ...]] = []
-    canonical = prefixkv.attention.whole_rows_attention
+    canonical = prefixkv.attention.backends.whole_rows_attention
 
     def counted(query: torch.Tensor, key: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(tuple(key.shape))
         return canonical(query, key, *args)
 
-    monkeypatch.setattr(prefixkv.attention, "whole_rows_attention", counted)
+    monkeypatch.setattr(prefixkv.attention.backends, "whole_rows_attention", counted)
     own = ALL_ATTENTION_FUNCTIONS["sdpa"]
     owns: list[int] = []
 

@@ -1,6 +1,6 @@
 """The shape of the package, read from its source with ``ast``: modules import each other in one direction only
 (no cycle, counting imports inside functions and under ``TYPE_CHECKING``), and no module uses another module's
-underscore names. See docs/how-it-works.md, "Layers"."""
+underscore names. See docs/how-it-works.md, "The house"."""
 
 from __future__ import annotations
 
@@ -24,8 +24,16 @@ def sources() -> dict[str, ast.Module]:
     return {module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def resolve(module: str, node: ast.ImportFrom | ast.Import, known: set[str]) -> set[str]:
-    """The package modules an import statement in ``module`` imports (``from . import x`` names module ``x``)."""
+def packages() -> set[str]:
+    """The subpackages (``kv``, ``attention``, ...): a relative import in their ``__init__`` starts from them."""
+    return {module_name(p) for p in PACKAGE.rglob("__init__.py")} - {"__init__"}
+
+
+def resolve(
+    module: str, node: ast.ImportFrom | ast.Import, known: set[str], subpackages: frozenset[str] = frozenset()
+) -> set[str]:
+    """The package modules an import statement in ``module`` imports (``from . import x`` names module ``x``;
+    ``module`` is a package's ``__init__`` where it is in ``subpackages``)."""
     if isinstance(node, ast.Import):
         return {n.name.removeprefix("prefixkv.") for n in node.names if n.name.startswith("prefixkv.")} & known
     if node.level == 0:
@@ -33,7 +41,7 @@ def resolve(module: str, node: ast.ImportFrom | ast.Import, known: set[str]) -> 
             return set()
         base = (node.module or "").removeprefix("prefixkv").removeprefix(".")
     else:
-        package = module.split(".")[:-1] if module != "__init__" else []
+        package = [] if module == "__init__" else module.split(".") if module in subpackages else module.split(".")[:-1]
         package = package[: len(package) - (node.level - 1)] if node.level > 1 else package
         base = ".".join([*package, node.module] if node.module else package)
     found = set()
@@ -46,7 +54,7 @@ def resolve(module: str, node: ast.ImportFrom | ast.Import, known: set[str]) -> 
     return found
 
 
-def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
+def import_graph(modules: dict[str, ast.Module], subpackages: frozenset[str] = frozenset()) -> dict[str, set[str]]:
     """Every module's imports of other package modules, at any depth of its source."""
     known = set(modules)
     graph: dict[str, set[str]] = {}
@@ -54,7 +62,7 @@ def import_graph(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
         edges: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                edges |= resolve(name, node, known)
+                edges |= resolve(name, node, known, subpackages)
         graph[name] = edges - {name}
     return graph
 
@@ -149,21 +157,92 @@ def private_uses(modules: dict[str, ast.Module]) -> list[str]:
     return sorted(set(found))
 
 
+def graph() -> dict[str, set[str]]:
+    return import_graph(sources(), frozenset(packages()))
+
+
 def test_the_import_graph_has_no_cycle() -> None:
-    graph = import_graph(sources())
-    assert graph["cache"] >= {"parts"} and graph["store"] >= {"runner"}, "the graph reader misses imports"
-    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+    found = graph()
+    assert found["hf.cache"] >= {"hf.parts", "attention.backends"} and found["store"] >= {"hf.runner"}, "misses imports"
+    assert find_cycle(found) is None, f"import cycle: {' -> '.join(find_cycle(found) or [])}"
 
 
 def test_no_module_uses_another_modules_underscore_names() -> None:
     assert private_uses(sources()) == []
 
 
-# the store's modules, top down: each imports none of those above it, and the block layer nothing of the cache
-# side (docs/how-it-works.md, "Layers")
-STORE_LAYERS = ["store", "blocks", "namespace"]
-ABOVE_THE_STORE = {"enabling", "many", "score", "cli", "_api", "__init__"}
-CACHE_SIDE_MODULES = {"parts", "cache", "rows", "proof", "call", "reads", "hooks", "runner"}
+# The house, bottom up (docs/how-it-works.md, "The house"): the records, views and version shims every layer uses;
+# the block layer (`kv/`); the attention layer (`attention/`); the transformers glue (`hf/`); the user-facing modules
+# on top. A module imports modules of its own layer and of those below it, never one above.
+BASE = {"errors", "memory", "stats", "display", "_compat"}
+LAYERS = ["base", "kv", "attention", "hf", "top"]
+# within a layer, each module imports only those listed before it: the order a reader can read them in
+WITHIN = {
+    "base": ["errors", "memory", "stats", "display", "_compat"],
+    "kv": [
+        *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
+        *("kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
+    ],
+    "attention": ["attention.reads", "attention.backends", "attention.flex"],
+    "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
+    "top": ["store", "enabling", "many", "score", "integrations.lm_eval", "integrations.trl", "lm_eval", "_api"],
+}
+
+
+def layer(module: str) -> str:
+    top_package = module.split(".")[0]
+    if top_package in ("kv", "attention", "hf"):
+        return top_package
+    return "base" if module in BASE else "top"
+
+
+def upward_imports(found: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each module's imports of modules in a layer above its own, where it has any."""
+    rank = {m: LAYERS.index(layer(m)) for m in found}
+    upward = {m: sorted(n for n in imported if rank.get(n, rank[m]) > rank[m]) for m, imported in found.items()}
+    return {m: up for m, up in upward.items() if up}
+
+
+def out_of_order(found: dict[str, set[str]], order: list[str]) -> dict[str, list[str]]:
+    """Each module of ``order`` that imports one listed after it, with those."""
+    later = {m: sorted(found.get(m, set()) & set(order[i + 1 :])) for i, m in enumerate(order)}
+    return {m: up for m, up in later.items() if up}
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    assert upward_imports(graph()) == {}
+
+
+def test_within_a_layer_modules_import_in_reading_order() -> None:
+    found = graph()
+    for name, order in WITHIN.items():
+        assert set(order) <= set(found), f"modules missing: {set(order) - set(found)}"
+        assert out_of_order(found, order) == {}, f"{name}: a module imports one listed after it"
+
+
+def test_every_module_of_a_package_layer_is_in_its_reading_order() -> None:
+    listed = {m for order in WITHIN.values() for m in order}
+    unlisted = sorted(m for m in sources() if layer(m) != "top" and m not in packages() and m not in listed)
+    assert unlisted == []
+
+
+def test_the_layer_checks_can_fail() -> None:
+    modules = {"kv.blocks": ast.parse("from ..hf import cache"), "hf.cache": ast.parse("from ..kv import blocks")}
+    found = import_graph(modules)
+    assert upward_imports(found) == {"kv.blocks": ["hf.cache"]}
+    assert out_of_order(found, ["kv.blocks", "hf.cache"]) == {"kv.blocks": ["hf.cache"]}
+    inside = import_graph({"kv": ast.parse("from . import trie"), "kv.trie": ast.parse("x = 1")}, frozenset({"kv"}))
+    assert inside["kv"] == {"kv.trie"}
+
+
+# the store on top: the block manager, the namespace and the runner below it; the hooks and caches know it only as
+# `hf.parts.StoreParts`
+def test_the_store_composes_the_layers_below_it() -> None:
+    found = graph()
+    assert found["store"] >= {"kv.blocks", "kv.namespace", "hf.runner", "hf.hooks", "hf.parts"}
+    assert not {m for m in found if layer(m) != "top" and found[m] & {"store", "enabling", "many", "score"}}
+
+
 # what a user calls on a PrefixStore (methods and properties; docs/api.md)
 USER_FACING = {
     "stats",
@@ -186,16 +265,6 @@ USER_FACING = {
     "pool",
     "tier",
 }
-
-
-def test_the_store_modules_import_downwards() -> None:
-    graph = import_graph(sources())
-    for i, module in enumerate(STORE_LAYERS):
-        assert not graph[module] & set(STORE_LAYERS[:i]), f"{module} imports a store module above it"
-        assert not graph[module] & ABOVE_THE_STORE, f"{module} imports a layer above: {graph[module] & ABOVE_THE_STORE}"
-        if module != "store":
-            assert not graph[module] & CACHE_SIDE_MODULES, f"{module} imports the cache side"
-    assert graph["store"] >= {"blocks", "namespace", "runner", "hooks"} and graph["blocks"] >= {"namespace"}
 
 
 def classes(tree: ast.Module) -> dict[str, tuple[int, list[ast.FunctionDef | ast.AsyncFunctionDef]]]:
@@ -241,19 +310,6 @@ def test_the_private_use_check_can_fail() -> None:
         "cache": ast.parse("def f(store):\n    with store._lock:\n        store._match()\n    return store.__class__"),
     }
     assert private_uses(modules) == ["cache.f: store._lock", "cache.f: store._match"]
-
-
-# the cache side, bottom up (docs/how-it-works.md, "Layers"): each module imports only those listed before it, so
-# nothing below the cache calls back up into it
-# and the store on top of it: it composes them (the runner, the hooks) and they know it only as ``parts.StoreParts``
-CACHE_SIDE = ["proof", "reads", "attention", "parts", "rows", "call", "cache", "hooks", "runner", "store", "enabling"]
-
-
-def test_the_cache_side_imports_downwards_only() -> None:
-    graph = import_graph(sources())
-    assert set(CACHE_SIDE) <= set(graph), f"modules missing: {set(CACHE_SIDE) - set(graph)}"
-    upward = {m: sorted(graph[m] & set(CACHE_SIDE[i + 1 :])) for i, m in enumerate(CACHE_SIDE)}
-    assert {m: up for m, up in upward.items() if up} == {}
 
 
 def dynamic_imports(modules: dict[str, ast.Module]) -> list[str]:
@@ -302,8 +358,8 @@ def test_the_dynamic_and_private_import_checks_can_fail() -> None:
     assert private_imports(modules) == ["flex: from .attention import _merge"]
 
 
-@pytest.mark.parametrize("module", [*STORE_LAYERS, *CACHE_SIDE, "trie", "allocator", "pool", "tier", "flex", "many"])
-def test_no_class_of_the_store_or_the_cache_side_is_over_450_lines_or_25_methods(module: str) -> None:
+@pytest.mark.parametrize("module", [m for order in WITHIN.values() for m in order])
+def test_no_class_is_over_450_lines_or_25_methods(module: str) -> None:
     for name, (lines, methods) in classes(sources()[module]).items():
         assert len(methods) <= 25, f"{module}.{name} has {len(methods)} methods"
         assert lines <= 450, f"{module}.{name} has {lines} lines"
@@ -323,7 +379,7 @@ CACHE_USER_FACING = {"stats", "close", "closed", "block_tables"}
 def test_the_public_methods_of_pagedprefixcache_are_what_a_user_calls_and_the_cache_interface() -> None:
     from transformers.cache_utils import Cache
 
-    _, methods = classes(sources()["cache"])["PagedPrefixCache"]
+    _, methods = classes(sources()["hf.cache"])["PagedPrefixCache"]
     public = {f.name for f in methods if not f.name.startswith("_")}
     interface = {n for n in dir(Cache) if not n.startswith("_")} | {"get_max_length"}
     assert public >= CACHE_USER_FACING

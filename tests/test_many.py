@@ -173,7 +173,7 @@ def test_a_scan_of_one_off_prompts_keeps_the_hot_ones(llama64: Any, protected: b
     switched off (plain LRU) the scan evicts them: the test can fail."""
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=64)
     if not protected:
-        store.blocks._trie.protect_after = 10**9
+        store.blocks._trie.policy.protect_after = 10**9
     hot = [[*random_tokens(16, seed=500 + h).tolist(), 3] for h in range(4)]
     for _ in range(3):
         prefixkv.generate_many(llama64, hot, store=store, max_new_tokens=1, progress=False)
@@ -199,7 +199,7 @@ def test_a_soft_pin_outlasts_lower_priorities_but_never_blocks_the_store(llama64
     unpinned prefix but leaves the soft-pinned one; the pin holds no budget (a store whose every block it fills
     still serves a new prompt, evicting it), ``unpin`` needs the same priority, and what it kept matches stock."""
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=16)
-    store.blocks._trie.protect_after = 10**9
+    store.blocks._trie.policy.protect_after = 10**9
     kept, other = random_tokens(16, seed=700).tolist(), random_tokens(16, seed=701).tolist()
     assert store.pin(kept, priority=90) == 16
     assert store.stats.blocks_pinned == 0  # a soft pin counts against no budget

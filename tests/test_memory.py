@@ -96,7 +96,7 @@ def test_eviction_takes_the_least_recently_used_leaf(llama64: Any) -> None:
 
 def test_a_parent_is_evicted_only_once_it_is_a_leaf(llama64: Any) -> None:
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=6)
-    store.blocks._trie.protect_after = 10**9  # the order among unprotected prefixes (the parent is reused twice)
+    store.blocks._trie.policy.protect_after = 10**9  # the order among unprotected prefixes (the parent is reused twice)
     shared = random_tokens(8, seed=6)
     x, y = (torch.cat([shared, random_tokens(4, seed=s)]) for s in (7, 8))
     fill(llama64, store, x)
@@ -132,7 +132,7 @@ def test_stale_heap_entries_do_not_pile_up(llama64: Any) -> None:
         fill(llama64, store, ids)
     for _ in range(2000):  # every lookup touches a leaf and leaves a stale heap entry behind
         store.blocks.lookup([prompts[0].tolist()])
-    assert len(store.blocks._trie._heap) <= 2 * store.stats.nodes + 65
+    assert store.blocks._trie.policy.queued() <= 2 * store.stats.nodes + 65
     store.close()
 
 
@@ -249,7 +249,7 @@ def test_many_random_requests_through_a_small_pool(llama64: Any) -> None:
         assert store.pool.capacity <= 37
     s = store.stats
     assert s.evictions > 20 and s.hit_tokens == reused and s.hit_rate > 0.5
-    assert len(store.blocks._trie._heap) <= 2 * s.nodes + 65
+    assert store.blocks._trie.policy.queued() <= 2 * s.nodes + 65
     assert cached(store, system) == len(system)
     assert_no_leak(store, pinned=4)
     store.close()

@@ -686,7 +686,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from prefixkv import persist
+    from prefixkv.kv import persist
 
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = _prompt(99)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefixkv.proof import ForwardInputs, Verdict, changing_inputs, custom_positions, prove_rows, unproven
+from prefixkv.hf.proof import ForwardInputs, Verdict, changing_inputs, custom_positions, prove_rows, unproven
 
 
 @dataclass

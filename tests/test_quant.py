@@ -17,8 +17,9 @@ from safetensors.torch import save_file
 
 import prefixkv
 from prefixkv import PersistError, PrefixStore
-from prefixkv.persist import checksum, convert
-from prefixkv.pool import BlockPool, LayerSpec, block_bytes, turn, turn_back
+from prefixkv.kv.persist import checksum, convert
+from prefixkv.kv.pool import BlockPool, LayerSpec, block_bytes
+from prefixkv.kv.quantization import turn, turn_back
 
 CPU = torch.device("cpu")
 EXACT = 1e-6  # an 8-bit store against a DynamicCache that quantizes as it does (conftest.QuantizingCache), float64

@@ -24,9 +24,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import prefixkv
 from prefixkv import CapacityError
-from prefixkv.cache import begin_forward, end_forward
-from prefixkv.proof import ForwardInputs
-from prefixkv.tier import chunk_keys
+from prefixkv.hf.cache import begin_forward, end_forward
+from prefixkv.hf.proof import ForwardInputs
+from prefixkv.kv.tier import chunk_keys
 
 BLOCK = 2
 BUDGET = 8
@@ -417,7 +417,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert store.pool.capacity <= BUDGET + 1
         assert s.blocks_used + s.blocks_free == BUDGET
         assert s.blocks_pinned <= BUDGET
-        assert len(store.blocks._trie._heap) <= 2 * s.nodes + 65
+        assert store.blocks._trie.policy.queued() <= 2 * s.nodes + 65
         for seq in self.must_hold():
             m = store.blocks._trie.match(seq, store.blocks.space())
             assert m.length == len(seq), f"{seq} was dropped while it had to stay"

@@ -20,7 +20,7 @@ from conftest import compare, random_tokens
 
 import prefixkv
 from prefixkv import PrefixStore
-from prefixkv.tier import OffloadTier, chunk_keys
+from prefixkv.kv.tier import OffloadTier, chunk_keys
 
 BS = 4
 
@@ -173,7 +173,7 @@ def test_a_damaged_block_file_is_dropped_and_recomputed(llama64: Any, tmp_path: 
 
 _WRITER = """
 import sys, torch
-from prefixkv.tier import OffloadTier
+from prefixkv.kv.tier import OffloadTier
 tier = OffloadTier("disk", directory=sys.argv[1], meta={"format": "prefixkv.block"})
 print("ready", flush=True)
 i = 0

@@ -4,13 +4,15 @@ evictions; every matched block must hold the query's tokens."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import prefixkv.trie as trie_module
-from prefixkv.trie import Node, RadixTrie, path_tokens
+import prefixkv.kv.trie as trie_module
+from prefixkv.kv.eviction import SegmentedLRU
+from prefixkv.kv.trie import Node, RadixTrie, path_tokens
 
 # a small alphabet makes shared prefixes and mid-edge splits common
 seqs = st.lists(st.integers(0, 3), min_size=1, max_size=24)
@@ -142,41 +144,47 @@ def test_publishing_a_long_chain_compares_no_edge(monkeypatch: pytest.MonkeyPatc
     assert path_tokens(node) == seq
 
 
-class EagerTrie(RadixTrie):
+class EagerPolicy(SegmentedLRU):
     """The reference for eviction order: every touch stamps and counts the node and all its ancestors, and every
     eviction scans all leaves for the one that goes first (lowest priority, unprotected before protected, least
     recently used)."""
 
-    def touch(self, node: Node, matched: int | None = None) -> None:
-        n: Node | None = node.parent if matched is not None and matched < node.end else node
+    def __init__(self, block_size: int, **kwargs: Any) -> None:
+        super().__init__(block_size, **kwargs)
+        self.made: list[Node] = []
+
+    def inserted(self, leaf: Any) -> None:
+        super().inserted(leaf)
+        self.made.append(leaf)
+
+    def split(self, upper: Any, lower: Any, moved: int) -> None:
+        super().split(upper, lower, moved)
+        upper.hits = lower.hits  # every reuse of the lower part went through the upper one
+        self.made.append(upper)
+
+    def touch(self, node: Any, matched: int | None) -> None:
+        n = node.parent if matched is not None and matched < node.end else node
         while n is not None and n.parent is not None:
             n.hits += 1
             n = n.parent
-        self._stamp(node)
+        self.stamp(node)
 
-    def _stamp(self, node: Node) -> None:
+    def stamp(self, node: Any) -> None:
         now = next(self._clock)
-        n: Node | None = node
+        n = node
         while n is not None and n.parent is not None:
             n.last_access = now
             n = n.parent
 
-    def _split(self, node: Node, k: int) -> tuple[Node, int | None]:
-        upper, straddle = super()._split(node, k)
-        upper.hits = node.hits  # every reuse of the lower part went through the upper one
-        return upper, straddle
+    def offer(self, node: Any) -> None:
+        pass
 
-    def evict_lru(self) -> Node | None:
-        leaves = [n for n in self.nodes() if not n.lock and not n.children]
-        if not leaves:
-            return None
-        node = min(leaves, key=lambda n: (n.priority, self.protected(n), n.last_access))
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.tokens[0]]
-        node.alive = False
-        self._size -= 1
-        return node
+    def pop(self) -> Any:
+        leaves = [n for n in self.made if n.alive and not n.lock and not n.children]
+        return min(leaves, key=lambda n: (self.priority(n), self.protected(n), n.last_access), default=None)
+
+    def evicted(self, node: Any) -> None:
+        self.nodes -= 1
 
 
 @settings(max_examples=300, deadline=None)
@@ -188,7 +196,8 @@ def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
     becomes a leaf. Eviction order (priorities, protection after two reuses, LRU) is exactly that of stamping and
     counting every ancestor on each touch and scanning all leaves (with the protected share unbounded: the
     bound is tested below)."""
-    lazy, eager = RadixTrie(block_size, protected_share=1.0), EagerTrie(block_size, protected_share=1.0)
+    lazy = RadixTrie(block_size, protected_share=1.0)
+    eager = RadixTrie(block_size, policy=EagerPolicy(block_size, protected_share=1.0))
     locked: list[tuple[Node, Node]] = []
     retained: list[tuple[Node, Node, int]] = []
     for op, arg in script:
@@ -261,10 +270,10 @@ def test_lookups_that_end_inside_an_edge_protect_only_what_they_reused() -> None
     node = trie.insert([1, 2, 3, 4, 5, 6], [1, 2, 3]).node
     for _ in range(3):
         trie.touch(node, matched=1)  # prompts sharing the first token by chance
-    assert node.hits == 0 and not trie.protected(node)
+    assert node.hits == 0 and not trie.policy.protected(node)
     trie.touch(node, matched=6)
     trie.touch(node)  # the length not known: the whole edge
-    assert trie.protected(node)
+    assert trie.policy.protected(node)
     trie.check_invariants()
 
 
@@ -279,7 +288,7 @@ def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
             trie.touch(node)
             trie.touch(node)
         trie.insert([50], [50])
-        assert trie._protected_occurrences == hot and trie._occurrences == hot + 1
+        assert trie.policy.protected_occurrences == hot and trie.policy.occurrences == hot + 1
         assert trie.evict_one() == first_out, hot  # 4 of 5 is not over the share; 5 of 6 is
         assert trie.evict_one() == ([1] if hot == 4 else [50])  # 4 of a peak of 6 is not over it either
         trie.check_invariants()
@@ -303,14 +312,14 @@ def test_retained_priorities_order_eviction_and_keep_nothing_forever() -> None:
 def test_a_parent_competes_with_the_latest_use_below_it() -> None:
     """A leaf kept locked while a parent's children go keeps its old time; once unlocked it goes before the
     parent, whose children were used after it (the parent's own time is older than that leaf's)."""
-    for trie in (RadixTrie(block_size=1), EagerTrie(block_size=1)):
+    for trie in (RadixTrie(block_size=1), RadixTrie(block_size=1, policy=EagerPolicy(block_size=1))):
         trie.insert([1, 2, 3], [1, 2, 3])  # [1 2 3] used at time 1
         held = trie.insert([9], [9]).node  # time 2
         trie.lock(held)
         trie.insert([1, 2, 4], [1, 2, 4])  # splits [1 2 | 3]: [1 2] keeps time 1; [4] is time 3
         assert trie.evict_one() == [3] and trie.evict_one() == [4]  # [1 2] is a leaf now, last used below at 3
         trie.unlock(held)
-        assert trie.evict_one() == [9], type(trie).__name__
+        assert trie.evict_one() == [9], type(trie.policy).__name__
         assert trie.evict_one() == [1, 2]
 
 

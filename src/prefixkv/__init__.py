@@ -6,16 +6,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import display, models
-    from .cache import PagedPrefixCache
     from .enabling import disable, enable
     from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .hf.cache import PagedPrefixCache
+    from .kv.persist import PersistStats
     from .many import Generation, generate_many
     from .memory import estimate, kv_bytes_per_token
-    from .persist import PersistStats
     from .score import Score, score
-    from .stats import CacheStats, RowStats, StoreStats
+    from .stats import CacheStats, RowStats, StoreStats, TierStats
     from .store import PrefixStore
-    from .tier import TierStats
 
 __version__ = "0.1.0"
 
@@ -49,6 +48,11 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """The public names load on first use, all at once (``prefixkv._api``: torch, transformers, and the check
     that their releases are supported), so that ``python -m prefixkv --help`` answers without importing torch."""
+    # the FlexAttention backend's module, `prefixkv.attention.flex`, by the name the docs give users
+    if name == "flex":
+        import prefixkv.attention.flex as flex
+
+        return flex
     if name not in __all__:
         raise AttributeError(f"module 'prefixkv' has no attribute {name!r}")
     # `from . import display` inside prefixkv asks here too: load only that module

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 # _compat first: it refuses an unsupported transformers or torch before anything else imports them
 from . import _compat, display, models
-from .cache import PagedPrefixCache
 from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+from .hf.cache import PagedPrefixCache
+from .kv.persist import PersistStats
 from .many import Generation, generate_many
 from .memory import estimate, kv_bytes_per_token
-from .persist import PersistStats
 from .score import Score, score
-from .stats import CacheStats, RowStats, StoreStats
+from .stats import CacheStats, RowStats, StoreStats, TierStats
 from .store import PrefixStore
-from .tier import TierStats

@@ -18,7 +18,7 @@ root
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +26,6 @@ import torch
 
 from .memory import format_bytes
 from .stats import CacheStats, StoreStats
-from .trie import NodeView
 
 # in use (live caches or pins), evictable, free; reused, computed
 _COLORS = {"used": "#4c78a8", "evictable": "#f2a93b", "free": "#d9d9d9", "reused": "#54a24b", "computed": "#e45756"}
@@ -44,10 +43,38 @@ class CachedPrefix:
     in_use: bool
 
 
+class NodeLike(Protocol):
+    """What the views read of one node of the trie's snapshot (:class:`prefixkv.kv.trie.NodeView`)."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def blocks(self) -> tuple[int, ...]: ...
+
+    @property
+    def lock(self) -> int: ...
+
+    @property
+    def parent(self) -> int: ...
+
+    @property
+    def space(self) -> Hashable: ...
+
+    @property
+    def pinned(self) -> bool: ...
+
+
 class PrefixesLike(Protocol):
     """What the views read of a store's block manager (``store.blocks``): the snapshot of its trie."""
 
-    def prefix_view(self) -> list[NodeView]: ...
+    def prefix_view(self) -> Sequence[NodeLike]: ...
 
 
 class StoreLike(Protocol):
@@ -287,7 +314,7 @@ def cache_html(cache: CacheLike, max_rows: int = 8, max_blocks: int = 24) -> str
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _children(nodes: list[NodeView]) -> list[list[int]]:
+def _children(nodes: Sequence[NodeLike]) -> list[list[int]]:
     """The indices of each node's children in the view."""
     children: list[list[int]] = [[] for _ in nodes]
     for i, node in enumerate(nodes):
@@ -296,7 +323,7 @@ def _children(nodes: list[NodeView]) -> list[list[int]]:
     return children
 
 
-def _path_tokens(nodes: list[NodeView], i: int) -> list[int]:
+def _path_tokens(nodes: Sequence[NodeLike], i: int) -> list[int]:
     """The tokens from position 0 to the end of node ``i``'s edge."""
     parts = []
     while i >= 0:
@@ -305,7 +332,7 @@ def _path_tokens(nodes: list[NodeView], i: int) -> list[int]:
     return [t for part in reversed(parts) for t in part]
 
 
-def _walk(nodes: list[NodeView], children: list[list[int]], space: Any) -> Iterator[tuple[int, str, bool]]:
+def _walk(nodes: Sequence[NodeLike], children: list[list[int]], space: Any) -> Iterator[tuple[int, str, bool]]:
     """Depth-first over namespace ``space``, children in token order: (node index, indentation, is last
     child). Iterative: a long chat is a chain of many nodes."""
     top = [i for i, n in enumerate(nodes) if n.parent < 0 and n.space == space]
@@ -316,13 +343,13 @@ def _walk(nodes: list[NodeView], children: list[list[int]], space: Any) -> Itera
         stack.extend(_below(nodes, children[i], prefix + ("    " if last else "│   ")))
 
 
-def _below(nodes: list[NodeView], kids: list[int], prefix: str) -> list[tuple[int, str, bool]]:
+def _below(nodes: Sequence[NodeLike], kids: list[int], prefix: str) -> list[tuple[int, str, bool]]:
     """The children ``kids`` as stack entries, the one of the lowest first token on top."""
     ordered = sorted(kids, key=lambda i: nodes[i].tokens[0])
     return [(k, prefix, j == len(ordered) - 1) for j, k in reversed(list(enumerate(ordered)))]
 
 
-def _leaf_counts(nodes: list[NodeView], children: list[list[int]]) -> dict[int, int]:
+def _leaf_counts(nodes: Sequence[NodeLike], children: list[list[int]]) -> dict[int, int]:
     """Cached sequences (leaves) at or below each node; ``nodes`` lists parents before children."""
     counts: dict[int, int] = {}
     for i in reversed(range(len(nodes))):

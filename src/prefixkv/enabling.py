@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from . import _compat
-from .cache import PagedPrefixCache
-from .hooks import MethodPatch, bound_to_copies, has_open_store
-from .namespace import transformers_model, user_space
-from .proof import CACHE_KWARGS
+from .hf.cache import PagedPrefixCache
+from .hf.hooks import MethodPatch, bound_to_copies, has_open_store
+from .hf.proof import CACHE_KWARGS
+from .kv.namespace import transformers_model, user_space
 from .store import PrefixStore
 
 _ENABLED = "_prefixkv_enabled"

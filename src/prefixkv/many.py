@@ -30,9 +30,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
-from .cache import PagedPrefixCache
 from .enabling import inferred_mask
-from .namespace import transformers_model, user_space
+from .hf.cache import PagedPrefixCache
+from .kv.namespace import transformers_model, user_space
 from .store import PrefixStore, as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:

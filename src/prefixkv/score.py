@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .cache import PagedPrefixCache, attach_prompt
-from .runner import forward_kwargs
+from .hf.cache import PagedPrefixCache, attach_prompt
+from .hf.runner import forward_kwargs
 from .store import PrefixStore, as_token_list
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]

@@ -5,7 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tier import TierStats
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of a tier: blocks and bytes held, blocks moved in (``offloaded``), brought back
+    (``restored``) and dropped for its budget (``evictions``), and the prompt tokens whose K/V came
+    back from it (``hit_tokens``)."""
+
+    kind: str
+    blocks: int
+    bytes: int
+    max_bytes: int | None
+    offloaded: int
+    restored: int
+    hit_tokens: int
+    evictions: int
 
 
 @dataclass(frozen=True)

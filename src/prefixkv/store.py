@@ -1,7 +1,7 @@
 """``PrefixStore``: one per model, what a user calls. The budget, pins and warm-up, save/load/merge, statistics,
 the views of a notebook and ``close``; the blocks themselves (pool, allocator, trie, eviction, the second tier
-and the lock) are its :class:`~prefixkv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
-keys them besides the tokens is its :class:`~prefixkv.namespace.Namespace`. The store is built top-down
+and the lock) are its :class:`~prefixkv.kv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
+keys them besides the tokens is its :class:`~prefixkv.kv.namespace.Namespace`. The store is built top-down
 (docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``), its block manager, the runner of
 its model (``store.runner``) and the model's hooks, and hands each what it needs; none of them imports this
 module."""
@@ -17,19 +17,22 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import _compat, display, persist
-from . import attention as reading
-from .blocks import BlockManager
+from . import _compat, display
+from .attention import backends as reading
 from .errors import CacheMisuseError, PersistError
-from .hooks import attach_hooks, plan_chunked_prompt
+from .hf.hooks import attach_hooks, plan_chunked_prompt
+from .hf.parts import StoreSettings
+from .hf.runner import ModelRunner
+from .hf.support import check_supported
+from .kv import persist
+from .kv.blocks import BlockManager
+from .kv.fingerprint import fingerprint
+from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
+from .kv.pool import BlockPool, LayerSpec, block_bytes
+from .kv.quantization import check_kv_dtype
+from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import attention_shape, format_bytes, parse_bytes
-from .namespace import Namespace, layer_devices, transformers_model, user_space
-from .parts import StoreSettings
-from .pool import BlockPool, LayerSpec, block_bytes, check_kv_dtype
-from .runner import ModelRunner
 from .stats import CacheStats, StoreStats
-from .support import check_supported
-from .tier import BLOCK_FORMAT, OffloadTier
 
 _INITIAL_BLOCKS = 16
 _DTYPE_NAMES = {
@@ -81,7 +84,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
     (:mod:`prefixkv.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool (``"blocks"``
     over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
-        from . import flex  # noqa: F401
+        from .attention import flex  # noqa: F401
     named = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
     if store.invariant:
         reason = (
@@ -103,7 +106,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
     cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
-    (:class:`prefixkv.blocks.BlockManager`), which caches use; a user needs only the methods here.
+    (:class:`prefixkv.kv.blocks.BlockManager`), which caches use; a user needs only the methods here.
 
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
@@ -187,7 +190,7 @@ class PrefixStore:
             limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
             # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
             # directory serves a model under each of its adapters
-            model_print = persist.fingerprint(model, adapters=False)
+            model_print = fingerprint(model, adapters=False)
             meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}
             tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
         self.blocks = BlockManager(
@@ -377,7 +380,7 @@ class PrefixStore:
                 f"the model now computes in {now} but the store's K/V were computed in "
                 f"{self.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
             )
-        model_print = persist.fingerprint(self.model)
+        model_print = fingerprint(self.model)
         nodes, tensors, blocks = self.blocks.room.export(wanted, self.blocks.space())
         return persist.write(path, tensors, _file_meta(self, self.pool.specs, model_print), nodes, blocks)
 
@@ -412,7 +415,7 @@ class PrefixStore:
     ) -> persist.PersistStats:
         """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
         ``"fp8"`` or ``None``): the explicit step between quantized and unquantized stores, which refuse
-        each other's files. See :func:`prefixkv.persist.convert`."""
+        each other's files. See :func:`prefixkv.kv.persist.convert`."""
         return persist.convert(path, new_path, kv_dtype)
 
     def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
@@ -510,7 +513,7 @@ def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
 def _file_meta(
     store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = persist.FORMAT
 ) -> dict[str, str]:
-    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.persist.store_meta`) and, for an invariant
+    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.kv.persist.store_meta`) and, for an invariant
     store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
     tiers carry the schedule")."""
     meta = persist.store_meta(store.settings, specs, store.model, model_print, format)

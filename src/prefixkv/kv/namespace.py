@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import persist
+from .fingerprint import config_state
 
 # values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
 _SAMPLED = 4
@@ -57,7 +57,7 @@ def _weights_state(model: Any) -> int:
     ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
     ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
     every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
-    values (``.data`` writes bump no version), and of :func:`prefixkv.persist.config_state`."""
+    values (``.data`` writes bump no version), and of :func:`prefixkv.kv.fingerprint.config_state`."""
     state = []
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -72,7 +72,7 @@ def _weights_state(model: Any) -> int:
             torch.cat([_few_values(t) for t in group]).cpu().view(torch.uint8).numpy().tobytes()
             for group in samples.values()
         )
-    return hash((tuple(state), values, persist.config_state(model.config)))
+    return hash((tuple(state), values, config_state(model.config)))
 
 
 def _few_values(t: torch.Tensor) -> torch.Tensor:

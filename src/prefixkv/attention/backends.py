@@ -28,7 +28,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import _compat, reads
+from .. import _compat
+from . import reads
 from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, Read
 
 NAME = "prefixkv"

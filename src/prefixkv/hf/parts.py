@@ -11,8 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .blocks import BlockManager
-from .stats import RowStats
+from ..kv.blocks import BlockManager
+from ..stats import RowStats
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Handle(Protocol):
 
 
 class Prefills(Protocol):
-    """The prefills a cache's rows ask of their store's model runner (:class:`prefixkv.runner.ModelRunner`)."""
+    """The prefills a cache's rows ask of their store's model runner (:class:`prefixkv.hf.runner.ModelRunner`)."""
 
     def prefill(
         self, tokens: list[int], *, keep_partial: bool, count: bool, namespace: str | None = None

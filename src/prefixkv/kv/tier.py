@@ -5,13 +5,13 @@ quantized), keyed by a chained sha256 over the tokens from position 0 to the blo
 chunk ``c`` hashes the key of chunk ``c - 1`` and the ``block_size`` tokens of chunk ``c``. A prefix is
 thus found block by block where the trie's match stops, and two prefixes that share their first blocks
 share those entries. No trie and no allocator here: the store decides what to offload and what to bring
-back (when it makes room, and in :meth:`prefixkv.blocks.BlockManager.claim`); the tier keeps entries within its own
+back (when it makes room, and in :meth:`prefixkv.kv.blocks.BlockManager.claim`); the tier keeps entries within its own
 budget, least recently used first out.
 
 Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU
 runs asynchronously with compute); ``"disk"`` writes one safetensors file per block into a directory and
 reads it back memory-mapped. A disk file is written under a temporary name and renamed when whole, and
-carries the metadata and checksum of :mod:`prefixkv.persist`: a write cut short by a crash leaves only a
+carries the metadata and checksum of :mod:`prefixkv.kv.persist`: a write cut short by a crash leaves only a
 temporary file, which is never read; a file whose checksum fails is dropped with a warning.
 
 A directory may be shared (two workers, two models of one shape, a plain and an int8 store): a file's name
@@ -32,33 +32,17 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..stats import TierStats
 from . import persist
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
 _SUFFIX = ".safetensors"
-
-
-@dataclass(frozen=True)
-class TierStats:
-    """A snapshot of a tier: blocks and bytes held, blocks moved in (``offloaded``), brought back
-    (``restored``) and dropped for its budget (``evictions``), and the prompt tokens whose K/V came
-    back from it (``hit_tokens``)."""
-
-    kind: str
-    blocks: int
-    bytes: int
-    max_bytes: int | None
-    offloaded: int
-    restored: int
-    hit_tokens: int
-    evictions: int
 
 
 def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
@@ -84,7 +68,7 @@ class OffloadTier:
     """Blocks keyed by :func:`chunk_keys`, in host memory (``kind="cpu"``) or files (``kind="disk"``),
     within ``max_bytes`` (``None``: unbounded), least recently used first out.
 
-    ``meta`` is the metadata (:func:`prefixkv.persist.store_meta`) every disk file carries; files already in
+    ``meta`` is the metadata (:func:`prefixkv.kv.persist.store_meta`) every disk file carries; files already in
     ``directory`` with the same metadata are taken as this tier's, the others are left alone.
 
     >>> tier = OffloadTier("cpu", max_bytes=1000)

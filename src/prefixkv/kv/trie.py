@@ -11,37 +11,29 @@ Namespaces keep apart K/V that the same tokens get under different model states 
 namespace (``None`` by default). Eviction is one segmented LRU over all of them (docs/generate.md, "Many
 prompts at once").
 
-Eviction follows SGLang: unlocked leaves wait in a heap by last access; evicting one may turn its parent
-into an unlocked leaf, which then joins the heap. Locks count per path: locking a node locks every
-ancestor too, so a locked node is never a leaf candidate and nor is any node above it.
-
-Two refinements keep a long run of one-off prompts (a batch job, a scan) from evicting what is reused
-(docs/generate.md, "Many prompts at once"). A node whose path holds at least one whole block and that lookups
-have reused at least ``PROTECT_AFTER`` times is *protected*: unlocked leaves are evicted least recently used
-first among the unprotected ones, and a protected leaf goes only when no unprotected one is left, or when
-protected nodes hold more than ``PROTECTED_SHARE`` of the most block occurrences the trie has held (the pool,
-once full): then its least recently used protected leaf goes first, so that prefixes that were hot once cannot
-keep new ones out forever. And a path may be *retained* with a priority (0-100, as TensorRT-LLM's retention
-priorities; ``DEFAULT_PRIORITY`` otherwise): a leaf of lower priority always goes before one of higher
-priority, and retaining, unlike locking, never makes a node unevictable.
+Locks count per path: locking a node locks every ancestor too, so a locked node is never a leaf candidate and
+nor is any node above it. Which unlocked leaf goes first is the trie's eviction policy's to say
+(:mod:`prefixkv.kv.eviction`: the segmented LRU with retention priorities, by default), which the trie tells of
+every event the order depends on.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import Counter
 from collections.abc import Hashable, ItemsView, Iterator, Sequence, ValuesView
 from typing import NamedTuple
 
+from .eviction import DEFAULT_PRIORITY, PROTECT_AFTER, PROTECTED_SHARE, EvictionPolicy, SegmentedLRU
+
+__all__ = ["ALL_SPACES", "DEFAULT_PRIORITY", "PROTECTED_SHARE", "PROTECT_AFTER", "Insert", "Match", "Node"]
+__all__ += ["NodeView", "RadixTrie", "Roots", "path_tokens"]
+
 ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every namespace
-PROTECT_AFTER = 2  # reuses (lookups that match into a node) that protect it from a scan
-PROTECTED_SHARE = 0.8  # of the most block occurrences held, beyond which protected leaves are evicted first
-DEFAULT_PRIORITY = 35  # the retention priority of a node no retain reaches (TensorRT-LLM's default)
 
 
 class Node:
-    """One edge of the trie and the node below it. ``start`` is the position of ``tokens[0]``."""
+    """One edge of the trie and the node below it. ``start`` is the position of ``tokens[0]``. ``last_access``,
+    ``hits`` and ``retains`` are the eviction policy's (:mod:`prefixkv.kv.eviction`); the trie never reads them."""
 
     __slots__ = ("alive", "blocks", "children", "hits", "last_access", "lock", "parent", "retains", "start", "tokens")
 
@@ -56,11 +48,6 @@ class Node:
         self.hits = 0  # lookups that matched into this node, and into its evicted children (see touch())
         self.retains: Counter[int] = Counter()  # priority -> retains on this node's path (at or below it)
         self.alive = True
-
-    @property
-    def priority(self) -> int:
-        """The highest priority of the retains at or below this node, or ``DEFAULT_PRIORITY``."""
-        return max(self.retains) if self.retains else DEFAULT_PRIORITY
 
     @property
     def end(self) -> int:
@@ -200,23 +187,23 @@ class RadixTrie:
     """
 
     def __init__(
-        self, block_size: int, *, protect_after: int = PROTECT_AFTER, protected_share: float = PROTECTED_SHARE
+        self,
+        block_size: int,
+        *,
+        protect_after: int = PROTECT_AFTER,
+        protected_share: float = PROTECTED_SHARE,
+        policy: EvictionPolicy | None = None,
     ) -> None:
+        """``policy`` orders eviction (:mod:`prefixkv.kv.eviction`); by default a :class:`SegmentedLRU` with
+        ``protect_after`` and ``protected_share``."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.protect_after = protect_after
-        self.protected_share = protected_share
+        self.policy: EvictionPolicy = policy or SegmentedLRU(
+            block_size, protect_after=protect_after, protected_share=protected_share
+        )
         self._roots = Roots()
         self.root = self.root_of(None)
-        self._clock = itertools.count(1)
-        self._tiebreak = itertools.count()
-        # unlocked leaves by (priority, last access): unprotected ones in _heap, protected ones in _hot
-        self._heap: list[tuple[int, int, int, Node]] = []
-        self._hot: list[tuple[int, int, int, Node]] = []
-        self._size = 0  # nodes below the root: bounds the heaps' stale entries (see _offer)
-        self._occurrences = self._protected_occurrences = 0  # block occurrences, all and in protected nodes
-        self._peak = 0  # the most block occurrences held at once: the pool's size, once it has been full
 
     def root_of(self, space: Hashable) -> Node:
         """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
@@ -340,22 +327,20 @@ class RadixTrie:
         pos = node.end
         if pos >= end:
             if node.parent is not None:
-                self._stamp(node)
+                self.policy.stamp(node)
             return Insert(node, added)
         while True:
             child = node.children.get(seq[pos])
             if child is None:
                 leaf = Node(seq[pos:end], pos, list(table[pos // bs : (end - 1) // bs + 1]), node)
                 node.children[seq[pos]] = leaf
-                self._size += 1
-                self._occurrences += len(leaf.blocks)
-                self._peak = max(self._peak, self._occurrences)
+                self.policy.inserted(leaf)
                 added.extend(leaf.blocks)
-                self._stamp(leaf)
+                self.policy.stamp(leaf)
                 return Insert(leaf, added)
             k = _common_prefix(child.tokens, seq, pos, end)
             if pos + k == end:
-                self._stamp(child)
+                self.policy.stamp(child)
                 return Insert(child, added)
             if k < len(child.tokens):
                 child, straddle = self._split(child, k)
@@ -377,23 +362,15 @@ class RadixTrie:
         upper_chunks = (cut - 1) // bs - node.start // bs + 1
         upper = Node(node.tokens[:k], node.start, node.blocks[:upper_chunks], parent)
         upper.lock = node.lock
-        upper.last_access = node.last_access
-        upper.retains = node.retains.copy()
-        # upper.hits stays 0: the reuses counted so far are the lower node's, and reach upper when it is evicted
-        # (touch()), as if every reuse had counted on the whole path
         lower_first = cut // bs - node.start // bs
         straddle = node.blocks[lower_first] if cut % bs else None
-        self._occurrences += len(upper.blocks) - lower_first  # one more where a block straddles the cut
-        self._peak = max(self._peak, self._occurrences)
-        if self.protected(node):
-            self._protected_occurrences -= lower_first
         node.tokens = node.tokens[k:]
         node.blocks = node.blocks[lower_first:]
         node.start = cut
         node.parent = upper
         upper.children[node.tokens[0]] = node
         parent.children[upper.tokens[0]] = upper
-        self._size += 1
+        self.policy.split(upper, node, lower_first)
         return upper, straddle
 
     def end_node(self, seq: Sequence[int], space: Hashable = None) -> Insert | None:
@@ -410,34 +387,9 @@ class RadixTrie:
 
     def touch(self, node: Node, matched: int | None = None) -> None:
         """Count a reuse of ``node`` (a lookup matched into it, ``matched`` tokens long if known) and mark it as used
-        now (LRU). Mutates.
-
-        A lookup that ends inside the edge (``matched < node.end``) counts for the parent, the part it reused whole:
-        prompts that share a node's first tokens by chance (one-off prompts sorted next to each other) do not
-        protect its rest. Without ``matched`` the lookup counts for the whole edge.
-
-        Its ancestors are not stamped nor counted: a node is an eviction candidate only once it is a leaf, and
-        every node below it has been evicted by then, each handing its time and its reuses up
-        (:meth:`evict_lru`). So a parent competes with the time of the latest use at or below it and with every
-        reuse at or below it, as if every touch stamped and counted the whole path, at O(1) per touch instead of
-        the depth of a long chain."""
-        counted = node.parent if matched is not None and matched < node.end else node
-        if counted is not None and counted.parent is not None:
-            self._add_hits(counted, 1)
-        self._stamp(node)
-
-    def _stamp(self, node: Node) -> None:
-        """Mark ``node`` as used now, without counting a reuse (an insert). Mutates."""
-        now = next(self._clock)
-        if node.parent is not None:
-            node.last_access = now
-        self._offer(node)
-
-    def _add_hits(self, node: Node, n: int) -> None:
-        was = self.protected(node)
-        node.hits += n
-        if self.protected(node) != was:
-            self._protected_occurrences += len(node.blocks)
+        now (LRU), for the eviction policy (:meth:`prefixkv.kv.eviction.SegmentedLRU.touch`: a lookup that ends
+        inside the edge counts for the parent; O(1), not the depth of the path). Mutates."""
+        self.policy.touch(node, matched)
 
     def retain(self, node: Node, priority: int) -> None:
         """Give ``node``'s path the retention ``priority`` (0-100) until :meth:`release`: its leaves are evicted
@@ -451,25 +403,11 @@ class RadixTrie:
         >>> t.evict_one(), t.evict_one()
         ([3], [1, 2])
         """
-        if not isinstance(priority, int) or not 0 <= priority <= 100:
-            raise ValueError(f"a retention priority is an int from 0 to 100, got {priority!r}")
-        n: Node | None = node
-        while n is not None and n.parent is not None:
-            n.retains[priority] += 1
-            n = n.parent
-        self._offer(node)
+        self.policy.retain(node, priority)
 
     def release(self, node: Node, priority: int) -> None:
         """Undo one :meth:`retain` of ``node`` with ``priority`` (also once ``node`` was evicted). Mutates."""
-        n: Node | None = node
-        while n is not None and n.parent is not None:
-            if n.retains[priority] <= 0:
-                raise ValueError(f"release of {n} at priority {priority}, which it is not retained at")
-            n.retains[priority] -= 1
-            if not n.retains[priority]:
-                del n.retains[priority]
-            n = n.parent
-        self._offer(node)
+        self.policy.release(node, priority)
 
     def lock(self, node: Node) -> None:
         """Protect ``node`` and its ancestors from eviction (a live cache reads them, or a pin). Mutates."""
@@ -505,46 +443,7 @@ class RadixTrie:
                 raise ValueError(f"unlock of {n}, which is not locked")
             n.lock -= 1
             n = n.parent
-        self._offer(node)
-
-    def _offer(self, node: Node) -> None:
-        if node.alive and node.lock == 0 and self.is_leaf(node):
-            heap = self._hot if self.protected(node) else self._heap
-            heapq.heappush(heap, (node.priority, node.last_access, next(self._tiebreak), node))
-            # every touch leaves a stale entry behind (and keeps evicted nodes alive): rebuild from the
-            # live leaves once stale entries outnumber the nodes, O(1) amortised per push
-            if len(self._heap) + len(self._hot) > 2 * self._size + 64:
-                leaves = [n for n in self.nodes() if n.lock == 0 and not n.children]
-                for protected in (False, True):
-                    rebuilt = [(n.priority, n.last_access, next(self._tiebreak), n) for n in leaves]
-                    rebuilt = [e for e in rebuilt if self.protected(e[3]) == protected]
-                    heapq.heapify(rebuilt)
-                    if protected:
-                        self._hot = rebuilt
-                    else:
-                        self._heap = rebuilt
-
-    def protected(self, node: Node) -> bool:
-        """Whether lookups reused ``node`` often enough to protect it from a scan, and its path holds a whole block
-        (prompts that share only their first few tokens, by chance, do not protect them). Does not mutate."""
-        return node.hits >= self.protect_after and node.end >= self.block_size
-
-    def _top(self, heap: list[tuple[int, int, int, Node]], protected: bool) -> tuple[int, int, int, Node] | None:
-        """The first entry of ``heap`` that is still an evictable leaf with that key, dropping stale ones before
-        it. Mutates the heap only."""
-        while heap:
-            entry = heap[0]
-            node = entry[3]
-            if (
-                node.alive
-                and not node.lock
-                and not node.children
-                and self.protected(node) == protected
-                and entry[:2] == (node.priority, node.last_access)
-            ):
-                return entry
-            heapq.heappop(heap)
-        return None
+        self.policy.offer(node)
 
     def evict_one(self) -> list[int] | None:
         """Drop the least recently used unlocked leaf; return its block occurrences (the caller
@@ -553,30 +452,21 @@ class RadixTrie:
         return None if node is None else node.blocks
 
     def evict_lru(self) -> Node | None:
-        """Drop the unlocked leaf that goes first (the module's docstring: lowest priority; unprotected before
-        protected unless protected nodes hold too much; least recently used) and return it (its ``blocks`` are the
-        occurrences the caller decrements; its ``parent`` chain still spells its tokens), or ``None`` if no leaf
-        can go. Mutates."""
-        cold, hot = self._top(self._heap, False), self._top(self._hot, True)
-        if cold is None and hot is None:
+        """Drop the unlocked leaf that goes first (the eviction policy's choice: by default the lowest priority;
+        unprotected before protected unless protected nodes hold too much; least recently used) and return it (its
+        ``blocks`` are the occurrences the caller decrements; its ``parent`` chain still spells its tokens), or
+        ``None`` if no leaf can go. Mutates."""
+        node = self.policy.pop()
+        if node is None:
             return None
-        overflow = self._protected_occurrences > self.protected_share * self._peak
-        take_hot = cold is None or (hot is not None and (hot[0], not overflow) < (cold[0], True))
-        _, _, _, node = heapq.heappop(self._hot if take_hot else self._heap)
+        assert isinstance(node, Node)
         parent = node.parent
         assert parent is not None
         del parent.children[node.tokens[0]]
         node.alive = False
-        self._size -= 1
-        self._occurrences -= len(node.blocks)
-        if self.protected(node):
-            self._protected_occurrences -= len(node.blocks)
-        if parent.parent is not None:  # see touch()
-            parent.last_access = max(parent.last_access, node.last_access)
-            self._add_hits(parent, node.hits)
-        elif not parent.children:
+        self.policy.evicted(node)
+        if parent.parent is None and not parent.children:
             self._roots.emptied(parent)
-        self._offer(parent)
         return node
 
     def clear(self) -> list[int]:
@@ -612,19 +502,5 @@ class RadixTrie:
                 stack.append(child)
             if node.lock < child_locks:
                 raise AssertionError(f"{node} has lock {node.lock} < its children's {child_locks}")
-        nodes = self.nodes()
-        if self._size != len(nodes):
-            raise AssertionError(f"the trie counts {self._size} nodes but holds {len(nodes)}")
-        protected = sum(len(n.blocks) for n in nodes if self.protected(n))
-        if (self._occurrences, self._protected_occurrences) != (occurrences.total(), protected):
-            raise AssertionError(
-                f"the trie counts {self._occurrences} block occurrences ({self._protected_occurrences} protected) "
-                f"but holds {occurrences.total()} ({protected})"
-            )
-        for n in nodes:
-            assert n.parent is not None
-            if n.parent.parent is not None and n.retains - n.parent.retains:
-                raise AssertionError(
-                    f"{n} is retained at {dict(n.retains)}, its parent only at {dict(n.parent.retains)}"
-                )
+        self.policy.check(self.nodes())
         return occurrences

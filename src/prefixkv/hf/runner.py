@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from ..kv.namespace import user_space
+from ..stats import RowStats
 from .cache import PagedPrefixCache, attach_prompt, publish_all
-from .namespace import user_space
 from .parts import StoreParts
-from .stats import RowStats
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ reused; if the call's mask, namespace or inputs differ from what that reuse assu
 call as it is (:class:`Redo`) or dropped (:class:`Drop`). A cache that has computed must be continued: the call
 passes its last output plus new tokens (:meth:`GenerateCall.check_continues`), or only the new tokens placed right
 after the held columns (:meth:`GenerateCall.check_new_tokens`). :class:`GenerateCall` decides and applies its
-decisions to the cache's :class:`prefixkv.rows.RowSet` (docs/how-it-works.md, "One forward, and the first step of
+decisions to the cache's :class:`prefixkv.hf.rows.RowSet` (docs/how-it-works.md, "One forward, and the first step of
 a call"); it never calls the cache."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import CacheMisuseError
 from . import proof, rows
-from .errors import CacheMisuseError
 from .parts import StoreParts
 
 
@@ -54,7 +54,7 @@ class GenerateCall:
     def plan(
         self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]
     ) -> int | None:
-        """:func:`prefixkv.cache.plan_call`: make what ``held`` holds fit the call, and return the
+        """:func:`prefixkv.hf.cache.plan_call`: make what ``held`` holds fit the call, and return the
         ``next_sequence_length`` (``length``: what ``generate`` asked for) to feed. Mutates ``held`` and this."""
         refeed = self.take_refeed()
         if input_ids.dim() != 2:

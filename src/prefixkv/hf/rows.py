@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
+from ..attention.reads import column_slots
+from ..errors import CacheMisuseError
+from ..kv.blocks import BlockManager, Claim
+from ..stats import CacheStats, RowStats
 from . import proof
-from .blocks import BlockManager, Claim
-from .errors import CacheMisuseError
 from .parts import StoreParts
 from .proof import key
-from .reads import column_slots
-from .stats import CacheStats, RowStats
 
 
 class Row:

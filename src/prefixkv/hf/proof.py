@@ -15,7 +15,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from ._compat import RELEASE_NEUTRAL_INPUTS
+from .._compat import RELEASE_NEUTRAL_INPUTS
 
 CACHE_KWARGS = ("cache", "past_key_values")
 

@@ -27,13 +27,16 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _compat, attention, display, proof, reads
+from .. import _compat, display
+from ..attention import backends as attention
+from ..attention import reads
+from ..errors import CacheMisuseError
+from ..kv.namespace import user_space
+from ..stats import CacheStats
+from . import proof
 from .call import GenerateCall
-from .errors import CacheMisuseError
-from .namespace import user_space
 from .parts import StoreParts
 from .rows import RowSet, check_prompt
-from .stats import CacheStats
 
 
 @_compat.adapt_cache

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import UnsupportedModelError
-from .memory import attention_shape
+from ..errors import UnsupportedModelError
+from ..memory import attention_shape
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from .attention import outside_compile
+from .. import _compat
+from ..attention.backends import outside_compile
+from ..errors import CacheMisuseError
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt
-from .errors import CacheMisuseError
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
 

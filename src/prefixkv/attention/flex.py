@@ -45,11 +45,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from prefixkv import attention as _attention
-from prefixkv.attention import attend as attend_columns
-from prefixkv.attention import merge_by_lse
+from prefixkv.attention import backends as _attention
+from prefixkv.attention.backends import attend as attend_columns
+from prefixkv.attention.backends import merge_by_lse
+from prefixkv.attention.reads import AttentionCall, ForwardReads, Layout
 from prefixkv.errors import PrefixKVError
-from prefixkv.reads import AttentionCall, ForwardReads, Layout
 
 __all__ = ["FlexBackend", "FlexPlan", "FlexUnavailable", "attend", "can_serve", "compiles", "plan"]
 

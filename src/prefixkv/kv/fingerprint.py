@@ -1,0 +1,167 @@
+"""What model wrote a file of K/V: a fingerprint of its weights, config and adapters, and the config's state
+(the fields that change K/V). Saved files (:mod:`prefixkv.kv.persist`) carry the fingerprint; the namespace
+(:mod:`prefixkv.kv.namespace`) keys K/V by the config's state."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from ..errors import PersistError
+
+_SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+def fingerprint(model: Any, *, adapters: bool = True) -> str:
+    """A sha256 that tells models apart by what shapes their K/V: every parameter's name, dtype,
+    shape and a fixed strided sample of its values (all of them for tensors up to 16384 values), the
+    config (:func:`config_state`: every field but those that cannot change K/V) and, with ``adapters``, the
+    active adapters. Deterministic across processes, devices and accelerate layouts (offloaded weights are read
+    from accelerate's weights map). Does not mutate.
+
+    >>> import prefixkv
+    >>> fingerprint(prefixkv.models.tiny_model(seed=0)) == fingerprint(prefixkv.models.tiny_model(seed=0))
+    True
+    """
+    digest = hashlib.sha256()
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights may come apart under offload
+    for name in sorted(params):
+        tensor = params[name]
+        if tensor.device.type == "meta":
+            tensor = _offloaded_tensor(model, name)
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor_bytes(_sample(tensor.detach())))
+    digest.update(config_state(model.config).encode())
+    if adapters:
+        digest.update(_adapter_state(model).encode())
+    return digest.hexdigest()
+
+
+# config fields that cannot change K/V: names, bookkeeping, token ids, output switches and generation settings
+# (the weights themselves are hashed; ``_``-prefixed fields are private state, such as the attention function)
+_CONFIG_NEUTRAL = frozenset(
+    {
+        "name_or_path",
+        "architectures",
+        "transformers_version",
+        "model_type",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "finetuning_task",
+        "task_specific_params",
+        "tokenizer_class",
+        "prefix",
+        "initializer_range",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "return_dict_in_generate",
+        "tie_word_embeddings",
+        "chunk_size_feed_forward",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+    }
+)
+
+
+def config_state(config: Any) -> str:
+    """The config as JSON, every field but those in ``_CONFIG_NEUTRAL`` and private ones, sub-configs too: what
+    of a config can change K/V (a sliding window, a norm's epsilon, an attention multiplier, rotary settings).
+    Deterministic across processes. Does not mutate.
+
+    >>> import prefixkv
+    >>> a, b = prefixkv.models.tiny_config("llama"), prefixkv.models.tiny_config("llama", rms_norm_eps=0.1)
+    >>> config_state(a) == config_state(prefixkv.models.tiny_config("llama")), config_state(a) == config_state(b)
+    (True, False)
+    """
+
+    def kept(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if k not in _CONFIG_NEUTRAL and not k.startswith("_")}
+        return value
+
+    return json.dumps(kept(config.to_dict()), sort_keys=True, default=str)
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """Every value of a small tensor; ``_SAMPLE`` values at a fixed stride (and the last) of a large one."""
+    flat = tensor.reshape(-1)
+    if flat.numel() <= _SAMPLE:
+        return flat.cpu()
+    stride = flat.numel() // _SAMPLE
+    index = torch.cat([torch.arange(_SAMPLE) * stride, torch.tensor([flat.numel() - 1])]).to(flat.device)
+    return flat.index_select(0, index).cpu()
+
+
+def _offloaded_tensor(model: Any, name: str) -> torch.Tensor:
+    """The value of a parameter that accelerate offloaded (to CPU or disk), from the weights map of the
+    hook on its module or on an ancestor that places its submodules."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = model.get_submodule(".".join(parts[:cut]))
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            weights = getattr(h, "weights_map", None)
+            if getattr(h, "offload", False) and weights is not None:
+                try:
+                    value: torch.Tensor = weights[".".join(parts[cut:])]
+                except KeyError:
+                    continue
+                return value
+    raise PersistError(
+        f"parameter {name} is on the meta device and no accelerate hook holds its value; "
+        "prefixkv cannot fingerprint a model whose weights are not loaded"
+    )
+
+
+def _adapter_state(model: Any) -> str:
+    """Active and disabled PEFT adapters (read from the first tuner layer), or ``""`` without any."""
+    for module in model.modules():
+        active = getattr(module, "active_adapter", None)
+        if active is not None and hasattr(module, "disable_adapters"):
+            names = [active] if isinstance(active, str) else list(active)
+            return json.dumps({"active": names, "disabled": bool(module.disable_adapters)})
+    return ""
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of ``t``'s values (on the CPU, contiguous; empty for an empty tensor). Does not mutate."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
