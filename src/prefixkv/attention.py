@@ -30,6 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import _compat, reads
 from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, Read
+from .static import STEP_KWARG
 
 NAME = "prefixkv"
 _BASE = "_prefixkv_base_attn"
@@ -49,8 +50,26 @@ def _base(config: Any) -> str:
     return getattr(config, _BASE, None) or "sdpa"
 
 
-@outside_compile
 def prefixkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``prefixkv`` attention: in a compiled decode step (the store's hook passed :data:`STEP_KWARG`; ``key``
+    and ``value`` are every row's K/V over the step's bucket, :mod:`prefixkv.static`) the model's own
+    implementation, traced into the step's graph; otherwise :func:`paged_attention`, outside any graph."""
+    if kwargs.pop(STEP_KWARG, False):
+        fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
+        step: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
+        return step
+    return paged_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@outside_compile
+def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import _compat, attention, display, proof, reads
+from . import _compat, attention, display, proof, reads, static
 from .call import GenerateCall
 from .errors import CacheMisuseError
 from .namespace import user_space
@@ -111,6 +111,7 @@ class PagedPrefixCache(Cache):
         attention_mask: torch.Tensor | None = None,
         *,
         namespace: str | None = None,
+        compileable: bool = False,
     ) -> None:
         if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
@@ -124,11 +125,21 @@ class PagedPrefixCache(Cache):
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
         self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
-        self._plan: reads.ForwardReads | None = None  # this forward's read plan
+        self._reads: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
             blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
             model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
+        # compiled decode steps (prefixkv.static): why not, or None where every one-token forward is one
+        self._compile_refusal = static.refusal(store) if compileable else "it was built without compileable=True"
+        self.compile_reason = (
+            "every one-token forward is one graph per bucket of columns and batch"
+            if self._compile_refusal is None
+            else f"not compileable: {self._compile_refusal}"
+        )
+        """Why :attr:`is_compileable` is what it is, one line."""
+        self._step_tables = static.StepTables(blocks.block_size)
+        self._step: static.StaticStep | None = None  # this forward's, when it is such a step
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._is_closed = False
@@ -143,6 +154,14 @@ class PagedPrefixCache(Cache):
             raise ValueError("attention_mask was given without input_ids")
 
     @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate`` may compile this cache's decode steps: built with ``compileable=True`` on a store
+        whose caches can take them (:attr:`compile_reason` says why not). Then every one-token forward is a step
+        of fixed shapes per bucket whose ``update`` and attention compile to one graph (docs/generate.md,
+        "Compiled decoding"). Does not mutate."""
+        return self._compile_refusal is None
+
+    @property
     def stats(self) -> CacheStats:
         """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
         return self._rowset.stats
@@ -155,17 +174,14 @@ class PagedPrefixCache(Cache):
         then skip the columns already held. Mutates."""
         self._gen_call.refeed = True
 
-    def _plan_call(self, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]) -> int | None:
-        """:func:`plan_call`. Mutates."""
-        if self._is_closed:
-            raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
-        return self._gen_call.plan(self._rowset, self.store, input_ids, length, kwargs)
-
     # -- one forward -----------------------------------------------------------------------------
 
     def _begin(self, forward: proof.ForwardInputs) -> None:
         """:func:`begin_forward`. Mutates."""
         self._own()
+        if self._step is not None:  # a compiled step whose end never came (its forward hook did not run)
+            self._step = None
+            self._blocks.lock.release()
         x = forward.fed
         if x is None:
             raise CacheMisuseError("a forward with a PagedPrefixCache needs input_ids or inputs_embeds")
@@ -175,7 +191,10 @@ class PagedPrefixCache(Cache):
         start = held.allocate(forward, x.shape[0], q)
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
-        self._plan = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
+        if q == 1 and self._compile_refusal is None:
+            self._step = _static_step(self, forward, start)
+            return
+        self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -193,7 +212,17 @@ class PagedPrefixCache(Cache):
         """:func:`end_forward`. Mutates."""
         if self._owner != threading.get_ident():
             return  # begin_forward refused this forward (the cache is another thread's): nothing of ours ran
-        plan, self._plan = self._plan, None
+        plan, self._reads = self._reads, None
+        if self._step is not None:
+            self._step = None
+            try:
+                if self._rowset.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
+                    for t in (*self._blocks.pool.keys, *self._blocks.pool.values):
+                        t[:, 0].zero_()
+            finally:
+                self._blocks.lock.release()  # taken by _static_step
+            if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
+                self._rowset.seen[:] = [self._rowset.length] * len(self._rowset.seen)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             attention.mark_verified(self.store.hf_model)
         try:
@@ -208,47 +237,38 @@ class PagedPrefixCache(Cache):
 
     # -- transformers Cache interface ------------------------------------------------------------
 
-    @attention.outside_compile
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V (``[B, kv_heads, q, head_dim]``) into their slots and return what the forward's
         attention reads: the new K/V themselves when it reads the pool in place, else the layer's whole K/V read
-        from the blocks, ``[B, kv_heads, columns, head_dim]``."""
-        plan = self._plan
-        if self._owner != threading.get_ident() or plan is None:
-            raise CacheMisuseError(
-                "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
-                "for (or after the store was closed); pass the cache to that model"
-            )
-        if self._is_closed:
-            raise CacheMisuseError(
-                "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
-                "generate call using it); its blocks are given back when the forward ends"
-            )
-        held = self._rowset
-        _check_layer(self.store, key_states, layer_idx, held.seen[layer_idx], held.length)
-        device = key_states.device
-        keep = None if held.keep is None else held.keep.to(device)
-        self._blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
-        held.seen[layer_idx] = held.length
-        if plan.in_place:
-            _hand_out(plan, layer_idx, key_states)
-            return key_states, value_states
-        keys, values = plan.gather(layer_idx)
-        if keys.dtype != key_states.dtype:
-            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
-        if plan.probe or plan.canonical:
-            _hand_out(plan, layer_idx, keys)
-        return keys, values
+        from the blocks, ``[B, kv_heads, columns, head_dim]`` (a compiled step's: as wide as its bucket, in the
+        graph, :class:`prefixkv.static.StaticStep`)."""
+        step = self._step
+        if step is None:
+            return _paged_update(self, key_states, value_states, layer_idx)
+        if not torch.compiler.is_compiling():
+            _check_static(self, key_states, layer_idx)
+        return step.update(layer_idx, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns stored for ``layer_idx`` (pads included), a Python int."""
+        """Columns stored for ``layer_idx`` (pads included), a Python int (inside a compiled step's graph: a 0-d
+        tensor, as ``StaticCache`` gives, so the graph does not depend on it)."""
+        if self._step is not None and torch.compiler.is_compiling():
+            return self._step.position  # type: ignore[return-value]
         seen = self._rowset.seen
         return seen[layer_idx] if layer_idx < len(seen) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
+        """The mask's width: the columns after the forward, or for a compiled step (one token, a compileable
+        cache) their bucket (:func:`prefixkv.static.width`), so that a step's shapes change only between
+        buckets."""
+        if self._step is not None:
+            return self._step.table.shape[1], 0
+        columns = self.get_seq_length(layer_idx) + query_length
+        if query_length == 1 and self._compile_refusal is None:
+            return static.width(columns, self._blocks.block_size), 0
+        return columns, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -347,6 +367,76 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
+def _static_step(cache: PagedPrefixCache, forward: proof.ForwardInputs, start: int) -> static.StaticStep:
+    """The tensors of a compiled step (:mod:`prefixkv.static`) feeding column ``start``: as wide as the
+    mask ``generate`` built from :meth:`get_mask_sizes`, else the bucket of ``start + 1`` columns."""
+    held, blocks = cache._rowset, cache.store.blocks
+    pool = blocks.pool  # its devices: a growth keeps them
+    mask = forward.attention_mask
+    columns = (
+        mask.shape[-1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4
+        else static.width(start + 1, blocks.block_size)
+    )
+    if columns <= start:
+        raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
+    if isinstance(mask, torch.Tensor):  # its width is the bucket's: a size of the graph, not a graph of its own
+        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+    device = pool.specs[0].device
+    table = cache._step_tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
+    position = torch.tensor(start, device=device)
+    # the graph writes into the pool without the block manager: its lock is held until the forward ends, so
+    # that no other thread grows the pool (a copy) meanwhile, which would lose the step's writes
+    blocks.lock.acquire()
+    try:
+        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, position)
+    except BaseException:
+        blocks.lock.release()
+        raise
+
+
+@attention.outside_compile
+def _check_static(cache: PagedPrefixCache, key_states: torch.Tensor, layer_idx: int) -> None:
+    """:meth:`_update`'s checks, for an eager compiled step."""
+    if cache._owner != threading.get_ident():
+        raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
+    held = cache._rowset
+    _check_layer(cache.store, key_states, layer_idx, held.length - 1, held.length)
+
+
+@attention.outside_compile
+def _paged_update(
+    cache: PagedPrefixCache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`update` of a forward that is not a compiled step, outside any graph."""
+    plan = cache._reads
+    if cache._owner != threading.get_ident() or plan is None:
+        raise CacheMisuseError(
+            "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
+            "for (or after the store was closed); pass the cache to that model"
+        )
+    if cache._is_closed:
+        raise CacheMisuseError(
+            "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
+            "generate call using it); its blocks are given back when the forward ends"
+        )
+    held = cache._rowset
+    _check_layer(cache.store, key_states, layer_idx, held.seen[layer_idx], held.length)
+    device = key_states.device
+    keep = None if held.keep is None else held.keep.to(device)
+    cache.store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
+    held.seen[layer_idx] = held.length
+    if plan.in_place:
+        _hand_out(plan, layer_idx, key_states)
+        return key_states, value_states
+    keys, values = plan.gather(layer_idx)
+    if keys.dtype != key_states.dtype:
+        keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+    if plan.probe or plan.canonical:
+        _hand_out(plan, layer_idx, keys)
+    return keys, values
+
+
 def _check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
     """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
     allocated ``length - seen`` columns for it."""
@@ -410,7 +500,9 @@ def plan_call(
     """At the first forward of a ``generate`` call: make what ``cache`` holds fit the call (:mod:`prefixkv.call`),
     and return the ``next_sequence_length`` to feed. Raises :class:`CacheMisuseError` for a second call that does
     not continue what the cache holds. Mutates."""
-    return cache._plan_call(input_ids, next_sequence_length, kwargs)
+    if cache.closed:
+        raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
+    return cache._gen_call.plan(cache._rowset, cache.store, input_ids, next_sequence_length, kwargs)
 
 
 def plan_prompt(cache: PagedPrefixCache, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -430,3 +522,8 @@ def end_forward(cache: PagedPrefixCache, ok: bool) -> None:
     """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
     filled, and carry out a ``close()`` that another thread asked for meanwhile. Mutates."""
     cache._end(ok)
+
+
+def static_step(cache: PagedPrefixCache) -> bool:
+    """Whether the forward that :func:`begin_forward` just began is a compiled step (:mod:`prefixkv.static`)."""
+    return cache._step is not None

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from . import _compat
-from .attention import outside_compile
-from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt
+from .attention import outside_compile, serves
+from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step
 from .errors import CacheMisuseError
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
+from .static import STEP_KWARG
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
@@ -56,11 +57,13 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         return {**dict(zip(positional, args)), **kwargs} if args else kwargs
 
     @outside_compile
-    def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         inputs = named(args, kwargs)
         cache = _store_cache(store, inputs)
         if cache is None:
-            return
+            return None
         if module is not model:
             # `copy.deepcopy(model)` copies these hooks: the copy's weights are not the store's model's
             raise CacheMisuseError(
@@ -70,6 +73,10 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         decode_step = cache in _DECODE_STEPS
         _DECODE_STEPS.discard(cache)
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+        if static_step(cache) and serves(model):
+            # a compiled step: prefixkv attention hands the call to the model's own, in the graph (prefixkv.static)
+            return args, {**kwargs, STEP_KWARG: True}
+        return None
 
     @outside_compile
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
