@@ -22,9 +22,11 @@ from transformers import CompileConfig, DynamicCache
 import prefixkv
 
 
-def compile_config(device: torch.device) -> CompileConfig:
-    """``generate``'s compile: inductor, CUDA graphs where there is CUDA (``reduce-overhead``), on every device."""
-    config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+def compile_config(device: torch.device, backend: str = "inductor") -> CompileConfig:
+    """``generate``'s compile: inductor, CUDA graphs where there is CUDA (``reduce-overhead``), on every device
+    (``backend="eager"``: dynamo alone, for a smoke run)."""
+    mode = None if backend == "eager" else "reduce-overhead" if device.type == "cuda" else "default"
+    config = CompileConfig(backend=backend, mode=mode)
     config._compile_all_devices = True
     return config
 
@@ -34,12 +36,12 @@ def compiles() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
-def run(size: str, batches: list[int], prefix: int, new: int, repeat: int) -> dict[str, Any]:
+def run(size: str, batches: list[int], prefix: int, new: int, repeat: int, backend: str = "inductor") -> dict[str, Any]:
     base = model_for(size)
     vocab = base.config.vocab_size
     models = {name: copy.deepcopy(base) for name in ("pkv_compiled", "pkv_eager", "static", "dynamic")}
     stores = {name: prefixkv.PrefixStore(models[name], block_size=16) for name in ("pkv_compiled", "pkv_eager")}
-    config = compile_config(base.device)
+    config = compile_config(base.device, backend)
     rows: list[dict[str, Any]] = []
     for batch in batches:
         # every row: the shared prefix (cached by the first call), then 8 tokens of its own
@@ -74,7 +76,7 @@ def run(size: str, batches: list[int], prefix: int, new: int, repeat: int) -> di
         # two warm-up rounds: the first compiles, the second may recompile once for a shape made dynamic
         ms = interleaved(variants, repeat=repeat, warmup=2)
         rows.append({"batch": batch, "ms": ms, "compiled_per_warm_call": dict(seen)})
-    return {"machine": machine(), "size": size, "prefix": prefix, "new_tokens": new, "rows": rows}
+    return {"machine": machine(), "size": size, "prefix": prefix, "new_tokens": new, "backend": backend, "rows": rows}
 
 
 def report(result: dict[str, Any]) -> str:
@@ -101,7 +103,8 @@ def report(result: dict[str, Any]) -> str:
         )
     return (
         f"Decode ms per new token, {result['size']} model, a {result['prefix']}-token cached prefix plus 8 tokens "
-        f"per row, {result['new_tokens']} new tokens ({result['machine']}):\n\n" + table(header, out)
+        f"per row, {result['new_tokens']} new tokens, {result['backend']} ({result['machine']}):\n\n"
+        + table(header, out)
     )
 
 

@@ -92,7 +92,10 @@ class PagedPrefixCache(Cache):
     at least the last prompt token is always recomputed. Close it (``close()``, ``with``) to give its
     blocks back; what it computed stays cached in the store for later calls. ``namespace="alice"`` (a str)
     reuses and publishes only the K/V of caches built with the same name; ``None``, the default, is the one
-    namespace every user shares (docs/generate.md, "Isolation between users").
+    namespace every user shares (docs/generate.md, "Isolation between users"). ``compileable=True`` makes every
+    one-token forward a step of fixed shapes per bucket that ``generate``'s own compile (and ``torch.compile``)
+    traces as one graph, with the prefix still reused (:attr:`is_compileable`, :attr:`compile_reason`;
+    docs/generate.md, "Compiled decoding").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
