@@ -114,7 +114,7 @@ def run(
 def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str, Any]:
     """One row decoded token by token to ``length`` tokens through the cache's forward protocol, without the
     model and without the attention read path (``decode.py`` measures those): seconds in ``begin_forward``
-    and in ``end_forward`` of :mod:`prefixkv.cache` (which publishes each block as it fills), over the whole
+    and in ``end_forward`` of :mod:`prefixkv.hf.cache` (which publishes each block as it fills), over the whole
     sequence and per step over its last ``window`` steps."""
     model = model_for("tiny")
     store = prefixkv.PrefixStore(model, block_size=block_size)

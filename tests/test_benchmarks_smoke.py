@@ -17,6 +17,7 @@ from prefixkv.models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
+import compiled
 import decode
 import gpu_check
 import memory
@@ -48,6 +49,14 @@ def test_ttft_smoke() -> None:
     assert times == ["48", *(f"{row[k]:.1f}" for k in ("none", "deepcopy", "prefixkv", "bare"))]
     assert ratios[:4] == ["48", f"{row['none'] / row['deepcopy']:.1f}x", f"{row['none'] / row['prefixkv']:.1f}x", "2x"]
     assert ratios[4].startswith(f"{row['prefixkv'] / row['bare']:.2f} (")
+
+
+def test_compiled_smoke() -> None:
+    """The compiled-decoding benchmark at smoke size, compiled by dynamo alone (inductor takes minutes here)."""
+    r = compiled.run("tiny", [1], prefix=24, new=4, repeat=1, backend="eager")
+    assert set(r["rows"][0]["ms"]) == {"pkv_compiled", "pkv_eager", "static", "dynamic"}
+    assert r["rows"][0]["compiled_per_warm_call"]["pkv_compiled"] == (0, 0)  # warm: nothing compiled
+    assert "StaticCache compiled" in compiled.report(r)
 
 
 def test_decode_smoke() -> None:

@@ -622,8 +622,8 @@ def test_the_grouped_kernel_gives_the_same_bits_on_a_view_of_the_pool_and_on_a_c
         assert view.data_ptr() == pool[:, first].data_ptr() and copy.is_contiguous() is (count * bs == columns)
         query = torch.randn(1, heads, q, dim, generator=g).to(dtype)
         mask = torch.ones(q, columns, dtype=torch.bool).tril(columns - q)[None, None]
-        a = prefixkv.attention.whole_rows_attention(query, view, view, mask, None)
-        b = prefixkv.attention.whole_rows_attention(query, copy.contiguous(), copy.contiguous(), mask, None)
+        a = prefixkv.attention.backends.whole_rows_attention(query, view, view, mask, None)
+        b = prefixkv.attention.backends.whole_rows_attention(query, copy.contiguous(), copy.contiguous(), mask, None)
         assert torch.equal(a, b), (q, columns)
 
 
@@ -633,14 +633,14 @@ def test_a_lone_row_reads_a_view_cold_and_a_copy_warm_with_the_same_bits() -> No
     model = model_of(torch.bfloat16)
     prompt = random_tokens(45, seed=21)[None]
     views: list[bool] = []
-    original = prefixkv.attention.Reader._gather
+    original = prefixkv.attention.backends.Reader._gather
 
     def spy(self: Any, layer: int) -> Any:
         views.append(self._run is not None)
         return original(self, layer)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(prefixkv.attention.Reader, "_gather", spy)
+        m.setattr(prefixkv.attention.backends.Reader, "_gather", spy)
         ref = cold(model, prompt, new=6)
         assert views and all(views)  # cold: views only
         views.clear()

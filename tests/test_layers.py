@@ -183,7 +183,7 @@ WITHIN = {
         *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
         *("kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
     ],
-    "attention": ["attention.reads", "attention.backends", "attention.flex"],
+    "attention": ["attention.reads", "attention.static", "attention.backends", "attention.flex"],
     "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
     "top": ["store", "enabling", "many", "score", "integrations.lm_eval", "integrations.trl", "lm_eval", "_api"],
 }

@@ -1,4 +1,4 @@
-"""The proof (``prefixkv.proof``, docs/correctness.md, "Publish only what is proven") as a table: a forward's
+"""The proof (``prefixkv.hf.proof``, docs/correctness.md, "Publish only what is proven") as a table: a forward's
 inputs and a row's facts in, a verdict out, with no model. One row of a table per rule, and for each rule the
 cases where it must refuse. The end-to-end tests (test_never_wrong.py, test_edges.py) check that the cache
 applies the verdicts."""

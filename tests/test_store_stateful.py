@@ -2,8 +2,8 @@
 pins, unpins, evictions and clears, against a reference that only remembers which token sequences were
 computed and which must still be cached. ``check_invariants()`` runs after every step.
 
-The model's forward is simulated: each step calls the cache's forward protocol (``prefixkv.cache.begin_forward``,
-``update`` per layer, ``prefixkv.cache.end_forward``) with K set to a hash of the row's tokens up to that position
+The model's forward is simulated: each step calls the cache's forward protocol (``prefixkv.hf.cache.begin_forward``,
+``update`` per layer, ``prefixkv.hf.cache.end_forward``) with K set to a hash of the row's tokens up to that position
 and V to the position, so every block read back can be checked against the tokens it claims to hold:
 a block shared wrongly, freed while read, or overwritten without copy-on-write shows up as a wrong hash.
 """

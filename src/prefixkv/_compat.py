@@ -387,7 +387,7 @@ CACHE_ARGUMENT_HINT = "cache=prefixkv.PagedPrefixCache(store, ids)"
 
 # inputs of a forward that do not change K/V and that only some releases pass: num_logits_to_keep (4.x, before
 # logits_to_keep), cache_position (dropped by the newest releases), is_first_iteration and next_sequence_length
-# (prepare_inputs_for_generation's first-step markers, 5.x); prefixkv.proof.NEUTRAL_INPUTS adds them to its own
+# (prepare_inputs_for_generation's first-step markers, 5.x); prefixkv.hf.proof.NEUTRAL_INPUTS adds them to its own
 RELEASE_NEUTRAL_INPUTS = frozenset(
     {"num_logits_to_keep", "cache_position", "is_first_iteration", "next_sequence_length"}
 )

@@ -81,8 +81,8 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
 def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
     """The one-line reason of the backend ``name`` resolves to for the store's pool (``store.attention_backend``;
     every cache of the store reads through ``store.attention``); warns when an explicit ``"flex"``
-    (:mod:`prefixkv.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool (``"blocks"``
-    over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
+    (:mod:`prefixkv.attention.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool
+    (``"blocks"`` over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
         from .attention import flex  # noqa: F401
     named = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]

@@ -4,15 +4,15 @@ and, for its masks, ``AttentionMaskInterface``, and the attention backends behin
 The store switches a model whose implementation is ``sdpa`` to it and back (``PrefixStore.close``). In a
 forward with a ``PagedPrefixCache`` whose pool is on a device of :data:`READ_DEVICES` (the CPU), ``update``
 writes only the new K/V and this attention reads every row's held K/V where they sit in the pool, from the
-forward's read plan (:class:`prefixkv.reads.ForwardReads`) that arrives on the K tensor ``update`` hands out
+forward's read plan (:class:`prefixkv.attention.reads.ForwardReads`) that arrives on the K tensor ``update`` hands out
 (the ``"blocks"`` backend, :func:`blocks_attention`: views of runs of blocks, one gather of scattered ones,
 blocks shared by several rows read once for all of them), merging the parts by their log-sum-exp; the model's own
 mask decides what each query sees. Everything else (calls without such a cache, a first forward that checks every
 layer reaches this attention, dropout, position bias, CUDA pools, quantized pools: the ``"gather"`` backend) runs
 the original ``sdpa`` on whole rows, which ``update`` gathers. ``PrefixStore(attention="flex")`` reads the pool in
-place through torch's FlexAttention instead (:class:`prefixkv.flex.FlexBackend`, registered with :func:`provide`
-by that module), on the CPU and CUDA alike. A model on ``eager`` (whose eager code may be its
-own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
+place through torch's FlexAttention instead (:class:`~prefixkv.attention.flex.FlexBackend`,
+registered with :func:`provide` by that module), on the CPU and CUDA alike. A model on ``eager`` (whose eager
+code may be its own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
 implementation and is served through ``update`` alone. docs/architectures.md lists the path of each family.
 """
 
@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .. import _compat
 from . import reads
 from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, Read
+from .static import STEP_KWARG
 
 NAME = "prefixkv"
 _BASE = "_prefixkv_base_attn"
@@ -50,7 +51,6 @@ def _base(config: Any) -> str:
     return getattr(config, _BASE, None) or "sdpa"
 
 
-@outside_compile
 def prefixkv_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -59,8 +59,28 @@ def prefixkv_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``prefixkv`` attention: in a compiled decode step (the store's hook passed :data:`STEP_KWARG`; ``key``
+    and ``value`` are every row's K/V over the step's bucket, :mod:`prefixkv.attention.static`) the model's own
+    implementation, traced into the step's graph; otherwise :func:`paged_attention`, outside any graph."""
+    if kwargs.pop(STEP_KWARG, False):
+        fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
+        step: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
+        return step
+    return paged_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@outside_compile
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over the blocks of the ``PagedPrefixCache`` of this forward, when ``key`` is what the cache's
-    ``update`` handed out for this layer (it carries the forward's read plan, :data:`prefixkv.reads.TAG`) and the
+    ``update`` handed out for this layer (it carries the forward's read plan,
+    :data:`prefixkv.attention.reads.TAG`) and the
     plan's backend serves the call; otherwise, or for what reading the blocks does not implement (soft-capping,
     attention sinks, dropout), the implementation the model had before the store switched it, on every row's
     whole K/V."""
@@ -545,7 +565,7 @@ def _rows_index(forward: ForwardReads, rows: tuple[int, ...], query: torch.Tenso
 
 class BlocksBackend:
     """``"blocks"``: the attention reads every row's held K/V where they sit in the pool (:func:`blocks_attention`),
-    from reads planned by :func:`prefixkv.reads.plan_reads`. Keeps each row table's runs of consecutive blocks
+    from reads planned by :func:`prefixkv.attention.reads.plan_reads`. Keeps each row table's runs of consecutive blocks
     between forwards (a table that only grew is re-walked from its last block), and the index tensors of the last
     folded read."""
 
@@ -604,7 +624,7 @@ BACKENDS = ("auto", "blocks", "flex", "gather")
 # a backend that a module above this one provides, by name: given the pool's device, dtype and block size and the
 # model's soft-capping, the backend (``None``: it cannot serve them) and the one-line reason
 Provider = Callable[[torch.device, torch.dtype, int, float | None], tuple[AttentionBackend | None, str]]
-# prefixkv.flex provides "flex" when it is imported (the store imports it); this module imports none of them
+# prefixkv.attention.flex provides "flex" when it is imported (the store imports it); this module imports none of them
 _PROVIDED: dict[str, Provider] = {}
 
 
@@ -652,7 +672,7 @@ def choose_backend(
             return GatherBackend(), f"gather: the pool is stored as {dtype}, the model computes in {model_dtype}"
         provider = _PROVIDED.get(name)
         if provider is None:
-            return GatherBackend(), "gather: prefixkv.flex, which provides the 'flex' backend, was not imported"
+            return GatherBackend(), "gather: prefixkv.attention.flex, which provides 'flex', was not imported"
         backend, why = provider(device, dtype, block_size, softcap)
         return (GatherBackend() if backend is None else backend), why
     if not readable:

@@ -374,11 +374,12 @@ def attend(
     return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
-# -- the backend behind the attention seam (prefixkv.reads.AttentionBackend) --------------------------------------
+# -- the backend behind the attention seam (prefixkv.attention.reads.AttentionBackend) ---------------------------
 
 
 class FlexForward(ForwardReads):
-    """A forward's reads for :class:`FlexBackend`: its :class:`~prefixkv.reads.Layout`, and the :class:`FlexPlan`
+    """A forward's reads for :class:`FlexBackend`: its :class:`~prefixkv.attention.reads.Layout`, and the
+    :class:`FlexPlan`
     of each model mask and window (``None``: FlexAttention cannot express that mask), made on the first layer
     that attends with it."""
 

@@ -403,8 +403,8 @@ class AttentionBackend(Protocol):
     ``probe``, whole rows while the forward checks that every layer reaches the attention); ``servable`` says
     whether ``attend`` computes what the model's own attention would for a call (its mask, dropout,
     soft-capping), and ``attend`` runs one layer's attention from the plan alone, returning ``[B, q, Hq, D]``.
-    :class:`prefixkv.flex.FlexBackend` plugs in here: its plan keeps the layout, and makes from it one FlexAttention
-    plan per model mask and window."""
+    :class:`prefixkv.attention.flex.FlexBackend` plugs in here: its plan keeps the layout, and makes from it one
+    FlexAttention plan per model mask and window."""
 
     name: str
 

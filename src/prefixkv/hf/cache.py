@@ -3,7 +3,7 @@
 Life of a call. At construction the prompt of each row is matched in the trie; matched whole blocks are
 shared (refcount), a matched part-block is copied (copy-on-write), and ``get_seq_length`` reports the
 reused columns so ``generate`` only prefills the rest. Before each forward the model hook hands over the
-forward's inputs (:class:`prefixkv.proof.ForwardInputs`; the cache itself only ever sees K and V), and
+forward's inputs (:class:`prefixkv.hf.proof.ForwardInputs`; the cache itself only ever sees K and V), and
 :func:`begin_forward` allocates their slots, applies the proof's verdicts and plans the reads; ``update`` writes
 K/V there and hands the attention what the plan says; :func:`end_forward` publishes the blocks that became full.
 ``close()`` (or dropping the last reference: no reference cycle keeps a cache alive) gives every block back.
@@ -11,9 +11,9 @@ K/V there and hands the attention what the plan says; :func:`end_forward` publis
 This module is the transformers interface and the lifetime (which thread's forward owns the cache, a ``close()``
 from another thread); the jobs behind them have their own objects, which never call the cache: the rows (pads,
 keys, claims; attaching a prompt, a forward's slots, publishing, cropping, selecting) are a
-:class:`prefixkv.rows.RowSet`; the proof that their K/V are those of their keys (docs/correctness.md, "Publish only
-what is proven") is :mod:`prefixkv.proof`; the first-step protocol of a ``generate`` call is
-:class:`prefixkv.call.GenerateCall`; the read plan is :mod:`prefixkv.reads`. The module functions
+:class:`prefixkv.hf.rows.RowSet`; the proof that their K/V are those of their keys (docs/correctness.md, "Publish only
+what is proven") is :mod:`prefixkv.hf.proof`; the first-step protocol of a ``generate`` call is
+:class:`prefixkv.hf.call.GenerateCall`; the read plan is :mod:`prefixkv.attention.reads`. The module functions
 (:func:`begin_forward`, :func:`end_forward`, :func:`plan_call`, :func:`attach_prompt`, :func:`publish_all`) are
 prefixkv's own protocol with a cache, for the model hooks and the runner; a user never calls them.
 """
@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _compat, display
 from ..attention import backends as attention
-from ..attention import reads
+from ..attention import reads, static
 from ..errors import CacheMisuseError
 from ..kv.namespace import user_space
 from ..stats import CacheStats
@@ -95,7 +95,10 @@ class PagedPrefixCache(Cache):
     at least the last prompt token is always recomputed. Close it (``close()``, ``with``) to give its
     blocks back; what it computed stays cached in the store for later calls. ``namespace="alice"`` (a str)
     reuses and publishes only the K/V of caches built with the same name; ``None``, the default, is the one
-    namespace every user shares (docs/generate.md, "Isolation between users").
+    namespace every user shares (docs/generate.md, "Isolation between users"). ``compileable=True`` makes every
+    one-token forward a step of fixed shapes per bucket that ``generate``'s own compile (and ``torch.compile``)
+    traces as one graph, with the prefix still reused (:attr:`is_compileable`, :attr:`compile_reason`;
+    docs/generate.md, "Compiled decoding").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -114,6 +117,7 @@ class PagedPrefixCache(Cache):
         attention_mask: torch.Tensor | None = None,
         *,
         namespace: str | None = None,
+        compileable: bool = False,
     ) -> None:
         if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
@@ -126,11 +130,21 @@ class PagedPrefixCache(Cache):
         user_space(namespace, None)  # a wrong name fails here, before any block is claimed
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
-        self._plan: reads.ForwardReads | None = None  # this forward's read plan
+        self._reads: reads.ForwardReads | None = None  # this forward's read plan
         self._reader = attention.Reader(
             blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
             model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
+        # compiled decode steps (prefixkv.attention.static): why not, or None where every one-token forward is one
+        self._compile_refusal = static.refusal(store) if compileable else "it was built without compileable=True"
+        self.compile_reason = (
+            "every one-token forward is one graph per bucket of columns and batch"
+            if self._compile_refusal is None
+            else f"not compileable: {self._compile_refusal}"
+        )
+        """Why :attr:`is_compileable` is what it is, one line."""
+        self._step_tables = static.StepTables(blocks.block_size)
+        self._step: static.StaticStep | None = None  # this forward's, when it is such a step
         self._owner: int | None = None
         self._guard = threading.Lock()
         self._is_closed = False
@@ -148,6 +162,14 @@ class PagedPrefixCache(Cache):
                 raise ValueError("attention_mask was given without input_ids")
 
     @property
+    def is_compileable(self) -> bool:
+        """Whether ``generate`` may compile this cache's decode steps: built with ``compileable=True`` on a store
+        whose caches can take them (:attr:`compile_reason` says why not). Then every one-token forward is a step
+        of fixed shapes per bucket whose ``update`` and attention compile to one graph (docs/generate.md,
+        "Compiled decoding"). Does not mutate."""
+        return self._compile_refusal is None
+
+    @property
     def stats(self) -> CacheStats:
         """Prompt tokens reused and computed, per row and in total (fixed at construction)."""
         return self._rowset.stats
@@ -160,17 +182,14 @@ class PagedPrefixCache(Cache):
         then skip the columns already held. Mutates."""
         self._gen_call.refeed = True
 
-    def _plan_call(self, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]) -> int | None:
-        """:func:`plan_call`. Mutates."""
-        if self._is_closed:
-            raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
-        return self._gen_call.plan(self._rowset, self.store, input_ids, length, kwargs)
-
     # -- one forward -----------------------------------------------------------------------------
 
     def _begin(self, forward: proof.ForwardInputs) -> None:
         """:func:`begin_forward`. Mutates."""
         self._own()
+        if self._step is not None:  # a compiled step whose end never came (its forward hook did not run)
+            self._step = None
+            self._blocks.lock.release()
         x = forward.fed
         if x is None:
             raise CacheMisuseError("a forward with a PagedPrefixCache needs input_ids or inputs_embeds")
@@ -180,7 +199,10 @@ class PagedPrefixCache(Cache):
         start = held.allocate(forward, x.shape[0], q)
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
-        self._plan = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
+        if q == 1 and self._compile_refusal is None:
+            self._step = _static_step(self, forward, start)
+            return
+        self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -198,7 +220,17 @@ class PagedPrefixCache(Cache):
         """:func:`end_forward`. Mutates."""
         if self._owner != threading.get_ident():
             return  # begin_forward refused this forward (the cache is another thread's): nothing of ours ran
-        plan, self._plan = self._plan, None
+        plan, self._reads = self._reads, None
+        if self._step is not None:
+            self._step = None
+            try:
+                if self._rowset.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
+                    for t in (*self._blocks.pool.keys, *self._blocks.pool.values):
+                        t[:, 0].zero_()
+            finally:
+                self._blocks.lock.release()  # taken by _static_step
+            if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
+                self._rowset.seen[:] = [self._rowset.length] * len(self._rowset.seen)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             attention.mark_verified(self.store.hf_model)
         try:
@@ -213,47 +245,38 @@ class PagedPrefixCache(Cache):
 
     # -- transformers Cache interface ------------------------------------------------------------
 
-    @attention.outside_compile
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V (``[B, kv_heads, q, head_dim]``) into their slots and return what the forward's
         attention reads: the new K/V themselves when it reads the pool in place, else the layer's whole K/V read
-        from the blocks, ``[B, kv_heads, columns, head_dim]``."""
-        plan = self._plan
-        if self._owner != threading.get_ident() or plan is None:
-            raise CacheMisuseError(
-                "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
-                "for (or after the store was closed); pass the cache to that model"
-            )
-        if self._is_closed:
-            raise CacheMisuseError(
-                "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
-                "generate call using it); its blocks are given back when the forward ends"
-            )
-        held = self._rowset
-        _check_layer(self.store, key_states, layer_idx, held.seen[layer_idx], held.length)
-        device = key_states.device
-        keep = None if held.keep is None else held.keep.to(device)
-        self._blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
-        held.seen[layer_idx] = held.length
-        if plan.in_place:
-            _hand_out(plan, layer_idx, key_states)
-            return key_states, value_states
-        keys, values = plan.gather(layer_idx)
-        if keys.dtype != key_states.dtype:
-            keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
-        if plan.probe or plan.canonical:
-            _hand_out(plan, layer_idx, keys)
-        return keys, values
+        from the blocks, ``[B, kv_heads, columns, head_dim]`` (a compiled step's: as wide as its bucket, in the
+        graph, :class:`prefixkv.attention.static.StaticStep`)."""
+        step = self._step
+        if step is None:
+            return _paged_update(self, key_states, value_states, layer_idx)
+        if not torch.compiler.is_compiling():
+            _check_static(self, key_states, layer_idx)
+        return step.update(layer_idx, key_states, value_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns stored for ``layer_idx`` (pads included), a Python int."""
+        """Columns stored for ``layer_idx`` (pads included), a Python int (inside a compiled step's graph: a 0-d
+        tensor, as ``StaticCache`` gives, so the graph does not depend on it)."""
+        if self._step is not None and torch.compiler.is_compiling():
+            return self._step.position  # type: ignore[return-value]
         seen = self._rowset.seen
         return seen[layer_idx] if layer_idx < len(seen) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length(layer_idx) + query_length, 0
+        """The mask's width: the columns after the forward, or for a compiled step (one token, a compileable
+        cache) their bucket (:func:`prefixkv.attention.static.width`), so that a step's shapes change only between
+        buckets."""
+        if self._step is not None:
+            return self._step.table.shape[1], 0
+        columns = self.get_seq_length(layer_idx) + query_length
+        if query_length == 1 and self._compile_refusal is None:
+            return static.width(columns, self._blocks.block_size), 0
+        return columns, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -352,6 +375,76 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
+def _static_step(cache: PagedPrefixCache, forward: proof.ForwardInputs, start: int) -> static.StaticStep:
+    """The tensors of a compiled step (:mod:`prefixkv.attention.static`) feeding column ``start``: as wide as the
+    mask ``generate`` built from :meth:`get_mask_sizes`, else the bucket of ``start + 1`` columns."""
+    held, blocks = cache._rowset, cache.store.blocks
+    pool = blocks.pool  # its devices: a growth keeps them
+    mask = forward.attention_mask
+    columns = (
+        mask.shape[-1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4
+        else static.width(start + 1, blocks.block_size)
+    )
+    if columns <= start:
+        raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
+    if isinstance(mask, torch.Tensor):  # its width is the bucket's: a size of the graph, not a graph of its own
+        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+    device = pool.specs[0].device
+    table = cache._step_tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
+    position = torch.tensor(start, device=device)
+    # the graph writes into the pool without the block manager: its lock is held until the forward ends, so
+    # that no other thread grows the pool (a copy) meanwhile, which would lose the step's writes
+    blocks.lock.acquire()
+    try:
+        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, position)
+    except BaseException:
+        blocks.lock.release()
+        raise
+
+
+@attention.outside_compile
+def _check_static(cache: PagedPrefixCache, key_states: torch.Tensor, layer_idx: int) -> None:
+    """:meth:`_update`'s checks, for an eager compiled step."""
+    if cache._owner != threading.get_ident():
+        raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
+    held = cache._rowset
+    _check_layer(cache.store, key_states, layer_idx, held.length - 1, held.length)
+
+
+@attention.outside_compile
+def _paged_update(
+    cache: PagedPrefixCache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`update` of a forward that is not a compiled step, outside any graph."""
+    plan = cache._reads
+    if cache._owner != threading.get_ident() or plan is None:
+        raise CacheMisuseError(
+            "PagedPrefixCache.update was called outside a forward of the model its PrefixStore was built "
+            "for (or after the store was closed); pass the cache to that model"
+        )
+    if cache._is_closed:
+        raise CacheMisuseError(
+            "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
+            "generate call using it); its blocks are given back when the forward ends"
+        )
+    held = cache._rowset
+    _check_layer(cache.store, key_states, layer_idx, held.seen[layer_idx], held.length)
+    device = key_states.device
+    keep = None if held.keep is None else held.keep.to(device)
+    cache.store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
+    held.seen[layer_idx] = held.length
+    if plan.in_place:
+        _hand_out(plan, layer_idx, key_states)
+        return key_states, value_states
+    keys, values = plan.gather(layer_idx)
+    if keys.dtype != key_states.dtype:
+        keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+    if plan.probe or plan.canonical:
+        _hand_out(plan, layer_idx, keys)
+    return keys, values
+
+
 def _check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
     """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
     allocated ``length - seen`` columns for it."""
@@ -376,13 +469,14 @@ def _check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, se
 
 
 def _hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
-    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself (:data:`prefixkv.reads.TAG`), so that
-    only the attention call of that layer, with that tensor, reads the plan. Mutates ``plan`` and ``key``."""
+    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself
+    (:data:`prefixkv.attention.reads.TAG`), so that only the attention call of that layer, with that tensor,
+    reads the plan. Mutates ``plan`` and ``key``."""
     plan.handed.add(layer)
     setattr(key, reads.TAG, (plan, layer))
 
 
-# -- prefixkv's own protocol with a cache: the model hooks (prefixkv.hooks) and the runner (prefixkv.runner) ---------
+# -- prefixkv's own protocol with a cache: the model hooks (prefixkv.hf.hooks) and the runner (prefixkv.hf.runner) ---
 
 
 def attach_prompt(
@@ -395,7 +489,7 @@ def attach_prompt(
     Mutates.
 
     In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has its
-    canonical chunks computed (:func:`prefixkv.rows.chunk_end`, by the store's runner), reuses exactly those, and
+    canonical chunks computed (:func:`prefixkv.hf.rows.chunk_end`, by the store's runner), reuses exactly those, and
     the cache publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With
     ``chunks`` the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every
     whole chunk the store holds, and its forwards publish."""
@@ -412,15 +506,17 @@ def publish_all(cache: PagedPrefixCache) -> None:
 def plan_call(
     cache: PagedPrefixCache, input_ids: torch.Tensor, next_sequence_length: int | None, kwargs: dict[str, Any]
 ) -> int | None:
-    """At the first forward of a ``generate`` call: make what ``cache`` holds fit the call (:mod:`prefixkv.call`),
+    """At the first forward of a ``generate`` call: make what ``cache`` holds fit the call (:mod:`prefixkv.hf.call`),
     and return the ``next_sequence_length`` to feed. Raises :class:`CacheMisuseError` for a second call that does
     not continue what the cache holds. Mutates."""
-    return cache._plan_call(input_ids, next_sequence_length, kwargs)
+    if cache.closed:
+        raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
+    return cache._gen_call.plan(cache._rowset, cache.store, input_ids, next_sequence_length, kwargs)
 
 
 def plan_prompt(cache: PagedPrefixCache, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
     """Before ``generate``'s chunked prefill cuts the prompt: make what ``cache`` holds fit the call's whole
-    ``input_ids`` and the mask in ``kwargs`` (:meth:`prefixkv.call.GenerateCall.plan_prompt`). Mutates."""
+    ``input_ids`` and the mask in ``kwargs`` (:meth:`prefixkv.hf.call.GenerateCall.plan_prompt`). Mutates."""
     if not cache.closed:  # a closed cache raises at the call's first forward
         cache._gen_call.plan_prompt(cache._rowset, cache.store, input_ids, kwargs)
 
@@ -435,3 +531,9 @@ def end_forward(cache: PagedPrefixCache, ok: bool) -> None:
     """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
     filled, and carry out a ``close()`` that another thread asked for meanwhile. Mutates."""
     cache._end(ok)
+
+
+def static_step(cache: PagedPrefixCache) -> bool:
+    """Whether the forward that :func:`begin_forward` just began is a compiled step
+    (:mod:`prefixkv.attention.static`)."""
+    return cache._step is not None

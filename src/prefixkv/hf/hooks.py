@@ -1,6 +1,6 @@
 """The model hooks of a store: how a ``PagedPrefixCache`` learns what a forward feeds.
 
-The forward pre-hook builds each forward's record (:class:`prefixkv.proof.ForwardInputs`: the cache itself only
+The forward pre-hook builds each forward's record (:class:`prefixkv.hf.proof.ForwardInputs`: the cache itself only
 ever sees K and V, docs/how-it-works.md, "Reuse, step by step") and begins the cache's forward; the
 forward hook ends it (publishing what the forward computed); a wrapper of ``prepare_inputs_for_generation`` shows
 the cache the whole sequence at the first step of each ``generate`` call, the only place where that sequence is
@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..attention.backends import outside_compile
+from ..attention.backends import outside_compile, serves
+from ..attention.static import STEP_KWARG
 from ..errors import CacheMisuseError
-from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt
+from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
 
@@ -56,11 +57,13 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         return {**dict(zip(positional, args)), **kwargs} if args else kwargs
 
     @outside_compile
-    def before(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def before(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         inputs = named(args, kwargs)
         cache = _store_cache(store, inputs)
         if cache is None:
-            return
+            return None
         if module is not model:
             # `copy.deepcopy(model)` copies these hooks: the copy's weights are not the store's model's
             raise CacheMisuseError(
@@ -70,6 +73,11 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         decode_step = cache in _DECODE_STEPS
         _DECODE_STEPS.discard(cache)
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+        if static_step(cache) and serves(model):
+            # a compiled step: prefixkv attention hands the call to the model's own, in the graph
+            # (prefixkv.attention.static)
+            return args, {**kwargs, STEP_KWARG: True}
+        return None
 
     @outside_compile
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:

@@ -190,7 +190,7 @@ class RowSet:
     def attach(
         self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
     ) -> None:
-        """:func:`prefixkv.cache.attach_prompt`. Mutates."""
+        """:func:`prefixkv.hf.cache.attach_prompt`. Mutates."""
         bs, chunk = self.block_size, store.settings.chunk_size
         self.publishes = chunk is None or chunks
         # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
@@ -326,7 +326,7 @@ class RowSet:
                 row.published = full
 
     def publish_all(self) -> None:
-        """:func:`prefixkv.cache.publish_all`. Mutates."""
+        """:func:`prefixkv.hf.cache.publish_all`. Mutates."""
         (row,) = self.rows
         if not row.proven:
             raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")

@@ -2,7 +2,7 @@
 sharing (a prefix several rows of one batch share is computed once), and the canonical chunk schedule of an
 invariant store (docs/correctness.md, "Outputs that never depend on the cache"). Each store builds its
 :class:`ModelRunner` and owns it (``store.runner``); the runner knows the store only as the parts it hands down
-(:class:`prefixkv.parts.StoreParts`), so this module never imports the store (docs/how-it-works.md, "Layers")."""
+(:class:`prefixkv.hf.parts.StoreParts`), so this module never imports the store (docs/how-it-works.md, "Layers")."""
 
 from __future__ import annotations
 
