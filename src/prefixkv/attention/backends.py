@@ -12,8 +12,9 @@ layer reaches this attention, dropout, position bias, CUDA pools, quantized pool
 the original ``sdpa`` on whole rows, which ``update`` gathers. ``PrefixStore(attention="flex")`` reads the pool in
 place through torch's FlexAttention instead (:class:`~prefixkv.attention.flex.FlexBackend`,
 registered with :func:`provide` by that module), on the CPU and CUDA alike. A model on ``eager`` (whose eager
-code may be its own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon, Bloom), keeps its
-implementation and is served through ``update`` alone. docs/architectures.md lists the path of each family.
+code may be its own, e.g. soft-capping), or whose attention does not go through ``AttentionInterface`` (Falcon,
+Bloom), keeps its implementation and is served through ``update`` alone.
+docs/architectures.md lists the path of each family.
 """
 
 from __future__ import annotations
