@@ -5,8 +5,9 @@ fresh query tokens every call), warm time to first token of the demo's workload 
 questions after one 2048-token system prompt, on the same model), decode milliseconds per token on a warm call,
 cold time to first token (an empty store), and memory (the bytes and blocks each store holds after the same
 calls). With ``--real``, SmolLM2's 12-question chat experiment in bfloat16: how many answers are identical
-(tokens, and logits bit for bit) cold vs stock and warm vs cold, in both modes. Run:
-``python benchmarks/invariance.py [--size 100m] [--real]``.
+(tokens, and logits bit for bit) cold vs stock and warm vs cold, in both modes. With ``--chunks 64 128 256``,
+first the invariant store at those chunk sizes (:func:`chunk_sweep`). Run:
+``python benchmarks/invariance.py [--size 100m] [--real] [--chunks N ...]``.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def _generate(model: Any, store: prefixkv.PrefixStore | None, ids: torch.Tensor,
             cache.close()
 
 
-def _stores(model: Any) -> dict[str, prefixkv.PrefixStore]:
-    return {mode: prefixkv.PrefixStore(model, block_size=BLOCK, **kw) for mode, kw in MODES.items()}
+def _stores(model: Any, modes: dict[str, dict[str, Any]] = MODES) -> dict[str, prefixkv.PrefixStore]:
+    return {mode: prefixkv.PrefixStore(model, block_size=BLOCK, **kw) for mode, kw in modes.items()}
 
 
 def _memory(stores: dict[str, prefixkv.PrefixStore]) -> dict[str, dict[str, int]]:
@@ -103,23 +104,25 @@ def _first_tokens(model: Any, stores: dict[str, prefixkv.PrefixStore], prompts: 
     return interleaved({mode: call(s, iter(prompts)) for mode, s in stores.items()}, len(prompts) - 1, warmup=1)
 
 
-def warm_ttft(model: Any, prefix: int, repeat: int) -> dict[str, Any]:
-    """Median ms of a one-token call after a cached ``prefix``, with a :data:`QUERY`-token query, fresh query
+def warm_ttft(
+    model: Any, prefix: int, repeat: int, query: int = QUERY, modes: dict[str, dict[str, Any]] = MODES
+) -> dict[str, Any]:
+    """Median ms of a one-token call after a cached ``prefix``, with a ``query``-token query, fresh query
     tokens every call; and what each store holds after the calls (:func:`_memory`)."""
     vocab = model.config.vocab_size
     system = tokens(prefix, vocab, seed=prefix)
-    stores = _stores(model)
+    stores = _stores(model, modes)
     try:
         for store in stores.values():
             _generate(model, store, system[None], 1)
-        prompts = [torch.cat([system, tokens(QUERY, vocab, seed=1000 + i)])[None] for i in range(repeat + 1)]
+        prompts = [torch.cat([system, tokens(query, vocab, seed=1000 + i)])[None] for i in range(repeat + 1)]
         return {**_first_tokens(model, stores, prompts), "memory": _memory(stores)}
     finally:
         for store in stores.values():
             store.close()
 
 
-def cold_ttft(model: Any, length: int, repeat: int) -> dict[str, float]:
+def cold_ttft(model: Any, length: int, repeat: int, modes: dict[str, dict[str, Any]] = MODES) -> dict[str, float]:
     """Median ms of a one-token call of ``length`` prompt tokens on an empty store (built outside the timing)."""
     vocab = model.config.vocab_size
 
@@ -133,7 +136,7 @@ def cold_ttft(model: Any, length: int, repeat: int) -> dict[str, float]:
 
         return first_token
 
-    return interleaved({mode: call(kw, itertools.count()) for mode, kw in MODES.items()}, repeat)
+    return interleaved({mode: call(kw, itertools.count()) for mode, kw in modes.items()}, repeat)
 
 
 def demo_ttft(model: Any, system: int, repeat: int) -> dict[str, float]:
@@ -237,6 +240,27 @@ def run(size: str, prefixes: list[int], context: int, batches: list[int], system
     return result
 
 
+def chunk_sweep(
+    model: Any, chunks: list[int], repeat: int, prefix: int = 1024, inside: int = 1000
+) -> list[dict[str, Any]]:
+    """For each of ``chunks`` (the invariant store's ``chunk_size``), the median ms of both modes: cold time to
+    first token of ``prefix`` + 32 tokens, warm after a cached ``prefix`` + 32, and warm after a cached ``inside``
+    prefix + 40, a prefix that ends inside a chunk (the invariant call recomputes from that chunk's start);
+    each chunk size's ratios printed."""
+    out = []
+    for chunk in chunks:
+        modes = {"default": {"invariant": False}, "invariant": {"invariant": True, "chunk_size": chunk}}
+        row: dict[str, Any] = {"chunk_size": chunk}
+        row[f"cold {prefix + QUERY}"] = cold_ttft(model, prefix + QUERY, max(2, repeat // 2), modes)
+        row[f"warm {prefix}+{QUERY}"] = warm_ttft(model, prefix, repeat, QUERY, modes)
+        row[f"warm {inside}+40"] = warm_ttft(model, inside, repeat, 40, modes)
+        out.append(row)
+        ratio = {k: v["invariant"] / v["default"] for k, v in row.items() if k != "chunk_size"}
+        row["ratios"] = ratio
+        print(f"chunk_size {chunk}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()), flush=True)
+    return out
+
+
 def ratios(result: dict[str, Any]) -> dict[str, float]:
     """Invariant over default for every measure of :func:`run`, by name."""
     out = {f"warm {w['prefix']}+{result['query']}": w["invariant"] / w["default"] for w in result["warm"]}
@@ -301,9 +325,22 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch threads (1 on a shared machine: small matmuls suffer most)"
     )
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=None,
+        help="also the invariant store at these chunk sizes: cold 1056, warm 1024+32, warm 1000+40 (mid-chunk)",
+    )
+    ap.add_argument("--only-chunks", action="store_true", help="with --chunks, only that sweep")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.chunks:
+        sweep = chunk_sweep(model_for(args.size), args.chunks, args.repeat)
+        if args.only_chunks:
+            save("invariance_chunks", {"size": args.size, "machine": machine(), "chunks": sweep})
+            return
     runs = []
     for i in range(args.runs):
         result = run(args.size, args.prefixes, args.context, args.batches, args.system, args.repeat)
@@ -312,6 +349,8 @@ def main() -> None:
     if args.real:
         result["chat"] = chat_counts()
     result["runs"] = runs
+    if args.chunks:
+        result["chunks"] = sweep
     save("invariance", result)
     print(f"{result['machine']}; chunk_size {result['chunk_size']}, block_size {BLOCK}\n")
     print(report(result))

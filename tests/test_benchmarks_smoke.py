@@ -208,3 +208,15 @@ def test_invariance_smoke() -> None:
         "warm TTFT, demo workload (48-token system prompt), ms",
     ]
     assert cells[-1][3].startswith(f"{ratios['memory']:.2f}x (")
+
+
+def test_invariance_chunk_sweep_smoke() -> None:
+    """The chunk-size sweep: per chunk size, both modes' cold, warm and mid-chunk warm times, and their ratios."""
+    import invariance
+
+    model = invariance.model_for("tiny")
+    sweep = invariance.chunk_sweep(model, [16, 32], 2, prefix=40, inside=37)
+    assert [row["chunk_size"] for row in sweep] == [16, 32]
+    for row in sweep:
+        assert list(row["ratios"]) == ["cold 72", "warm 40+32", "warm 37+40"]
+        assert all(v > 0 for v in row["ratios"].values()), row
