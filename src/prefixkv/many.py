@@ -12,7 +12,8 @@ stop string) are cut where that call would have stopped.
 Refilling: once half a call's rows have ended and prompts wait, the call ends there; the next call carries the
 rows still going on, each with its tokens so far as its prompt (whose K/V its call published, so only a partial
 last block is computed again), and waiting prompts take the free places. Greedy decoding and sampling compute the
-same thing so; beam search and processors that count from a call's start do not, and run in whole batches.
+same thing so; beam search and processors that count from a call's start do not, and run in whole batches. The
+refill is :class:`prefixkv.scheduler.Scheduler`: waiting prompts, running rows; admit, step, retire.
 """
 
 from __future__ import annotations
