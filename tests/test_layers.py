@@ -185,7 +185,17 @@ WITHIN = {
     ],
     "attention": ["attention.reads", "attention.static", "attention.backends", "attention.flex"],
     "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
-    "top": ["store", "enabling", "many", "score", "integrations.lm_eval", "integrations.trl", "lm_eval", "_api"],
+    "top": [
+        "store",
+        "enabling",
+        "scheduler",
+        "many",
+        "score",
+        "integrations.lm_eval",
+        "integrations.trl",
+        "lm_eval",
+        "_api",
+    ],
 }
 
 

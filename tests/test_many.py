@@ -428,3 +428,48 @@ def test_an_invariant_store_gives_the_same_bits_cold_and_warm_in_bfloat16(monkey
     for a, b in zip(cold, warm_, strict=True):
         assert a.tokens == b.tokens and a.logits is not None and b.logits is not None
         assert torch.equal(a.logits, b.logits), a.index
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_refilling_makes_the_same_calls_on_the_same_rows_in_the_same_order(
+    llama64: Any, monkeypatch: pytest.MonkeyPatch, invariant: bool
+) -> None:
+    """The exact sequence of a 10-prompt, batch-3 refilling run (recorded before the refill became a scheduler
+    of waiting and running rows): each ``generate`` call's rows (which prompt, how many tokens so far), their
+    cached tokens, its ``max_new_tokens`` and how many done rows end it early, and each prefix computed alone."""
+    prompts = workload(2, 5)
+    answers = [stock(llama64, p, max_new_tokens=14, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
+    eos = sorted({answers[0][1], answers[3][6], answers[6][11]})
+    events: list[tuple[Any, ...]] = []
+    original = prefixkv.many._Run.call
+
+    def call(self: Any, prompts_: list[list[int]], **more: Any) -> Any:
+        out = original(self, prompts_, **more)
+        rows = [(next(i for i, q in enumerate(prompts) if p[: len(q)] == q), len(p)) for p in prompts_]
+        enough = more["stopping_criteria"][0].enough if "stopping_criteria" in more else None
+        events.append(("call", rows, out[2], more.get("max_new_tokens"), enough))
+        return out
+
+    monkeypatch.setattr(prefixkv.many._Run, "call", call)
+    store = prefixkv.PrefixStore(llama64, block_size=4, **(dict(invariant=True, chunk_size=8) if invariant else {}))
+    warm = store.warm
+    monkeypatch.setattr(store, "warm", lambda ps, **kw: events.extend(("warm", len(p)) for p in ps) or warm(ps, **kw))
+    prefixkv.generate_many(
+        llama64, prompts, store=store, batch_size=3, progress=False, max_new_tokens=14, do_sample=False,
+        eos_token_id=eos,
+    )  # fmt: skip
+    # an invariant store computes a call's rows apart (cached counts differ), the same rows in the same calls
+    first, second, fourth, last = (
+        ([0, 0, 0], [40, 37, 40], [40, 38, 34], [40, 37])
+        if invariant
+        else ([37, 0, 38], [45, 37, 40], [42, 40, 36], [51, 40])
+    )
+    assert events == [
+        ("call", [(1, 42), (9, 45), (7, 43)], first, 14, 2),
+        ("warm", 40),  # prompt 9's system prompt, alone, so that prompts 5 and 3 can join
+        ("call", [(9, 49), (5, 41), (3, 44)], second, 14, 2),
+        ("call", [(5, 42), (6, 42), (2, 43)], [39, 39, 40], 14, 2),
+        ("call", [(2, 47), (4, 45), (0, 41)], fourth, 14, 2),
+        ("call", [(4, 55), (8, 44)], last, 14, None),  # no prompt waits: the call runs to its end
+    ]
+    store.close()

@@ -12,20 +12,20 @@ stop string) are cut where that call would have stopped.
 Refilling: once half a call's rows have ended and prompts wait, the call ends there; the next call carries the
 rows still going on, each with its tokens so far as its prompt (whose K/V its call published, so only a partial
 last block is computed again), and waiting prompts take the free places. Greedy decoding and sampling compute the
-same thing so; beam search and processors that count from a call's start do not, and run in whole batches.
+same thing so; beam search and processors that count from a call's start do not, and run in whole batches. The
+refill is :class:`prefixkv.scheduler.Scheduler`: waiting prompts, running rows; admit, step, retire.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import importlib.util
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import GenerationConfig, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
@@ -33,6 +33,7 @@ from ._compat import GENERATE_CACHE_KWARG
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
 from .kv.namespace import transformers_model, user_space
+from .scheduler import Row, Scheduler, common_length
 from .store import PrefixStore, as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:
@@ -249,11 +250,6 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
     return list(ids)
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def plan(
     rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
 ) -> list[list[int]]:
@@ -302,7 +298,7 @@ def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace
     runs: list[list[int]] = []
     shared = [0] * len(rows)  # tokens, in whole blocks, that row i shares with the row before it in `order`
     for prev, i in zip([None, *order], order):
-        shared[i] = 0 if prev is None else _common_length(rows[prev], rows[i]) // bs * bs
+        shared[i] = 0 if prev is None else common_length(rows[prev], rows[i]) // bs * bs
         if shared[i]:
             runs[-1].append(i)
         else:
@@ -344,31 +340,6 @@ def _stop_length(prompt: list[int], new: list[int], eos: set[int], stop: StopStr
     return n, stopped
 
 
-class _Refill(StoppingCriteria):
-    """Ends a ``generate`` call of ``_Run.refilling`` early, once ``enough`` of its rows are done and other
-    prompts wait for their places: a row is done at an end-of-sequence token, a stop string, or when it has its
-    ``budget`` of new tokens (as ``generate`` on it alone would end). Rows done go on being fed padding until
-    then, as in any batched call. ``enough=None`` never ends the call early."""
-
-    def __init__(
-        self, width: int, budgets: list[int], eos: set[int], stop: StoppingCriteria | None, enough: int | None
-    ):
-        self.width, self.enough, self.stop = width, enough, stop
-        self.budgets = torch.tensor(budgets)
-        self.eos = torch.tensor(sorted(eos), dtype=torch.long)
-        self.done = torch.zeros(len(budgets), dtype=torch.bool)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        last = input_ids[:, -1].cpu()
-        now = (input_ids.shape[1] - self.width >= self.budgets) | torch.isin(last, self.eos)
-        if self.stop is not None:
-            now |= self.stop(input_ids, scores).cpu()
-        self.done |= now
-        if self.enough is not None and int(self.done.sum()) >= self.enough:
-            return torch.ones_like(self.done, device=input_ids.device)  # type: ignore[return-value]
-        return self.done.to(input_ids.device)  # type: ignore[return-value]
-
-
 # the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
 # count from the start of the call (or to max_length), keep state across steps, or run other models: refused when
 # set at all (_SET) or when not empty or zero (_COUNTING); guidance_scale when not 1
@@ -388,7 +359,7 @@ def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixSto
     (``generate_many(refill=...)``), or ``None``. A row goes on in a later call with its tokens so far as its
     prompt: that is the same computation for greedy decoding and sampling with processors that only look at the
     tokens, not for beam search or processors that count from the start of the call. An invariant store refills
-    too: which prompts join a call then follows the prompts alone (``_Run.uncached``). Does not mutate."""
+    too: which prompts join a call then follows the prompts alone (``Scheduler.uncached``). Does not mutate."""
     settings = generation_settings(model, generate_kwargs)
     beams = settings.num_beams or 1
     if beams > 1:
@@ -404,18 +375,6 @@ def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixSto
     return None
 
 
-@dataclass
-class _Running:
-    """A row of ``_Run.refilling`` in progress: its new tokens so far (and their logits and scores)."""
-
-    index: int
-    prompt: list[int]
-    cached: int | None = None
-    tokens: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    scores: list[torch.Tensor] = field(default_factory=list)
-
-
 def _generate(
     model: Any,
     rows: list[list[int]],
@@ -427,8 +386,8 @@ def _generate(
     namespace: str | None,
     refill: bool,
 ) -> Iterator[Generation]:
-    """Run the prompts, in batches of :func:`plan` or refilling them (``_Run.refilling``), and yield each row's
-    :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
+    """Run the prompts, in batches of :func:`plan` or refilling them (:class:`prefixkv.scheduler.Scheduler`), and
+    yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     settings = generation_settings(model, generate_kwargs)
     new_tokens = settings.max_new_tokens
     if new_tokens is None:
@@ -457,11 +416,15 @@ def _generate(
             ended = _EndedRows(bar, eos)
             if progress and "streamer" not in kwargs and (settings.num_beams or 1) == 1:
                 kwargs["streamer"] = ended  # the bar moves as rows end inside a call, not only when it returns
-            work = (
-                run.refilling(batch_size, new_tokens)
-                if refill
-                else run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
-            )
+            work: Iterator[Generation]
+            if refill:
+                waiting = _order(rows, built, new_tokens, namespace)[::-1]
+                scheduler = Scheduler(
+                    run, rows, masks, built, namespace, batch_size, new_tokens, _room(built), eos, stop, waiting
+                )
+                work = map(run.result, scheduler.rows())
+            else:
+                work = run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
             reused = 0
             for g in work:
                 yield g
@@ -520,8 +483,6 @@ class _Run:
     namespace: str | None
     pad: int
     masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
-    # in an invariant store, the last prompts and prefixes this run computed (``_Run.uncached``)
-    computed: collections.deque[list[int]] = field(default_factory=lambda: collections.deque(maxlen=_RECENT))
 
     def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
         """One left-padded ``generate`` call on ``prompts`` (with their ``masks``): its output, the padded width
@@ -536,12 +497,12 @@ class _Run:
             )
         return out, ids.shape[1], [row.cached_tokens for row in cache.stats.per_row]
 
-    def result(self, row: _Running) -> Generation:
+    def result(self, row: Row) -> Generation:
         logits, scores = (torch.stack(steps) if steps else None for steps in (row.logits, row.scores))
         text = None if self.tokenizer is None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return Generation(row.index, row.prompt, row.tokens, text, row.cached or 0, logits, scores)
 
-    def take(self, row: _Running, out: Any, j: int, width: int, budget: int) -> bool:
+    def take(self, row: Row, out: Any, j: int, width: int, budget: int) -> bool:
         """Add batch row ``j``'s new tokens of ``out`` to ``row``, cut where ``generate`` on its prompt alone
         stops; whether it stopped there. Mutates ``row``."""
         new = out.sequences[j, width:].tolist()[:budget]
@@ -555,97 +516,9 @@ class _Run:
     def batches(self, order: list[list[int]]) -> Iterator[Generation]:
         """Each batch of ``order`` in one ``generate`` call, to its longest row's end."""
         for batch in order:
-            running = [_Running(i, self.rows[i]) for i in batch]
+            running = [Row(i, self.rows[i]) for i in batch]
             out, width, cached = self.call([r.prompt for r in running], masks=[self.masks[i] for i in batch])
             for j, row in enumerate(running):
                 row.cached = cached[j]
                 self.take(row, out, j, width, len(out.sequences[j]) - width)
                 yield self.result(row)
-
-    def refilling(self, batch_size: int, new_tokens: int) -> Iterator[Generation]:
-        """The rows in the order of :func:`_order`, at most ``batch_size`` (and :func:`_room`'s blocks) at a time,
-        refilled as they end: once half a call's rows are done and a waiting prompt can join, the call ends there,
-        the done rows are yielded, and the next call carries on with the others (their tokens so far as their
-        prompts, whose K/V the store holds now, but for a partial last block) and waiting prompts in the free
-        places.
-
-        A call feeds every row the same number of last columns (``generate`` slices one width for the batch), so
-        a joining prompt's uncomputed part makes every carried-on row compute as many columns again. Hence a
-        prompt joins carried-on rows only when at most :data:`_JOIN` blocks of it are not cached (a call without
-        carried-on rows takes the next prompts as they come, as a batch of :func:`plan` does); and a prefix that
-        the next waiting prompts share and that neither the store nor a running row holds is computed once,
-        alone, before the call (the work it needs anyway), so that those prompts can join."""
-        waiting = _order(self.rows, self.store, new_tokens, self.namespace)[::-1]
-        room = _room(self.store)
-        # in an invariant store a prompt's last part-filled chunk is computed by every call it is in
-        limit = max(_JOIN * self.store.block_size, self.store.chunk_size or 0)
-        running: list[tuple[_Running, int]] = []
-        while running or waiting:
-            fresh, need = not running, sum(blocks for _, blocks in running)
-            while (
-                waiting
-                and (not running or len(running) < batch_size)
-                and (not running or room is None or need + waiting[-1][1] <= room)
-                and (fresh or self.ready(waiting, running) <= limit)
-            ):
-                i, blocks = waiting.pop()
-                running.append((_Running(i, self.rows[i]), blocks))
-                self.computed.append(self.rows[i])
-                need += blocks
-            joinable = bool(waiting) and self.ready(waiting, running) <= limit
-            rows = [row for row, _ in running]
-            budgets = [new_tokens - len(r.tokens) for r in rows]
-            prompts = [r.prompt + r.tokens for r in rows]
-            width = max(len(p) for p in prompts)
-            refill = _Refill(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if joinable else None)
-            out, width, cached = self.call(
-                prompts,
-                # a row's own new tokens are attended, as in one call that goes on (generate appends 1s)
-                masks=[self.masks[r.index] + [1] * len(r.tokens) for r in rows],
-                max_new_tokens=max(budgets),
-                stopping_criteria=StoppingCriteriaList([refill]),
-            )
-            still = []
-            for j, (row, budget) in enumerate(zip(rows, budgets)):
-                if row.cached is None:
-                    row.cached = cached[j]
-                if self.take(row, out, j, width, budget):
-                    yield self.result(row)
-                else:
-                    still.append(running[j])
-            running = still
-
-    def uncached(self, i: int, running: list[tuple[_Running, Any]]) -> int:
-        """How many of prompt ``i``'s tokens neither the store nor (in whole blocks) a running row holds. Does not
-        mutate.
-
-        In an invariant store, the tokens that none of the last :data:`_RECENT` prompts and prefixes this run
-        computed holds in whole chunks (``computed``), whatever the store holds: which prompts join a call, and so
-        every row's results, follow the prompts alone (docs/correctness.md, "Outputs that never depend on the
-        cache")."""
-        prompt, bs, chunk = self.rows[i], self.store.block_size, self.store.chunk_size
-        if chunk is not None:
-            return len(prompt) - max((_common_length(prompt, p) // chunk * chunk for p in self.computed), default=0)
-        held = max((_common_length(prompt, row.prompt) // bs * bs for row, _ in running), default=0)
-        return len(prompt) - max(
-            held, self.store.cached_length(prompt, self.store.blocks.space(), namespace=self.namespace)
-        )
-
-    def ready(self, waiting: list[tuple[int, int]], running: list[tuple[_Running, Any]]) -> int:
-        """:meth:`uncached` of the next waiting prompt, after computing alone the prefix (whole blocks) it shares
-        with the prompt after it where neither the store nor a running row holds more than :data:`_JOIN` blocks
-        short of it. Mutates the store then."""
-        i = waiting[-1][0]
-        prompt, bs = self.rows[i], self.store.block_size
-        shared = 0 if len(waiting) < 2 else _common_length(prompt, self.rows[waiting[-2][0]]) // bs * bs
-        missing = self.uncached(i, running) - (len(prompt) - shared)
-        if missing > _JOIN * bs:
-            self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)
-            self.computed.append(prompt[:shared])
-        return self.uncached(i, running)
-
-
-# how many blocks of a prompt may be left to compute when it joins running rows (``_Run.refilling``)
-_JOIN = 4
-# how many of the prompts and prefixes it computed last an invariant store's refilling compares a prompt with
-_RECENT = 64
