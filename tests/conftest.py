@@ -141,7 +141,9 @@ def untouched(model: Any) -> None:
     inner = getattr(model, "base_model", model)
     inner = getattr(inner, "model", inner) if hasattr(model, "peft_config") else inner
     for m in (model, inner):
-        assert getattr(m.config, "_attn_implementation", None) != prefixkv.attention.backends.NAME, "prefixkv attention"
+        assert getattr(m.config, "_attn_implementation", None) != prefixkv.attention.interface.NAME, (
+            "prefixkv attention"
+        )
         assert not m._forward_pre_hooks and not m._forward_hooks, "a forward hook on the reference model"
         assert not any(k.startswith("_prefixkv") for k in vars(m)), "a prefixkv attribute on the reference model"
         assert "prepare_inputs_for_generation" not in vars(m) and "generate" not in vars(m), "a wrapped method"

@@ -1,4 +1,4 @@
-"""The attention that reads the blocks (``attention.blocks_attention``, with the reads ``reads.plan_reads``
+"""The attention that reads the blocks (``blocks.blocks_attention``, with the reads ``reads.plan_reads``
 makes) against ``scaled_dot_product_attention`` over each row's whole K/V, in float64: random block layouts,
 rows sharing leading blocks (cascade), left padding, holes, sliding windows, grouped-query heads, one-token and
 longer forwards."""
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv.attention import backends as attention
-from prefixkv.attention import reads
-from prefixkv.attention.reads import ForwardReads, plan_reads, table_runs
+from prefixkv.attention import blocks, gather, interface, kernels, reads, registry
+from prefixkv.attention.planner import plan_reads, table_runs
+from prefixkv.attention.reads import ForwardReads
 
 
 @st.composite
@@ -125,7 +125,7 @@ def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask:
     reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"], fold_tokens=1024 if fold else 0)
     forward = ForwardReads(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v))
     scale = 0.7
-    got = attention.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
+    got = blocks.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
     want = torch.nn.functional.scaled_dot_product_attention(
         query,
         full_k,
@@ -182,7 +182,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     store = prefixkv.PrefixStore(model, block_size=4)
     steps: list[tuple[int, list[list[int]]]] = []
-    original = prefixkv.attention.reads.plan_reads
+    original = prefixkv.attention.planner.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
         planned = original(pads, tables, start, q, *rest, **kw)
@@ -190,7 +190,7 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
             steps.append((len(planned[0]), [list(t) for t in tables]))
         return planned
 
-    monkeypatch.setattr(prefixkv.attention.reads, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
     for seed in (1, 2):  # a fresh store, then one whose pool holds what the first call published
         steps.clear()
         ids = torch.stack([random_tokens(18, seed=10 * seed + r) for r in range(3)])
@@ -254,7 +254,7 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
     model = prefixkv.models.tiny_model("llama", dtype=dtype)
     store = prefixkv.PrefixStore(model, block_size=4)
     plans: list[list[tuple]] = []
-    original = prefixkv.attention.reads.plan_reads
+    original = prefixkv.attention.planner.plan_reads
 
     def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
         planned = original(pads, tables, start, q, *rest, **kw)
@@ -262,9 +262,9 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
             plans.append([(r.rows, r.slots is None) for r in planned[0]])
         return planned
 
-    monkeypatch.setattr(prefixkv.attention.reads, "plan_reads", recording)
+    monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
     if not fold:
-        monkeypatch.setattr(prefixkv.attention.reads, "_FOLD_TOKENS", 0)
+        monkeypatch.setattr(prefixkv.attention.planner, "_FOLD_TOKENS", 0)
     expected = [((0,), False)] if fold else [((0,), True), ((0,), True)]
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     ids = random_tokens(23, seed=7)[None]
@@ -290,9 +290,9 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
         window=None, contiguous=True, seed=5,
     )  # fmt: skip
     calls: list[tuple[bool, bool]] = []
-    original = attention.attend_masked
+    original = kernels.attend_masked
     sliced: list[int] = []
-    original_read_mask = attention._read_mask
+    original_read_mask = blocks._read_mask
 
     def recording(query, key, value, mask, scale, *, causal=False):  # type: ignore[no-untyped-def]
         calls.append((mask.bias is None, causal))
@@ -302,8 +302,8 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
         sliced.append(1)
         return original_read_mask(*args)
 
-    monkeypatch.setattr(attention, "attend_masked", recording)
-    monkeypatch.setattr(attention, "_read_mask", counting)
+    monkeypatch.setattr(blocks, "attend_masked", recording)
+    monkeypatch.setattr(blocks, "_read_mask", counting)
     for window, expected in ((None, [(True, False), (True, True)]), (3, [(False, False), (False, False)])):
         pool_k, pool_v, tables, query, new_k, new_v, full_k, full_v, mask = build({**layout, "window": window})
         assert torch.equal(mask[0], mask[1])
@@ -315,7 +315,7 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
             sliced.clear()
             for layer in range(2):  # two layers sharing the model's mask
                 calls.clear()
-                got = attention.blocks_attention(forward, layer, query, new_k, new_v, model_mask, None)
+                got = blocks.blocks_attention(forward, layer, query, new_k, new_v, model_mask, None)
                 assert [calls[0], calls[-1]] == expected, (window, layer, calls)  # (grouped heads: one call inside)
                 want = torch.nn.functional.scaled_dot_product_attention(
                     query, full_k, full_v, attn_mask=mask, enable_gqa=True
@@ -334,10 +334,10 @@ def test_merging_two_parts_is_attention_over_their_union() -> None:
     mask[..., 1, :6] = False  # query 1 sees only the second part
     mask[..., 2, 6:] = False  # query 2 only the first
     mask[..., 3, :] = False  # query 3 nothing
-    a, lse_a = attention.attend(q, k[..., :6, :], v[..., :6, :], mask[..., :6], None)
-    b, lse_b = attention.attend(q, k[..., 6:, :], v[..., 6:, :], mask[..., 6:], None)
-    merged, total = attention.merge_by_lse(a, lse_a, b, lse_b)
-    whole, lse = attention.attend(q, k, v, mask, None)
+    a, lse_a = kernels.attend(q, k[..., :6, :], v[..., :6, :], mask[..., :6], None)
+    b, lse_b = kernels.attend(q, k[..., 6:, :], v[..., 6:, :], mask[..., 6:], None)
+    merged, total = kernels.merge_by_lse(a, lse_a, b, lse_b)
+    whole, lse = kernels.attend(q, k, v, mask, None)
     assert torch.allclose(merged, whole, atol=1e-12, rtol=0) and not merged[..., 3, :].any()
     assert torch.equal(total.isinf(), lse.isinf())
     assert torch.allclose(total[..., :3], lse[..., :3], atol=1e-12, rtol=0)
@@ -370,20 +370,20 @@ def test_a_layer_that_does_not_hand_its_cache_kv_to_the_attention_keeps_whole_ro
     # the blocks: the first forward sees layer 0 miss, the model stays unverified, every step gets whole rows
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     store = prefixkv.PrefixStore(model, block_size=4)
-    served = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+    served = ALL_ATTENTION_FUNCTIONS[interface.NAME]
 
     def copying(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a, **k):
         if module.layer_idx == 0:
             key, value = key.clone(), value.clone()
         return served(module, query, key, value, *a, **k)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, copying)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, interface.NAME, copying)
     system = random_tokens(30, seed=1)
     for seed in (2, 3):  # cold, then a warm call reusing what the first published
         result = compare(model, store, torch.cat([system, random_tokens(5, seed=seed)])[None])
         assert result.same_tokens and result.max_diff <= 1e-6
     assert result.cache.stats.cached_tokens == 30
-    assert not attention.verified(model)
+    assert not interface.verified(model)
     store.close()
 
 
@@ -407,8 +407,8 @@ def test_the_plain_tensor_attention_is_the_cpu_kernel(
     mask = torch.rand(batch, 1, q, n, generator=g) > 0.3 if masked else None
     causal = not masked and q == n
     additive = None if mask is None else torch.zeros(mask.shape, dtype=torch.float64).masked_fill_(~mask, -math.inf)
-    want, want_lse = attention.attend(query, key, value, mask, 0.5, causal=causal)
-    got, got_lse = attention._attend_math(query, key, value, additive, 0.5, causal)
+    want, want_lse = kernels.attend(query, key, value, mask, 0.5, causal=causal)
+    got, got_lse = kernels._attend_math(query, key, value, additive, 0.5, causal)
     if mask is not None:  # rows that see nothing: attend() zeroes them; compare the others
         seen = mask.any(dim=-1).expand(batch, 2 * group, q)
         got, got_lse, want, want_lse = got[seen], got_lse[seen], want[seen], want_lse[seen]
@@ -427,14 +427,14 @@ def test_the_plain_tensor_attention_is_the_cpu_kernel(
     ],
 )
 def test_the_backend_is_chosen_by_name_device_and_dtype(name: str, device: str, dtype: Any, expected: str) -> None:
-    backend, reason = attention.choose_backend(name, torch.device(device), dtype, model_dtype=torch.float32)
+    backend, reason = registry.choose_backend(name, torch.device(device), dtype, model_dtype=torch.float32)
     assert backend.name == expected and reason.startswith(expected + ": ")
 
 
 @pytest.mark.parametrize("name, dtype", [("flash", torch.float32), ("blocks", "fp8")])
 def test_a_backend_that_cannot_read_the_pool_is_refused(name: str, dtype: Any) -> None:
     with pytest.raises(ValueError, match="backend"):
-        attention.choose_backend(name, torch.device("cpu"), dtype, model_dtype=torch.float32)
+        registry.choose_backend(name, torch.device("cpu"), dtype, model_dtype=torch.float32)
 
 
 def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
@@ -443,7 +443,7 @@ def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
     full_k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
     full_v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
     query = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
-    backend = attention.GatherBackend()
+    backend = gather.GatherBackend()
     layout = reads.Layout(None, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
     forward = backend.plan(layout, probe=False)
     assert not forward.in_place and forward.reads == []

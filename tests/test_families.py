@@ -19,7 +19,7 @@ from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv.attention import backends as attention
+from prefixkv.attention import blocks, interface
 
 FAMILIES = [
     "llama",
@@ -171,23 +171,23 @@ def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypat
 
     def counting(module: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(module)
-        return attention.prefixkv_attention_forward(module, *args, **kwargs)
+        return interface.prefixkv_attention_forward(module, *args, **kwargs)
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, counting)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, interface.NAME, counting)
     reads = []
-    blocks_attention = attention.blocks_attention
+    blocks_attention = blocks.blocks_attention
 
     def reading(*args: Any, **kwargs: Any) -> Any:
         reads.append(args[1])
         return blocks_attention(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "blocks_attention", reading)
+    monkeypatch.setattr(blocks, "blocks_attention", reading)
     before = model.config._attn_implementation
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = random_tokens(10, seed=5)[None]
     with prefixkv.PagedPrefixCache(store, ids) as cache:
         model.generate(ids, **cache_kw(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
-    observed = "prefixkv" if model.config._attn_implementation == attention.NAME else "update"
+    observed = "prefixkv" if model.config._attn_implementation == interface.NAME else "update"
     store.close()
     assert model.config._attn_implementation == before
     assert observed == documented, f"{family} takes the {observed} path, docs say {documented}"
@@ -212,13 +212,13 @@ def test_compare_catches_a_shim_that_drops_an_argument(monkeypatch: pytest.Monke
     model = prefixkv.models.tiny_model("granite", dtype=torch.float64)
     with prefixkv.PrefixStore(model, block_size=4) as store:
         assert compare(model, store, ids, max_new_tokens=4, do_sample=False).max_diff <= TOL
-        shim = ALL_ATTENTION_FUNCTIONS[attention.NAME]
+        shim = ALL_ATTENTION_FUNCTIONS[interface.NAME]
 
         def dropping_scaling(*args: Any, **kwargs: Any) -> Any:
             kwargs.pop("scaling", None)
             return shim(*args, **kwargs)
 
-        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, attention.NAME, dropping_scaling)
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, interface.NAME, dropping_scaling)
         cold = random_tokens(20, seed=3)[None]  # nothing cached: the whole call runs the broken shim
         broken = compare(model, store, cold, max_new_tokens=4, do_sample=False)
         assert broken.max_diff > 100 * TOL, broken.max_diff  # measured 2.6e-3
@@ -367,7 +367,7 @@ def test_unsupported_families_are_refused_with_the_reason(family: str) -> None:
         prefixkv.PrefixStore(model)
     # refused before anything was changed: no hooks, the attention implementation untouched
     assert not model._forward_pre_hooks and not model._forward_hooks
-    assert model.config._attn_implementation != attention.NAME
+    assert model.config._attn_implementation != interface.NAME
 
 
 def test_every_family_is_documented() -> None:

@@ -1,5 +1,5 @@
 """The FlexAttention backend (``prefixkv.flex``) against ``scaled_dot_product_attention`` over each row's K/V
-gathered by logical column (in float64, from the same float32 values), and against ``attention.blocks_attention``
+gathered by logical column (in float64, from the same float32 values), and against ``blocks.blocks_attention``
 on the same decode reads: random block layouts, rows sharing leading blocks, left padding, holes, sliding windows,
 grouped-query heads, decode and prefill (merged by log-sum-exp). torch's eager FlexAttention runs the random
 layouts (no compile per shape); the compiled kernel runs one shape bucket, which batches of 3 and 4 share."""
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.attention import backends as attention
-from prefixkv.attention import flex
+from prefixkv.attention import blocks, flex
+from prefixkv.attention.reads import ForwardReads, Read
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 
@@ -150,7 +150,7 @@ def test_eager_flex_reads_what_sdpa_reads(layout: dict[str, Any]) -> None:
 
 
 def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.Tensor) -> torch.Tensor:
-    """``attention.blocks_attention`` on the same decode: one read per row (its slots by logical column), the
+    """``blocks.blocks_attention`` on the same decode: one read per row (its slots by logical column), the
     model's mask ``[B, 1, 1, columns]`` from the visibility."""
     batch = len(case["tables"])
     columns = int(case["lengths"].max())
@@ -158,14 +158,14 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
     for row, table in enumerate(case["tables"]):
         n = int(case["lengths"][row])
         slots = torch.tensor([b * BS + i for b in table for i in range(BS)][:n], dtype=torch.long)
-        reads.append(attention.Read(rows=(row,), columns=(0,), length=n, slots=slots, offsets=torch.arange(n)))
+        reads.append(Read(rows=(row,), columns=(0,), length=n, slots=slots, offsets=torch.arange(n)))
     mask = torch.zeros(batch, 1, 1, columns, dtype=torch.bool)
     for row in range(batch):
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
     pool = SimpleNamespace(keys=[pool_k], values=[pool_v])
-    forward = attention.ForwardReads(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
-    return attention.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
+    forward = ForwardReads(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
+    return blocks.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
 
 
 DECODE_CASES = [

@@ -21,8 +21,7 @@ from conftest import compare, left_pad, random_tokens
 
 import prefixkv
 from prefixkv import PagedPrefixCache, PrefixStore
-from prefixkv.attention import backends as attention
-from prefixkv.attention import flex
+from prefixkv.attention import flex, interface, registry
 
 TOL = 1e-4
 BS = 16
@@ -38,7 +37,7 @@ def llama32() -> Any:
     with PrefixStore(model, block_size=BS, num_blocks=BLOCKS, attention="flex") as store:
         ids = random_tokens(5, seed=200)[None]
         model.generate(ids, cache=PagedPrefixCache(store, ids), max_new_tokens=2, do_sample=False)
-    assert attention.verified(model)
+    assert interface.verified(model)
     return model
 
 
@@ -241,7 +240,7 @@ def test_an_unknown_backend_is_refused(llama32: Any) -> None:
     ],
 )
 def test_flex_is_chosen_only_where_it_serves(device: str, block_size: int, softcap: float | None, reason: str) -> None:
-    backend, why = attention.choose_backend(
+    backend, why = registry.choose_backend(
         "flex", torch.device(device), torch.float32, model_dtype=torch.float32, block_size=block_size, softcap=softcap
     )
     assert why.startswith(reason) and backend.name == reason.split(":")[0]
@@ -249,7 +248,7 @@ def test_flex_is_chosen_only_where_it_serves(device: str, block_size: int, softc
 
 def test_auto_keeps_the_gather_on_cuda_and_the_blocks_on_the_cpu() -> None:
     for device, expected in (("cuda", "gather"), ("cpu", "blocks")):
-        backend, _ = attention.choose_backend("auto", torch.device(device), torch.float32, model_dtype=torch.float32)
+        backend, _ = registry.choose_backend("auto", torch.device(device), torch.float32, model_dtype=torch.float32)
         assert backend.name == expected
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import SPELLINGS, cache_kw, compare, left_pad, random_tokens
 
 import prefixkv
-from prefixkv.attention.reads import WholeRows
+from prefixkv.attention.reader import WholeRows
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 TOL = 1e-6

@@ -187,13 +187,13 @@ def test_matches_ending_inside_chunks_under_other_batches_read_one_grouped_kerne
     on whole rows (never the model's own attention, which repeats the K/V heads: the tiny llama has 4 query heads
     over 2)."""
     calls: list[tuple[int, ...]] = []
-    canonical = prefixkv.attention.backends.whole_rows_attention
+    canonical = prefixkv.attention.kernels.whole_rows_attention
 
     def counted(query: torch.Tensor, key: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(tuple(key.shape))
         return canonical(query, key, *args)
 
-    monkeypatch.setattr(prefixkv.attention.backends, "whole_rows_attention", counted)
+    monkeypatch.setattr(prefixkv.attention.kernels, "whole_rows_attention", counted)
     own = ALL_ATTENTION_FUNCTIONS["sdpa"]
     owns: list[int] = []
 
@@ -622,8 +622,8 @@ def test_the_grouped_kernel_gives_the_same_bits_on_a_view_of_the_pool_and_on_a_c
         assert view.data_ptr() == pool[:, first].data_ptr() and copy.is_contiguous() is (count * bs == columns)
         query = torch.randn(1, heads, q, dim, generator=g).to(dtype)
         mask = torch.ones(q, columns, dtype=torch.bool).tril(columns - q)[None, None]
-        a = prefixkv.attention.backends.whole_rows_attention(query, view, view, mask, None)
-        b = prefixkv.attention.backends.whole_rows_attention(query, copy.contiguous(), copy.contiguous(), mask, None)
+        a = prefixkv.attention.kernels.whole_rows_attention(query, view, view, mask, None)
+        b = prefixkv.attention.kernels.whole_rows_attention(query, copy.contiguous(), copy.contiguous(), mask, None)
         assert torch.equal(a, b), (q, columns)
 
 
@@ -633,14 +633,14 @@ def test_a_lone_row_reads_a_view_cold_and_a_copy_warm_with_the_same_bits() -> No
     model = model_of(torch.bfloat16)
     prompt = random_tokens(45, seed=21)[None]
     views: list[bool] = []
-    original = prefixkv.attention.backends.Reader._gather
+    original = prefixkv.attention.reader.Reader._gather
 
     def spy(self: Any, layer: int) -> Any:
         views.append(self._run is not None)
         return original(self, layer)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(prefixkv.attention.backends.Reader, "_gather", spy)
+        m.setattr(prefixkv.attention.reader.Reader, "_gather", spy)
         ref = cold(model, prompt, new=6)
         assert views and all(views)  # cold: views only
         views.clear()

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import _compat, display
-from .attention import backends as reading
+from .attention import interface, registry
 from .errors import CacheMisuseError, PersistError
 from .hf.hooks import attach_hooks, plan_chunked_prompt
 from .hf.parts import StoreSettings
@@ -85,7 +85,7 @@ def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
     (``"blocks"`` over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
         from .attention import flex  # noqa: F401
-    named = reading.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
+    named = registry.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
     if store.invariant:
         reason = (
             "gather: an invariant store reads each row whole, in logical order (its canonical read, "
@@ -166,7 +166,7 @@ class PrefixStore:
         store_dtype = _check_dtype(dtype)
         check_kv_dtype(kv_dtype)
         # how attention reads the pool; it changes no K/V, so keys and files leave it out
-        backend = reading.check_backend(attention)
+        backend = registry.check_backend(attention)
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
@@ -204,7 +204,7 @@ class PrefixStore:
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)
         self.runner = ModelRunner(self)
-        self.attention_backend = _choose_attention(self, attention, serves=reading.install(self.hf_model))
+        self.attention_backend = _choose_attention(self, attention, serves=interface.install(self.hf_model))
         self._hooks = attach_hooks(self.hf_model, self)
 
     # the blocks' pool and tier, as a user reads them: their home is the block manager
@@ -434,7 +434,7 @@ class PrefixStore:
         self.blocks.close()
         for handle in self._hooks:
             handle.remove()
-        reading.uninstall(self.hf_model)
+        interface.uninstall(self.hf_model)
 
     def __enter__(self) -> PrefixStore:
         return self

@@ -45,9 +45,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from prefixkv.attention import backends as _attention
-from prefixkv.attention.backends import attend as attend_columns
-from prefixkv.attention.backends import merge_by_lse
+from prefixkv.attention import interface, registry
+from prefixkv.attention.gather import GatherBackend
+from prefixkv.attention.kernels import attend as attend_columns
+from prefixkv.attention.kernels import merge_by_lse
 from prefixkv.attention.reads import AttentionCall, ForwardReads, Layout
 from prefixkv.errors import PrefixKVError
 
@@ -458,7 +459,7 @@ class FlexBackend:
         """Whether FlexAttention computes this call exactly: a call the blocks reader would serve, on a device and
         dtype it compiles for, with a mask it expresses. Warns (once per reason) when it does not. Mutates only the
         forward's plans."""
-        if not _attention.sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward):
+        if not interface.sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward):
             return False
         ok, why = can_serve(call.query.device, call.query.dtype, self._bs)
         if not ok:
@@ -488,7 +489,7 @@ class FlexBackend:
             )
         except FlexUnavailable as error:
             _fall_back(str(error))
-            return _attention.GatherBackend().attend(forward, layer, call)
+            return GatherBackend().attend(forward, layer, call)
 
     def _plan(self, forward: FlexForward, call: AttentionCall) -> FlexPlan | None:
         """The plan of the call's mask and window, made once per forward. Mutates the forward's plans."""
@@ -548,4 +549,4 @@ def _provide(
     return FlexBackend(block_size), f"flex: the pool is on {device.type} in {dtype}"
 
 
-_attention.provide("flex", _provide)
+registry.provide("flex", _provide)

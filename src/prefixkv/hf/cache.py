@@ -28,8 +28,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _compat, display
-from ..attention import backends as attention
-from ..attention import reads, static
+from ..attention import interface, reads, static
+from ..attention.reader import Reader
 from ..errors import CacheMisuseError
 from ..kv.namespace import user_space
 from ..stats import CacheStats
@@ -131,7 +131,7 @@ class PagedPrefixCache(Cache):
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
         self._reads: reads.ForwardReads | None = None  # this forward's read plan
-        self._reader = attention.Reader(
+        self._reader = Reader(
             blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
             model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
@@ -232,7 +232,7 @@ class PagedPrefixCache(Cache):
             if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
                 self._rowset.seen[:] = [self._rowset.length] * len(self._rowset.seen)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
-            attention.mark_verified(self.store.hf_model)
+            interface.mark_verified(self.store.hf_model)
         try:
             if ok and not self._is_closed and self._rowset.publishes:
                 self._rowset.publish_full()
@@ -403,7 +403,7 @@ def _static_step(cache: PagedPrefixCache, forward: proof.ForwardInputs, start: i
         raise
 
 
-@attention.outside_compile
+@interface.outside_compile
 def _check_static(cache: PagedPrefixCache, key_states: torch.Tensor, layer_idx: int) -> None:
     """:meth:`_update`'s checks, for an eager compiled step."""
     if cache._owner != threading.get_ident():
@@ -412,7 +412,7 @@ def _check_static(cache: PagedPrefixCache, key_states: torch.Tensor, layer_idx: 
     _check_layer(cache.store, key_states, layer_idx, held.length - 1, held.length)
 
 
-@attention.outside_compile
+@interface.outside_compile
 def _paged_update(
     cache: PagedPrefixCache, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import _compat
-from ..attention.backends import outside_compile, serves
+from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG
 from ..errors import CacheMisuseError
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..attention.reads import column_slots
+from ..attention.reader import column_slots
 from ..errors import CacheMisuseError
 from ..kv.blocks import BlockManager, Claim
 from ..stats import CacheStats, RowStats

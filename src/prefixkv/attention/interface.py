@@ -1,0 +1,212 @@
+"""The ``prefixkv`` attention implementation, registered with transformers' ``AttentionInterface``
+and, for its masks, ``AttentionMaskInterface``, and the checks of what reading the pool serves.
+
+The store switches a model whose implementation is ``sdpa`` to it and back (``PrefixStore.close``). In a
+forward with a ``PagedPrefixCache`` whose pool is on a device of :data:`READ_DEVICES` (the CPU), ``update``
+writes only the new K/V and this attention reads every row's held K/V where they sit in the pool, from the
+forward's read plan (:class:`prefixkv.attention.reads.ForwardReads`) that arrives on the K tensor ``update`` hands out
+(the ``"blocks"`` backend, :func:`prefixkv.attention.blocks.blocks_attention`: views of runs of blocks, one gather of
+scattered ones, blocks shared by several rows read once for all of them), merging the parts by their log-sum-exp;
+the model's own mask decides what each query sees. Everything else (calls without such a cache, a first forward that
+checks every layer reaches this attention, dropout, position bias, CUDA pools, quantized pools: the ``"gather"``
+backend) runs the original ``sdpa`` on whole rows, which ``update`` gathers. ``PrefixStore(attention="flex")`` reads
+the pool in place through torch's FlexAttention instead (:class:`~prefixkv.attention.flex.FlexBackend`,
+registered with :func:`prefixkv.attention.registry.provide` by that module), on the CPU and CUDA alike. A model on
+``eager`` (whose eager code may be its own, e.g. soft-capping), or whose attention does not go through
+``AttentionInterface`` (Falcon, Bloom), keeps its implementation and is served through ``update`` alone.
+docs/architectures.md lists the path of each family.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import kernels, reads
+from .reads import AttentionCall, ForwardReads
+from .static import STEP_KWARG
+
+NAME = "prefixkv"
+_BASE = "_prefixkv_base_attn"
+_USERS = "_prefixkv_attention_users"
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def outside_compile(function: _F) -> _F:
+    """``function`` run eagerly inside a ``torch.compile``d model: prefixkv's bookkeeping (a thread id, a lock, block
+    tables, ints that change every step) would break graphs and recompile there (docs/faq.md, torch.compile)."""
+    return cast(_F, torch.compiler.disable(function))
+
+
+def _base(config: Any) -> str:
+    return getattr(config, _BASE, None) or "sdpa"
+
+
+def prefixkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``prefixkv`` attention: in a compiled decode step (the store's hook passed :data:`STEP_KWARG`; ``key``
+    and ``value`` are every row's K/V over the step's bucket, :mod:`prefixkv.attention.static`) the model's own
+    implementation, traced into the step's graph; otherwise :func:`paged_attention`, outside any graph."""
+    if kwargs.pop(STEP_KWARG, False):
+        fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
+        step: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
+        return step
+    return paged_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+@outside_compile
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over the blocks of the ``PagedPrefixCache`` of this forward, when ``key`` is what the cache's
+    ``update`` handed out for this layer (it carries the forward's read plan,
+    :data:`prefixkv.attention.reads.TAG`) and the
+    plan's backend serves the call; otherwise, or for what reading the blocks does not implement (soft-capping,
+    attention sinks, dropout), the implementation the model had before the store switched it, on every row's
+    whole K/V."""
+    found: tuple[ForwardReads, int] | None = getattr(key, reads.TAG, None)
+    if found is not None:
+        forward, layer = found
+        forward.served.add(layer)
+        backend = forward.backend
+        if forward.in_place and backend is not None:
+            call = AttentionCall(module, query, key, value, attention_mask, kwargs)
+            if backend.servable(forward, call):
+                return backend.attend(forward, layer, call), None
+            key, value = forward.gather(layer)
+        elif forward.canonical:
+            if canonical_servable(module, query, attention_mask, kwargs, forward):
+                return kernels.whole_rows_attention(
+                    query, key, value, attention_mask, kwargs.get("scaling"), forward
+                ), None
+            if key.shape[0] == 1:  # a lone row's view of the pool (Reader._gather) as the copy it stands for
+                key, value = key.contiguous(), value.contiguous()
+    fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
+    out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
+    return out
+
+
+def sdpa_servable(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    forward: ForwardReads,
+) -> bool:
+    """Whether :func:`prefixkv.attention.blocks.blocks_attention` computes what transformers' ``sdpa`` attention
+    (the only implementation the store switches from) would for this call: no dropout, no position bias, causal,
+    and a mask that is ``None`` or boolean over the forward's columns. Other arguments ``sdpa`` ignores, and so
+    does this."""
+    if kwargs.get("dropout") or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return False
+    causal = kwargs.get("is_causal")
+    if not (causal if causal is not None else getattr(module, "is_causal", True)):
+        return False
+    if mask is None:
+        return True
+    return (
+        mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[0] in (1, query.shape[0])
+        and mask.shape[1] == 1
+        and mask.shape[2] == query.shape[2]
+        and mask.shape[3] == forward.columns
+    )
+
+
+def canonical_servable(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    mask: torch.Tensor | None,
+    kwargs: dict[str, Any],
+    forward: ForwardReads,
+) -> bool:
+    """Whether :func:`prefixkv.attention.kernels.whole_rows_attention` serves a call of an invariant store's
+    canonical read (whole rows, in logical order): what :func:`sdpa_servable` admits, on a device whose pools
+    attention reads in place (the CPU's flash kernel reads grouped heads; elsewhere the model's own attention runs,
+    as it always did)."""
+    return query.device.type in READ_DEVICES and sdpa_servable(module, query, mask, kwargs, forward)
+
+
+def prefixkv_mask(*args: Any, **kwargs: Any) -> Any:
+    """The mask of the original implementation (a mask for every registered attention name, rule 5)."""
+    config = kwargs.get("config")
+    return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, **kwargs)
+
+
+AttentionInterface.register(NAME, prefixkv_attention_forward)
+AttentionMaskInterface.register(NAME, prefixkv_mask)
+
+
+def install(model: Any) -> bool:
+    """Switch ``model`` to ``prefixkv`` attention if it uses ``sdpa`` through ``AttentionInterface``; count
+    the stores using it. Mutates the model's config. Returns whether the model runs ``prefixkv`` attention.
+
+    Models whose attention code does not look its function up by name (Falcon, Bloom: transformers'
+    ``is_backend_compatible()`` is false) keep their implementation and are served through ``update``."""
+    config = model.config
+    current = config._attn_implementation
+    if current == NAME:
+        setattr(model, _USERS, getattr(model, _USERS, 0) + 1)
+        return True
+    if current != "sdpa" or not model.is_backend_compatible():
+        return False
+    setattr(config, _BASE, current)
+    model.set_attn_implementation(NAME)
+    setattr(model, _USERS, 1)
+    return True
+
+
+def uninstall(model: Any) -> None:
+    """Undo one :func:`install`; the last store to leave restores the original implementation."""
+    users = getattr(model, _USERS, 0)
+    if users <= 0:
+        return
+    if users > 1:
+        setattr(model, _USERS, users - 1)
+        return
+    delattr(model, _USERS)  # leave no trace on the model (prefixkv.disable restores it exactly)
+    model.set_attn_implementation(_base(model.config))
+
+
+# device types whose pools attention reads in place. On CUDA, reading row by row costs a kernel launch per part
+# and row, which an H200 showed 4-6x slower than one gather and one batched kernel at batch 8 (docs/benchmarks.md);
+# a paged kernel is what reads blocks in place there
+READ_DEVICES = frozenset({"cpu"})
+
+# models whose every attention layer was seen to hand the K/V from ``update`` to this attention unchanged
+_VERIFIED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def serves(model: Any) -> bool:
+    """Whether ``model`` runs ``prefixkv`` attention (so a cache may hand it only the new K/V)."""
+    return getattr(model.config, "_attn_implementation", None) == NAME
+
+
+def verified(model: Any) -> bool:
+    """Whether a forward of ``model`` was seen to pass every layer's K/V from the cache to this attention."""
+    return _VERIFIED.get(model, False)
+
+
+def mark_verified(model: Any) -> None:
+    """Note that a forward of ``model`` passed every layer's K/V from the cache to this attention. Mutates."""
+    _VERIFIED[model] = True
