@@ -52,7 +52,7 @@ MUTATIONS = [
     ),
     Mutation(
         "many-lone-prefill-without-namespace",
-        "many.py",
+        "scheduler.py",
         "self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)",
         "self.store.warm([prompt[:shared]], progress=False)",
         ("tests/test_many.py::test_refilling_keeps_a_users_prefixes_in_its_namespace",),
