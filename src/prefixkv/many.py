@@ -32,8 +32,9 @@ from transformers.generation.streamers import BaseStreamer
 from ._compat import GENERATE_CACHE_KWARG
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
+from .hf.runner import common_length
 from .kv.namespace import transformers_model, user_space
-from .scheduler import Row, Scheduler, common_length
+from .scheduler import Row, Scheduler
 from .store import PrefixStore, as_token_list
 
 if importlib.util.find_spec("ipywidgets") is not None:

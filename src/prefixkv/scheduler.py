@@ -24,18 +24,13 @@ from typing import Any, Protocol
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .hf.runner import common_length
 from .store import PrefixStore
 
 # how many blocks of a prompt may be left to compute when it joins running rows
 JOIN = 4
 # how many of the prompts and prefixes it computed last an invariant store's refilling compares a prompt with
 RECENT = 64
-
-
-def common_length(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` start with in common. Does not mutate."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass

@@ -98,13 +98,11 @@ def forward_kwargs(model: torch.nn.Module, cache: PagedPrefixCache, *, logits_to
     return kwargs
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_length(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` start with in common (the one definition: ``generate_many`` uses it too).
+    Does not mutate."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:
@@ -114,7 +112,7 @@ def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[
     order = sorted(range(len(rows)), key=lambda i: rows[i])
     found: dict[tuple[int, ...], None] = {}
     for a, b in itertools.pairwise(order):
-        n = min(_common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
+        n = min(common_length(rows[a], rows[b]), len(rows[a]) - 1, len(rows[b]) - 1) // block_size * block_size
         if n:
             found[tuple(rows[a][:n])] = None
     longest = [p for p in found if not any(len(q) > len(p) and q[: len(p)] == p for q in found)]
