@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixkv.attention import blocks, flex
-from prefixkv.attention.reads import ForwardReads, Read
+from prefixkv.attention.blocks import BlocksForward
+from prefixkv.attention.planner import Read
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 
@@ -164,7 +165,7 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
     pool = SimpleNamespace(keys=[pool_k], values=[pool_v])
-    forward = ForwardReads(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
+    forward = BlocksForward(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
     return blocks.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
 
 

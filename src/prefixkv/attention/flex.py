@@ -379,13 +379,12 @@ def attend(
 
 
 class FlexForward(ForwardReads):
-    """A forward's reads for :class:`FlexBackend`: its :class:`~prefixkv.attention.reads.Layout`, and the
-    :class:`FlexPlan`
-    of each model mask and window (``None``: FlexAttention cannot express that mask), made on the first layer
-    that attends with it."""
+    """A forward's plan for :class:`FlexBackend`: besides what every backend's has, its
+    :class:`~prefixkv.attention.reads.Layout`, and the :class:`FlexPlan` of each model mask and window (``None``:
+    FlexAttention cannot express that mask), made on the first layer that attends with it."""
 
     def __init__(self, layout: Layout, *, probe: bool, backend: FlexBackend) -> None:
-        super().__init__(layout.pool, [], layout.start + layout.q, None, layout.gather, probe=probe, backend=backend)
+        super().__init__(layout.pool, layout.start + layout.q, layout.gather, probe=probe, backend=backend)
         self.layout = layout
         self.plans: dict[tuple[int, int | None], tuple[torch.Tensor | None, FlexPlan | None]] = {}
 
