@@ -69,7 +69,7 @@ MUTATIONS = [
     ),
     Mutation(
         "flex-full-one-column-early-at-window-edge",
-        "attention/flex.py",
+        "attention/flex_kernel.py",
         "full &= start > last[..., None] - window",
         "full &= start >= last[..., None] - window",
         ("tests/test_flex.py::test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start",),

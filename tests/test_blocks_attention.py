@@ -18,8 +18,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
 from prefixkv.attention import blocks, gather, interface, kernels, reads, registry
+from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import plan_reads, table_runs
-from prefixkv.attention.reads import ForwardReads
 
 
 @st.composite
@@ -123,7 +123,7 @@ def test_reading_the_blocks_is_sdpa_over_the_whole_rows(layout: dict, with_mask:
     if not with_mask and not plain:
         with_mask = True  # a None mask means: no padding, no holes, no window
     reads, new_from = plan_reads(layout["pads"], tables, held, q, layout["bs"], fold_tokens=1024 if fold else 0)
-    forward = ForwardReads(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v))
+    forward = BlocksForward(_Pool(pool_k, pool_v), reads, held + q, new_from, lambda layer, k=full_k, v=full_v: (k, v))
     scale = 0.7
     got = blocks.blocks_attention(forward, 0, query, new_k, new_v, mask if with_mask else None, scale)
     want = torch.nn.functional.scaled_dot_product_attention(
@@ -311,7 +311,7 @@ def test_a_part_every_query_sees_whole_goes_to_the_kernel_without_a_mask(monkeyp
         for model_mask in (mask, mask[:1]):
             pool = _Pool(pool_k, pool_v)
             pool.keys, pool.values = pool.keys * 2, pool.values * 2  # two layers (the same tensors)
-            forward = ForwardReads(pool, reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v))
+            forward = BlocksForward(pool, reads, 13, new_from, lambda layer, k=full_k, v=full_v: (k, v))
             sliced.clear()
             for layer in range(2):  # two layers sharing the model's mask
                 calls.clear()
@@ -446,7 +446,7 @@ def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
     backend = gather.GatherBackend()
     layout = reads.Layout(None, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
     forward = backend.plan(layout, probe=False)
-    assert not forward.in_place and forward.reads == []
+    assert not forward.in_place and type(forward) is reads.ForwardReads  # no reads of its own
     causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9)
     for mask in (None, causal):
         call = reads.AttentionCall(torch.nn.Module(), query, full_k, full_v, mask, {"scaling": 0.5})

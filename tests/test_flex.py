@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv.attention import blocks, flex
-from prefixkv.attention.reads import ForwardReads, Read
+from prefixkv.attention import blocks, flex, flex_kernel
+from prefixkv.attention.blocks import BlocksForward
+from prefixkv.attention.planner import Read
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 
@@ -164,7 +165,7 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
     pool = SimpleNamespace(keys=[pool_k], values=[pool_v])
-    forward = ForwardReads(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
+    forward = BlocksForward(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
     return blocks.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
 
 
@@ -185,7 +186,7 @@ def test_compiled_decode_matches_sdpa_and_the_blocks_reader(index: int) -> None:
     assert (out - blocks_reference(case, pool_k, pool_v)).abs().max().item() <= 1e-5
     # batches of 3 and 4 are padded to one bucket: one compile serves every case here
     bucket = ("cpu", 4, 1, NUM_BLOCKS, BS, None, torch.float32, 4, KV_HEADS, DIM, False)
-    assert bucket in flex._buckets
+    assert bucket in flex_kernel._buckets
 
 
 def test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start() -> None:
@@ -261,8 +262,8 @@ def test_a_compile_failure_raises_and_is_then_refused(monkeypatch: pytest.Monkey
     def failing(*args: Any, **kwargs: Any) -> Any:
         raise torch._dynamo.exc.BackendCompilerFailed("inductor", RuntimeError("no C++ compiler"), None)
 
-    monkeypatch.setattr(flex, "_compiled", failing)
-    monkeypatch.setattr(flex, "_failed", {})
+    monkeypatch.setattr(flex_kernel, "_compiled", failing)
+    monkeypatch.setattr(flex_kernel, "_failed", {})
     layout = dict(DECODE_CASES[2], holes=False, window=None, group=1, scale=None, seed=0)
     pool_k, pool_v = pools(0)
     with pytest.raises(flex.FlexUnavailable, match=r"did not compile on cpu for torch\.float32"):

@@ -21,7 +21,7 @@ from conftest import compare, left_pad, random_tokens
 
 import prefixkv
 from prefixkv import PagedPrefixCache, PrefixStore
-from prefixkv.attention import flex, interface, registry
+from prefixkv.attention import flex, flex_kernel, interface, registry
 
 TOL = 1e-4
 BS = 16
@@ -258,8 +258,8 @@ def test_a_kernel_that_does_not_compile_falls_back_with_a_warning(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise torch._dynamo.exc.BackendCompilerFailed(broken, RuntimeError("no C++ compiler"), None)
 
-    monkeypatch.setattr(flex, "_compiled", broken)
-    monkeypatch.setattr(flex, "_failed", {})  # what this test records is forgotten after it
+    monkeypatch.setattr(flex_kernel, "_compiled", broken)
+    monkeypatch.setattr(flex_kernel, "_failed", {})  # what this test records is forgotten after it
     with pytest.warns(UserWarning, match="attention='flex' reads whole rows .*did not compile on cpu"):
         cold = compare(llama32, store, _prompt(seed=14), do_sample=False)
     _exact(cold)

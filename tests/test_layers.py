@@ -185,7 +185,8 @@ WITHIN = {
     ],
     "attention": [
         *("attention.reads", "attention.static", "attention.kernels", "attention.interface", "attention.planner"),
-        *("attention.blocks", "attention.gather", "attention.registry", "attention.reader", "attention.flex"),
+        *("attention.blocks", "attention.gather", "attention.registry", "attention.reader", "attention.flex_kernel"),
+        "attention.flex",
     ],
     "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
     "top": [

@@ -1,18 +1,48 @@
 """The ``"blocks"`` backend: the attention reads every row's held K/V where they sit in the pool
 (:func:`blocks_attention`), from reads planned by :func:`prefixkv.attention.planner.plan_reads`, its parts merged by
-their log-sum-exps (:mod:`prefixkv.attention.kernels`).
+their log-sum-exps (:mod:`prefixkv.attention.kernels`); a forward's reads and what its layers work out once for all
+of them are its :class:`BlocksForward`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import planner
 from .interface import sdpa_servable
 from .kernels import KernelMask, attend_masked, kernel_mask, merge_by_lse
-from .reads import AttentionCall, ForwardReads, Layout, Read
+from .planner import Read
+from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout
+
+
+class BlocksForward(ForwardReads):
+    """A forward's plan for :class:`BlocksBackend`: besides what every backend's has, its ``reads`` of the pool
+    (:func:`prefixkv.attention.planner.plan_reads`; none for a probe), ``new_from`` (the column from which the new
+    K/V are attended from the arguments, ``None`` when every column is read from the pool), and what its layers
+    work out once for all of them: ``masks``, per model mask (layers share one, sliding-window layers another) and
+    part, what the part attends with; ``rows_index``, the batch indices of a read's rows as a tensor."""
+
+    def __init__(
+        self,
+        pool: Any,
+        reads: list[Read],
+        columns: int,
+        new_from: int | None,
+        gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        *,
+        probe: bool = False,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__(pool, columns, gather, probe=probe, backend=backend)
+        self.reads = reads
+        self.new_from = new_from
+        self.masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
+        self.rows_index: dict[tuple[int, ...], torch.Tensor] = {}
+
 
 # -- reading the blocks ------------------------------------------------------------------------------------------
 #
@@ -26,7 +56,7 @@ from .reads import AttentionCall, ForwardReads, Layout, Read
 
 
 def part_mask_of(
-    forward: ForwardReads, mask: torch.Tensor | None, index: int, q: int, batch: int, dtype: torch.dtype, group: int
+    forward: BlocksForward, mask: torch.Tensor | None, index: int, q: int, batch: int, dtype: torch.dtype, group: int
 ) -> KernelMask:
     """The mask of read ``index`` (:func:`_read_mask`) from the model's ``mask`` (its batch dimension 1 or
     ``batch``), in the kernels' form for queries in ``dtype`` packing ``group`` heads (:func:`kernel_mask`), or
@@ -46,7 +76,7 @@ def part_mask_of(
 
 
 def new_mask(
-    forward: ForwardReads, mask: torch.Tensor | None, q: int, batch: int, dtype: torch.dtype, group: int
+    forward: BlocksForward, mask: torch.Tensor | None, q: int, batch: int, dtype: torch.dtype, group: int
 ) -> tuple[KernelMask, bool]:
     """The mask of the new columns (from ``new_from``) in the kernels' form (``group`` heads packed where it is not
     causal) and whether it is plain causal (then :data:`NO_MASK`, and the kernel's causal flag serves it faster),
@@ -116,7 +146,7 @@ def _read_mask(mask: torch.Tensor | None, read: Read, q: int) -> torch.Tensor | 
 
 
 def blocks_attention(
-    forward: ForwardReads,
+    forward: BlocksForward,
     layer: int,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -173,7 +203,7 @@ def blocks_attention(
     return merged.to(query.dtype).transpose(1, 2).contiguous()
 
 
-def _rows_index(forward: ForwardReads, rows: tuple[int, ...], query: torch.Tensor) -> torch.Tensor:
+def _rows_index(forward: BlocksForward, rows: tuple[int, ...], query: torch.Tensor) -> torch.Tensor:
     """``rows`` as an index tensor on the queries' device, made once per forward. Mutates the plan's memo."""
     index = forward.rows_index.get(rows)
     if index is None:
@@ -193,7 +223,7 @@ class BlocksBackend:
         self._runs: planner.RunsMemo = {}
         self._fold: planner.FoldMemo = {}
 
-    def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
+    def plan(self, layout: Layout, *, probe: bool) -> BlocksForward:
         """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
         that every layer reaches this attention). Mutates the runs memo."""
         pool, pads, tables, start, q, block_size, gather = layout
@@ -202,11 +232,12 @@ class BlocksBackend:
             if probe
             else planner.plan_reads(pads, tables, start, q, block_size, self._runs, fold_memo=self._fold)
         )
-        return ForwardReads(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
+        return BlocksForward(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
         return sdpa_servable(call.module, call.query, call.mask, call.kwargs, forward)
 
     def attend(self, forward: ForwardReads, layer: int, call: AttentionCall) -> torch.Tensor:
+        assert isinstance(forward, BlocksForward)  # made by plan
         scale = call.kwargs.get("scaling")
         return blocks_attention(forward, layer, call.query, call.key, call.value, call.mask, scale)

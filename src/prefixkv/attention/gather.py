@@ -17,7 +17,7 @@ class GatherBackend:
 
     def plan(self, layout: Layout, *, probe: bool) -> ForwardReads:
         """A plan of no reads: whole rows for every layer. Does not mutate."""
-        return ForwardReads(layout.pool, [], layout.start + layout.q, None, layout.gather, in_place=False)
+        return ForwardReads(layout.pool, layout.start + layout.q, layout.gather, in_place=False)
 
     def servable(self, forward: ForwardReads, call: AttentionCall) -> bool:
         """Never: the model's own implementation over the whole rows ``update`` handed out is exact."""

@@ -180,8 +180,7 @@ def whole_rows_attention(
     per layer (mutates the plan's memo)."""
     key, value = key.to(query.dtype), value.to(query.dtype)
     group = packs(query, key, False)
-    memo = (id(mask), -2)  # the reads' memo keys are (mask, part >= 0) and (mask, -1): blocks.new_mask
-    hit = None if forward is None else forward.masks.get(memo)
+    hit = None if forward is None else forward.whole_masks.get(id(mask))
     if hit is not None and hit[0] is mask:
         prepared = hit[1]
     else:
@@ -194,6 +193,6 @@ def whole_rows_attention(
         everything = whole.dtype == torch.bool and bool(whole.all())
         prepared = NO_MASK if everything else kernel_mask(whole, query.dtype, group)
         if forward is not None:
-            forward.masks[memo] = (mask, prepared)
+            forward.whole_masks[id(mask)] = (mask, prepared)
     out, _ = attend_masked(query, key, value, prepared, scale)
     return out.transpose(1, 2).contiguous()

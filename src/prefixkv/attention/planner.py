@@ -1,15 +1,35 @@
 """The ``"blocks"`` backend's read planner: where every row's held K/V sit in the pool, as few reads
-(:class:`prefixkv.attention.reads.Read`) as possible, from the rows' block tables (:func:`plan_reads`;
+(:class:`Read`) as possible, from the rows' block tables (:func:`plan_reads`;
 docs/how-it-works.md, "Attention reads the blocks"). What it keeps between forwards (runs of consecutive blocks, the
 index tensors of the last folded read) checks itself against the tables it was built from."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .reads import Read
+
+class Read(NamedTuple):
+    """Columns of the pool that the queries of ``rows`` (batch indices) attend, ``length`` tokens per row:
+
+    - one row, or several with ``row_stride`` (a strided view: row ``j`` reads the ``length`` slots from
+      ``first_slot + j * row_stride``): a view of the pool, the first token at mask column ``columns[j]``;
+    - several rows without ``row_stride``: the same K/V for all of them (shared blocks, read once with every
+      row's queries), the slots from ``first_slot``, or ``slots`` (1-D) at mask columns ``columns[j] + offsets``;
+    - ``slots`` 2-D ``[rows, length]``: a gather, row ``j``'s K/V at ``slots[j]`` and mask columns
+      ``offsets[j]``, padded where ``valid`` is False.
+    """
+
+    rows: tuple[int, ...]
+    columns: tuple[int, ...]
+    length: int
+    first_slot: int | None = None
+    row_stride: int | None = None
+    slots: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+
 
 # runs shorter than this many blocks are gathered (one copy per row) rather than read as views (one call each)
 _MIN_RUN = 8

@@ -116,7 +116,7 @@ class Reader:
         if self._invariant or not serves(self._model) or self._backend is None:
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
-            return ForwardReads(self._pool, [], start + q, None, gather, in_place=False, canonical=canonical)
+            return ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical)
         layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
         return self._backend.plan(layout, probe=not verified(self._model))
 

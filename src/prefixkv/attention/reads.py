@@ -22,45 +22,22 @@ import torch
 TAG = "_prefixkv_reads"
 
 
-class Read(NamedTuple):
-    """Columns of the pool that the queries of ``rows`` (batch indices) attend, ``length`` tokens per row:
-
-    - one row, or several with ``row_stride`` (a strided view: row ``j`` reads the ``length`` slots from
-      ``first_slot + j * row_stride``): a view of the pool, the first token at mask column ``columns[j]``;
-    - several rows without ``row_stride``: the same K/V for all of them (shared blocks, read once with every
-      row's queries), the slots from ``first_slot``, or ``slots`` (1-D) at mask columns ``columns[j] + offsets``;
-    - ``slots`` 2-D ``[rows, length]``: a gather, row ``j``'s K/V at ``slots[j]`` and mask columns
-      ``offsets[j]``, padded where ``valid`` is False.
-    """
-
-    rows: tuple[int, ...]
-    columns: tuple[int, ...]
-    length: int
-    first_slot: int | None = None
-    row_stride: int | None = None
-    slots: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-
-
 class ForwardReads:
-    """What one forward's attention needs, built once when the forward begins: the pool (read at each call:
-    another thread may grow it), the reads (``"blocks"``: :func:`prefixkv.attention.planner.plan_reads`),
-    ``columns`` (the width of the model's mask), ``new_from`` (the column from which the new K/V are attended from
-    the arguments, ``None`` when every column is read from the pool), ``gather(layer)``: every row's whole K/V, and
+    """What every backend's forward needs, built once when the forward begins: the pool (read at each call: another
+    thread may grow it), ``columns`` (the width of the model's mask), ``gather(layer)``: every row's whole K/V, and
     the ``backend`` that attends from it. ``in_place``: ``update`` hands out only the new K/V and the attention reads
     the pool; otherwise it hands out whole rows, and with ``probe`` the forward notes which layers reach the
     attention (a model is read in place once a forward showed that every layer hands its K/V to the attention
     unchanged). ``canonical``: an invariant store's read of whole rows, which the attention computes in one
-    grouped-head kernel call (:func:`prefixkv.attention.kernels.whole_rows_attention`). Records per layer what
-    ``update`` handed out."""
+    grouped-head kernel call (:func:`prefixkv.attention.kernels.whole_rows_attention`; ``whole_masks`` is its memo,
+    per model mask, of the mask in the kernel's form: the canonical read, the gather and a fallback to whole rows
+    share it). Records per layer what ``update`` handed out. A backend that keeps more per forward subclasses it
+    (:class:`prefixkv.attention.blocks.BlocksForward`, :class:`prefixkv.attention.flex.FlexForward`)."""
 
     def __init__(
         self,
         pool: Any,
-        reads: list[Read],
         columns: int,
-        new_from: int | None,
         gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         *,
         probe: bool = False,
@@ -69,9 +46,7 @@ class ForwardReads:
         canonical: bool = False,
     ) -> None:
         self.pool = pool
-        self.reads = reads
         self.columns = columns
-        self.new_from = new_from
         self.gather = gather
         self.probe = probe
         self.in_place = in_place and not probe
@@ -79,9 +54,8 @@ class ForwardReads:
         self.canonical = canonical and not self.in_place
         self.handed: set[int] = set()
         self.served: set[int] = set()
-        # per model mask (layers share one, sliding-window layers another) and part: what each part attends with
-        self.masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
-        self.rows_index: dict[tuple[int, ...], torch.Tensor] = {}  # the batch indices of a read's rows, as a tensor
+        # per model mask (layers share one, sliding-window layers another): the whole-row attention's kernel mask
+        self.whole_masks: dict[int, tuple[torch.Tensor | None, Any]] = {}
 
     def every_layer_served(self) -> bool:
         """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged."""
