@@ -180,8 +180,8 @@ LAYERS = ["base", "kv", "attention", "hf", "top"]
 WITHIN = {
     "base": ["errors", "memory", "stats", "display", "_compat", "patching"],
     "kv": [
-        *("kv.allocator", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
-        *("kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
+        *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
+        *("kv.fingerprint", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
     ],
     "attention": [
         *("attention.reads", "attention.static", "attention.kernels", "attention.interface", "attention.planner"),
@@ -192,6 +192,7 @@ WITHIN = {
         "store",
         "enabling",
         "scheduler",
+        "batches",
         "many",
         "score",
         "integrations.lm_eval",
