@@ -126,7 +126,7 @@ MUTATIONS = [
     ),
     Mutation(
         "many-invariant-plan-follows-pins",
-        "many.py",
+        "batches.py",
         "return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2",
         "return (store.max_blocks - store.stats.blocks_pinned) // 2",
         ("tests/test_many.py", "tests/test_many_arguments.py"),

@@ -12,7 +12,7 @@ from conftest import random_tokens, stock_twin
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv.many import plan
+from prefixkv.batches import plan, row_order
 
 
 def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
@@ -327,7 +327,7 @@ def test_refilling_within_a_store_budget_and_streaming(llama64: Any, monkeypatch
     assert min(len(g.tokens) for g in listed) <= 3 and max(len(g.tokens) for g in listed) == 12
     calls = _spy_calls(monkeypatch)
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=40)
-    order = prefixkv.many._order(prompts, store, 12, None)
+    order = row_order(prompts, store, 12, None)
     need = dict(order)
     streamed = list(
         prefixkv.generate_many(llama64, prompts, store=store, batch_size=4, stream=True, progress=False, **kw)

@@ -1,13 +1,13 @@
 """``generate_many``: a list of prompts in as few ``generate`` calls as their shared prefixes allow.
 
-The prompts are sorted by their token ids, so that prompts sharing a prefix (a system prompt, few-shot
-examples) lie next to each other; a group whose prefix the store holds already goes first, before other work can
-evict it. Consecutive prompts then fill left-padded batches of at most ``batch_size`` rows and, in a store with a
-budget, of at most half the blocks it can hold; each batch is one ``generate`` call with a ``PagedPrefixCache``,
-which computes a prefix that several rows share once and reads it once for all of them (docs/how-it-works.md).
-What a batch computes stays in the store for the batches after it. Each row's result is that of ``generate`` on
-its prompt alone (docs/generate.md, "Many prompts at once"): rows that stop early (an end-of-sequence token, a
-stop string) are cut where that call would have stopped.
+The prompts are sorted by their token ids, so that prompts sharing a prefix (a system prompt, few-shot examples) lie
+next to each other; a group whose prefix the store holds already goes first, before other work can evict it.
+Consecutive prompts then fill left-padded batches of at most ``batch_size`` rows and, in a store with a budget, of
+at most half the blocks it can hold (the planner: :mod:`prefixkv.batches`); each batch is one ``generate`` call with
+a ``PagedPrefixCache``, which computes a prefix that several rows share once and reads it once for all of them
+(docs/how-it-works.md). What a batch computes stays in the store for the batches after it. Each row's result is that
+of ``generate`` on its prompt alone (docs/generate.md, "Many prompts at once"): rows that stop early (an
+end-of-sequence token, a stop string) are cut where that call would have stopped.
 
 Refilling: once half a call's rows have ended and prompts wait, the call ends there; the next call carries the
 rows still going on, each with its tokens so far as its prompt (whose K/V its call published, so only a partial
@@ -30,9 +30,9 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
+from .batches import plan, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
-from .hf.runner import common_length
 from .kv.namespace import transformers_model, user_space
 from .scheduler import Row, Scheduler
 from .store import PrefixStore, as_token_list
@@ -251,63 +251,6 @@ def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
     return list(ids)
 
 
-def plan(
-    rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
-) -> list[list[int]]:
-    """The batches (lists of row indices) in the order to run them: the rows in :func:`_order`, consecutive rows
-    filling batches of at most ``batch_size`` rows and, in a store with a budget, of at most :func:`_room` blocks.
-    A row larger than that goes in a batch of its own. Does not mutate.
-
-    >>> import prefixkv
-    >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
-    >>> plan([[5, 6, 7, 8, 1], [9, 9], [5, 6, 7, 8, 2]], store, batch_size=2, new_tokens=4)
-    [[0, 2], [1]]
-    """
-    room = _room(store)
-    batches: list[list[int]] = []
-    need = 0
-    for i, blocks in _order(rows, store, new_tokens, namespace):
-        if not batches or len(batches[-1]) >= batch_size or (room is not None and need + blocks > room):
-            batches.append([])
-            need = 0
-        batches[-1].append(i)
-        need += blocks
-    return batches
-
-
-def _room(store: PrefixStore) -> int | None:
-    """The most blocks the rows running at once may need, in a store with a budget: half the blocks it holds
-    beside its pins; the other half keeps what was cached before, so that a long job cannot flush a hot prefix by
-    its batches' size alone. In an invariant store half its budget, whatever it holds: its batches, and so its
-    results, must not follow its contents, pins included. ``None`` without a budget. Does not mutate."""
-    if store.max_blocks is None:
-        return None
-    return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2
-
-
-def _order(rows: list[list[int]], store: PrefixStore, new_tokens: int, namespace: str | None) -> list[tuple[int, int]]:
-    """The rows to run, in order, each with the blocks it needs. Rows are sorted by their tokens, so that rows
-    sharing a prefix are consecutive; runs of rows sharing a whole block go together, the run whose prefix the
-    store holds most of first (before other work can evict it; what it holds for user ``namespace``). A row needs
-    its prompt and new tokens, less the whole blocks it reuses from the store or the row before it. In an
-    invariant store neither the order nor the needs count what the store holds. Does not mutate."""
-    bs = store.block_size
-    # an invariant store's results must not depend on what it holds (docs/correctness.md, "Outputs that never
-    # depend on the cache"): its batches do not follow its contents either
-    cached = [0 if store.invariant else store.cached_length(r, store.blocks.space(), namespace=namespace) for r in rows]
-    order = sorted(range(len(rows)), key=lambda i: rows[i])
-    runs: list[list[int]] = []
-    shared = [0] * len(rows)  # tokens, in whole blocks, that row i shares with the row before it in `order`
-    for prev, i in zip([None, *order], order):
-        shared[i] = 0 if prev is None else common_length(rows[prev], rows[i]) // bs * bs
-        if shared[i]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    runs.sort(key=lambda run: -cached[run[0]])  # stable: sorted order among equal hits
-    return [(i, -(-(len(rows[i]) + new_tokens) // bs) - max(cached[i], shared[i]) // bs) for run in runs for i in run]
-
-
 def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
     """The attention mask ``generate`` gives ``prompt`` alone when passed none: 0 where it infers padding from
     the pad token inside the prompt (:func:`prefixkv.enabling.enable` infers the same), else 1. Does not
@@ -419,9 +362,9 @@ def _generate(
                 kwargs["streamer"] = ended  # the bar moves as rows end inside a call, not only when it returns
             work: Iterator[Generation]
             if refill:
-                waiting = _order(rows, built, new_tokens, namespace)[::-1]
+                waiting = row_order(rows, built, new_tokens, namespace)[::-1]
                 scheduler = Scheduler(
-                    run, rows, masks, built, namespace, batch_size, new_tokens, _room(built), eos, stop, waiting
+                    run, rows, masks, built, namespace, batch_size, new_tokens, room(built), eos, stop, waiting
                 )
                 work = map(run.result, scheduler.rows())
             else:

@@ -8,7 +8,6 @@ visible, and tells the pre-hook which forwards are decode steps."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from .. import _compat
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG
 from ..errors import CacheMisuseError
+from ..patching import MethodPatch, SharedPatch, bound_to_copies
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
@@ -93,42 +93,6 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
     ]
 
 
-# -- instance attributes that wrap a method --------------------------------------------------------
-
-
-class _Missing:
-    """No instance attribute was there: one object, in a deep copy of the model too."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Missing:
-        return self
-
-
-_MISSING = _Missing()
-
-
-class MethodPatch:
-    """``model.<name>`` replaced by an instance attribute; :meth:`remove` puts back exactly what was
-    there (usually nothing, so the class's method shows through again)."""
-
-    def __init__(self, model: torch.nn.Module, name: str, replacement: Callable[..., Any]) -> None:
-        self._model, self._name = model, name
-        self._previous = model.__dict__.get(name, _MISSING)
-        setattr(model, name, replacement)
-
-    def remove(self) -> None:
-        if self._previous is _MISSING:
-            delattr(self._model, self._name)
-        else:
-            setattr(self._model, self._name, self._previous)
-
-
-def bound_to_copies(function: Callable[..., Any], *model_args: Any) -> Callable[..., Any]:
-    """``function`` with ``model_args`` (the model, the bound method it wraps) first, as an instance attribute
-    that ``copy.deepcopy`` of the model copies rightly: a partial's arguments are deep-copied, so the copy's gets
-    the copy and the method bound to it (a closure would keep the original's)."""
-    return functools.update_wrapper(functools.partial(function, *model_args), model_args[-1])
-
-
 def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, **kwargs: Any) -> Any:
     """``prepare_inputs_for_generation`` that, at the first step of a call, lets a ``PagedPrefixCache``
     check the call's whole ``input_ids`` against what it holds and choose how many columns to feed."""
@@ -165,7 +129,8 @@ def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs:
 
 
 _PREPARE = "prepare_inputs_for_generation"
-_PREPARE_USERS = "_prefixkv_prepare_users"
+# the wrapper of ``prepare_inputs_for_generation`` that every store on a model shares
+_PREPARE_WRAPPER = SharedPatch("_prefixkv_prepare_users")
 
 
 class _PrepareUser:
@@ -173,28 +138,19 @@ class _PrepareUser:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model: torch.nn.Module | None = model
-        users: tuple[MethodPatch, int, weakref.ref[torch.nn.Module]] | None = model.__dict__.get(_PREPARE_USERS)
-        if users is None:
-            patch = MethodPatch(model, _PREPARE, bound_to_copies(_checking_prepare, getattr(model, _PREPARE)))
-            users = (patch, 0, weakref.ref(model))
-        patch, count, owner = users
-        if owner() is not model:  # a copy.deepcopy of a model with stores: the wrapper is the copy's, no store yet
-            count = 0
-        setattr(model, _PREPARE_USERS, (patch, count + 1, weakref.ref(model)))
+
+        def wrap() -> Callable[[], None]:
+            wrapper = bound_to_copies(_checking_prepare, getattr(model, _PREPARE))
+            return MethodPatch(model, _PREPARE, wrapper).remove
+
+        _PREPARE_WRAPPER.join(model, wrap)
 
     def remove(self) -> None:
         model, self._model = self._model, None
-        if model is None:
-            return
-        patch, count, owner = model.__dict__[_PREPARE_USERS]
-        if count > 1:
-            setattr(model, _PREPARE_USERS, (patch, count - 1, owner))
-            return
-        delattr(model, _PREPARE_USERS)
-        patch.remove()
+        if model is not None:
+            _PREPARE_WRAPPER.leave(model)
 
 
 def has_open_store(model: torch.nn.Module) -> bool:
     """Whether a store is attached to ``model`` itself (a deep copy carries the original's record, not a store)."""
-    users = model.__dict__.get(_PREPARE_USERS)
-    return users is not None and users[2]() is model
+    return _PREPARE_WRAPPER.held(model)

@@ -22,7 +22,7 @@ import torch
 
 from ..enabling import disable as _disable_model
 from ..enabling import enable as _enable_model
-from ..hf.hooks import MethodPatch, bound_to_copies
+from ..patching import MethodPatch, bound_to_copies
 from ..store import PrefixStore
 
 _PATCH = "_prefixkv_trl_patch"

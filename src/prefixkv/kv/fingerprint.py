@@ -151,13 +151,19 @@ def _offloaded_tensor(model: Any, name: str) -> torch.Tensor:
     )
 
 
+def active_adapters(layer: Any) -> list[str]:
+    """The names of the PEFT adapters active on ``layer`` (a tuner layer's ``active_adapter``: one name or a
+    list; what peft's ``BaseTunerLayer.active_adapters`` reads), the one reading of them for the fingerprint
+    and the namespace (:func:`prefixkv.kv.namespace.adapter_space`)."""
+    active = layer.active_adapter
+    return [active] if isinstance(active, str) else list(active)
+
+
 def _adapter_state(model: Any) -> str:
     """Active and disabled PEFT adapters (read from the first tuner layer), or ``""`` without any."""
     for module in model.modules():
-        active = getattr(module, "active_adapter", None)
-        if active is not None and hasattr(module, "disable_adapters"):
-            names = [active] if isinstance(active, str) else list(active)
-            return json.dumps({"active": names, "disabled": bool(module.disable_adapters)})
+        if getattr(module, "active_adapter", None) is not None and hasattr(module, "disable_adapters"):
+            return json.dumps({"active": active_adapters(module), "disabled": bool(module.disable_adapters)})
     return ""
 
 

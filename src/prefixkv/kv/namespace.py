@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .fingerprint import config_state
+from .fingerprint import active_adapters, config_state
 
 # values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
 _SAMPLED = 4
@@ -46,7 +46,7 @@ def adapter_space(tuners: Sequence[Any]) -> Hashable:
         return None
     layer = tuners[0]
     return (
-        tuple(layer.active_adapters),
+        tuple(active_adapters(layer)),
         bool(layer.disable_adapters),
         tuple(getattr(layer, "merged_adapters", ())),
     )

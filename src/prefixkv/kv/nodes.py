@@ -1,0 +1,104 @@
+"""The trie's nodes (:class:`Node`: an edge, its blocks, its lock count), the tokens of a node's path, and the
+root of each namespace (:class:`Roots`). No torch; the tree itself is :class:`prefixkv.kv.trie.RadixTrie`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, ItemsView, Iterator, ValuesView
+
+__all__ = ["Node", "Roots", "path_tokens"]
+
+
+class Node:
+    """One edge of the trie and the node below it. ``start`` is the position of ``tokens[0]``. ``last_access``,
+    ``hits`` and ``retains`` are the eviction policy's (:mod:`prefixkv.kv.eviction`); the trie never reads them."""
+
+    __slots__ = ("alive", "blocks", "children", "hits", "last_access", "lock", "parent", "retains", "start", "tokens")
+
+    def __init__(self, tokens: list[int], start: int, blocks: list[int], parent: Node | None) -> None:
+        self.tokens = tokens
+        self.start = start
+        self.blocks = blocks
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.lock = 0
+        self.last_access = 0
+        self.hits = 0  # lookups that matched into this node, and into its evicted children (see touch())
+        self.retains: Counter[int] = Counter()  # priority -> retains on this node's path (at or below it)
+        self.alive = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Node(start={self.start}, len={len(self.tokens)}, blocks={self.blocks}, lock={self.lock})"
+
+
+def path_tokens(node: Node) -> list[int]:
+    """The tokens from position 0 to the end of ``node``'s edge (also for a node just evicted). Does not
+    mutate."""
+    parts: list[list[int]] = []
+    n: Node | None = node
+    while n is not None:
+        parts.append(n.tokens)
+        n = n.parent
+    return [t for part in reversed(parts) for t in part]
+
+
+class Roots:
+    """The root of each namespace of a trie. A root is made on first use; the root of a namespace (but the
+    default one) that lost its last node is forgotten at the next new root or :meth:`drop_empty`, not at once, so
+    that :meth:`space_of` still names a node just evicted: a namespace per user must not cost memory forever."""
+
+    def __init__(self) -> None:
+        self._roots: dict[Hashable, Node] = {}
+        self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
+        self._emptied: set[Hashable] = set()
+
+    def get(self, space: Hashable) -> Node:
+        """The root of ``space``, made (locked forever) if it has none. Mutates on first use."""
+        root = self._roots.get(space)
+        if root is None:
+            self.drop_empty()
+            root = self._roots[space] = Node([], 0, [], None)
+            root.lock = 1
+            self._spaces[id(root)] = space
+        return root
+
+    def space_of(self, node: Node) -> Hashable:
+        """The namespace ``node`` is in. Does not mutate."""
+        while node.parent is not None:
+            node = node.parent
+        return self._spaces[id(node)]
+
+    def emptied(self, root: Node) -> None:
+        """Note that ``root`` lost its last node. Mutates."""
+        self._emptied.add(self._spaces[id(root)])
+
+    def drop_empty(self) -> None:
+        """Forget the roots of namespaces (but the default one) that hold no node and no lock. Mutates."""
+        for space in self._emptied:
+            root = self._roots.get(space)
+            if root is not None and space is not None and not root.children and root.lock == 1:
+                del self._roots[space]
+                del self._spaces[id(root)]
+        self._emptied.clear()
+
+    def __contains__(self, space: Hashable) -> bool:
+        return space in self._roots
+
+    def __getitem__(self, space: Hashable) -> Node:
+        return self._roots[space]
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._roots)
+
+    def __len__(self) -> int:
+        return len(self._roots)
+
+    def items(self) -> ItemsView[Hashable, Node]:
+        return self._roots.items()
+
+    def values(self) -> ValuesView[Node]:
+        return self._roots.values()
