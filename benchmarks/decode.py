@@ -50,10 +50,12 @@ def decode_ms(
     variant: str,
     store: prefixkv.PrefixStore | None,
     reused: list[int] | None = None,
+    compileable: bool = False,
     **extra: Any,
 ) -> float:
     """Milliseconds per decoded token of one generate call with the ``variant`` cache (``extra``: more generate
-    arguments); prefixkv's cached tokens are appended to ``reused`` when given."""
+    arguments; ``compileable``: prefixkv's cache built with ``compileable=True``); prefixkv's cached tokens are
+    appended to ``reused`` when given."""
     clock = StepClock()
     kwargs: dict[str, Any] = dict(extra)
     cache: Any = None
@@ -63,7 +65,7 @@ def decode_ms(
         kwargs["cache_implementation"] = "static"
     else:
         assert store is not None
-        cache = kwargs["cache"] = prefixkv.PagedPrefixCache(store, ids)
+        cache = kwargs["cache"] = prefixkv.PagedPrefixCache(store, ids, compileable=compileable)
     model.generate(
         ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=clock, pad_token_id=0, **kwargs
     )

@@ -15,7 +15,9 @@ on a machine with CUDA:
    bfloat16, and 16 rows on a shared 2048-token prefix; and how long planning one step's reads takes;
 4. milliseconds per new token of ``generate``: ``DynamicCache``, ``StaticCache``, ``StaticCache`` under
    ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64, the default backend and
-   ``attention="flex"``) on the ~100M model (float32, bfloat16) and the ~1.5B model with random weights (bfloat16);
+   ``attention="flex"``; on the 1.5B model also ``PagedPrefixCache(..., compileable=True)`` under ``generate``'s
+   own compile, CUDA graphs through ``mode="reduce-overhead"``) on the ~100M model (float32, bfloat16) and the
+   ~1.5B model with random weights (bfloat16);
 5. time to the first token on a warm 2048-token prefix against stock.
 
 prefixkv's ``generate`` on CUDA runs the gather by default (``attention="auto"``) until these numbers show the
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from _common import machine, save, table, tokens
 from decode import batch_ids, decode_ms
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache
 
 import prefixkv
 from prefixkv import models
@@ -404,21 +406,33 @@ def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
 
 
 def generate_case(
-    model: Any, ids: torch.Tensor, sizes: Sizes, stores: dict[str, prefixkv.PrefixStore], with_compile: bool
+    model: Any,
+    ids: torch.Tensor,
+    sizes: Sizes,
+    stores: dict[str, prefixkv.PrefixStore],
+    with_compile: bool,
+    compile_config: CompileConfig | None = None,
 ) -> dict[str, float]:
-    """The fastest of ``min(repeat, 2)`` calls per cache, taking turns; ``with_compile``: also ``StaticCache`` under
-    transformers' default ``torch.compile`` (inductor with CUDA graphs)."""
+    """The fastest of ``min(repeat, 2)`` calls per cache, taking turns; ``with_compile``: also ``StaticCache`` and
+    prefixkv's compileable cache (``compileable=True``, the gather's and the blocks' stores) under transformers'
+    default ``torch.compile`` of the decode steps (inductor with CUDA graphs, ``mode="reduce-overhead"``), or under
+    ``compile_config``."""
+    compiling = {} if compile_config is None else {"compile_config": compile_config}
     new, any_store = sizes.new_tokens, next(iter(stores.values()))
     variants: dict[str, Callable[[], float]] = {
         "dynamic": lambda: decode_ms(model, ids, new, "dynamic", any_store, disable_compile=True),
         "static": lambda: decode_ms(model, ids, new, "static", any_store, disable_compile=True),
     }
     if with_compile:
-        variants["static compiled"] = lambda: decode_ms(model, ids, new, "static", any_store)
+        variants["static compiled"] = lambda: decode_ms(model, ids, new, "static", any_store, **compiling)
     for label, store in stores.items():
         variants[f"prefixkv {label}"] = lambda store=store: decode_ms(
             model, ids, new, "prefixkv", store, disable_compile=True
         )  # type: ignore[misc]
+        if with_compile and not label.startswith("flex"):
+            variants[f"prefixkv {label} compiled"] = lambda store=store: decode_ms(
+                model, ids, new, "prefixkv", store, compileable=True, **compiling
+            )  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(min(sizes.repeat, 2)):
         for variant, fn in variants.items():
@@ -430,8 +444,11 @@ def generate_case(
 
 def generate_speed(device: str, sizes: Sizes) -> list[list[Any]]:
     """ms per new token of ``generate`` with each cache, on each model of this device."""
-    if device == "cpu":  # the smoke leaves out StaticCache under torch.compile: compiling takes minutes on a CPU
-        todo: list[tuple[str, Callable[[], Any], bool]] = [("tiny", lambda: models.tiny_model("llama"), False)]
+    config = None
+    if device == "cpu":  # the smoke compiles with dynamo alone: inductor takes minutes on a CPU
+        todo: list[tuple[str, Callable[[], Any], bool]] = [("tiny", lambda: models.tiny_model("llama"), True)]
+        config = CompileConfig(backend="eager", mode=None)
+        config._compile_all_devices = True
     else:
         todo = [
             ("100M", lambda: models.bench_model().to(device), False),
@@ -452,7 +469,10 @@ def generate_speed(device: str, sizes: Sizes) -> list[list[Any]]:
             ids = batch_ids(prompt, batch, shared, model.config.vocab_size, seed=7).to(device)
             # StaticCache under torch.compile compiles per shape (a minute each on the 1.5B model): the targets' cases
             targeted = (prompt, batch) in ((min(sizes.prompts), 1), (max(sizes.prompts), 8)) or shared > 0
-            best = generate_case(model, ids, sizes, stores, with_compile and targeted)
+            # every compiled variant shares the model's one compiled call: each cache class and shape is a
+            # recompile of it, past dynamo's default limit of 8
+            with torch._dynamo.config.patch(recompile_limit=64):
+                best = generate_case(model, ids, sizes, stores, with_compile and targeted, config)
             for variant, ms in best.items():
                 ratio = f"{ms / best['dynamic']:.2f}"
                 rows.append([name, dtype, prompt, batch, shared or "-", variant, f"{ms:.2f}", ratio])
