@@ -181,7 +181,7 @@ WITHIN = {
     "base": ["errors", "memory", "stats", "display", "_compat", "patching"],
     "kv": [
         *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
-        *("kv.fingerprint", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
+        *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
     ],
     "attention": [
         *("attention.reads", "attention.static", "attention.kernels", "attention.interface", "attention.planner"),

@@ -686,7 +686,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from prefixkv.kv import persist
+    from prefixkv.kv import prefix_file
 
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = _prompt(99)
@@ -697,7 +697,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
         meta = dict(f.metadata())
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     tensors["k.1"][0, 0, 0, 0] = float("nan")
-    meta["checksum"] = persist.checksum(tensors, meta)
+    meta["checksum"] = prefix_file.checksum(tensors, meta)
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(PersistError, match="non-finite"):
         prefixkv.PrefixStore.load(path, model)
