@@ -194,6 +194,7 @@ WITHIN = {
         "enabling",
         "scheduler",
         "batches",
+        "arguments",
         "many",
         "score",
         "integrations.lm_eval",
