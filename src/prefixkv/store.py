@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import _compat, display
+from . import _compat, _compat_generate, display
 from .attention import interface, registry
 from .errors import CacheMisuseError, PersistError
 from .hf.hooks import attach_hooks, plan_chunked_prompt
@@ -170,7 +170,7 @@ class PrefixStore:
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
-        _compat.install_generation_patches(plan_chunked_prompt)
+        _compat_generate.install_generation_patches(plan_chunked_prompt)
         self.model = model
         shape = attention_shape(model.config)
         model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
