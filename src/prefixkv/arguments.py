@@ -33,10 +33,10 @@ _REFUSED = {
 }
 
 
-def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:
-    """The settings of ``generate_kwargs`` (:func:`generation_settings`); ``ValueError`` with the reason for what a
-    padded batch of several prompts cannot honour (``_REFUSED`` keywords, :func:`_refused_setting`, logits or
-    scores per beam). Does not mutate."""
+def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` with the reason where ``generate_kwargs`` (read as :func:`generation_settings` reads
+    them) ask for what a padded batch of several prompts cannot honour (``_REFUSED`` keywords,
+    :func:`_refused_setting`, logits or scores per beam). Does not mutate."""
     for key, why in _REFUSED.items():
         if key in generate_kwargs:
             raise ValueError(f"generate_many() does not take {key}=: {why}")
@@ -47,7 +47,6 @@ def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> Genera
     beams = settings.num_beams or 1
     if beams > 1 and (settings.output_logits or settings.output_scores):
         raise ValueError(f"with num_beams={beams}, logits and scores are per beam, not per prompt; call generate")
-    return settings
 
 
 def generation_settings(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:
