@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 import prefixkv
-from prefixkv import _compat
+from prefixkv import _compat, _compat_generate
 
 TOL = 1e-6  # float64
 PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
@@ -338,10 +338,10 @@ def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
         model(ids[:, :held], **{_compat.GENERATE_CACHE_KWARG: cache})
     kwargs = _first_step_kwargs(model, ids, cache)
     width = ids.shape[1]
-    assert _compat.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
+    assert _compat_generate.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
     for fed in (1, width - held, width - held + 5, width):  # the cache keeps fewer columns, or more
         step = dict(kwargs)
-        _compat.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
+        _compat_generate.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
         inputs = type(model).prepare_inputs_for_generation(model, ids, **step)
         assert torch.equal(inputs["input_ids"], ids[:, -fed:]), fed
         for name in ("cache_position", "position_ids"):  # where the release passes them to the model
@@ -358,7 +358,7 @@ def test_a_calls_first_step_is_known() -> None:
         ids = torch.arange(3, 23)[None]
         with prefixkv.PagedPrefixCache(store, ids) as cache:
             kwargs = _first_step_kwargs(model, ids, cache)
-            assert _compat.generate_step(kwargs, cache, ids).first is True
+            assert _compat_generate.generate_step(kwargs, cache, ids).first is True
     finally:
         store.close()
 

@@ -450,6 +450,9 @@ def test_a_deep_copy_of_an_enabled_model_generates_stock() -> None:
     own = prefixkv.enable(twin, block_size=4)  # a copy can have a store of its own
     assert own is not store and diff(twin.generate(ids, **RUN), stock(ref, ids)) <= 1e-6
     prefixkv.disable(twin)
+    # the copy's own store was the last user of the copy's attention switch: it leaves no trace there (it kept the
+    # copied count, and the copy on prefixkv attention, before the switch was a SharedPatch)
+    assert twin.config._attn_implementation == "sdpa" and not any(k.startswith("_prefixkv") for k in vars(twin))
     prefixkv.disable(model)
     assert store.closed
 

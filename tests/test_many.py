@@ -387,7 +387,7 @@ def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
     """Beam search and processors that count from the start of a call (min_new_tokens, ...) cannot carry a row
     on: refill=True says why, and the default runs such calls in whole batches (each row still as alone)."""
     prompts = workload(1, 3)
-    refusal = prefixkv.many.refill_refusal
+    refusal = prefixkv.arguments.refill_refusal
     assert refusal(llama64, dict(do_sample=True, repetition_penalty=1.2, guidance_scale=1, eos_token_id=0)) is None
     for key, value in (("forced_eos_token_id", 0), ("forced_bos_token_id", 1), ("guidance_scale", 1.5)):
         assert refusal(llama64, {key: value}) == f"{key}={value!r}: it counts from the start of one call"

@@ -69,7 +69,7 @@ def test_a_generation_config_is_read_as_generate_reads_it(llama64: Any) -> None:
     beams = GenerationConfig(max_new_tokens=5, num_beams=2, do_sample=False, eos_token_id=eos)
     with pytest.raises(ValueError, match="cannot refill a batch with num_beams=2"):
         prefixkv.generate_many(llama64, prompts, generation_config=beams, refill=True, progress=False)
-    assert prefixkv.many.refill_refusal(llama64, dict(generation_config=beams)) is not None
+    assert prefixkv.arguments.refill_refusal(llama64, dict(generation_config=beams)) is not None
     searched = prefixkv.generate_many(llama64, prompts, generation_config=beams, batch_size=3, progress=False)
     for g in searched:
         ref = stock(llama64, g.prompt, generation_config=beams)

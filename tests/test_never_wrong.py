@@ -530,6 +530,28 @@ def test_peft_enable(model: Any) -> None:
     prefixkv.disable(wrapped)
 
 
+@PEFT_WARNINGS
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known bug (issue 34): the fingerprint finds a PeftModel itself as its adapter layer, whose forwarded "
+    "disable_adapters is transformers' method (always true), so it cannot tell disabled adapters from enabled ones",
+)
+def test_a_file_saved_with_the_adapters_disabled_does_not_load_with_them_enabled(model: Any, tmp_path: Any) -> None:
+    """K/V computed without the adapter are refused where the adapter is on (they gave logits 0.71 off)."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False)
+    )
+    store = prefixkv.PrefixStore(wrapped, block_size=4)
+    path = tmp_path / "p.safetensors"
+    with wrapped.disable_adapter():
+        store.warm([_prompt(73)[0]], progress=False)
+        store.save(path)
+    store.close()
+    with pytest.raises(PersistError, match="fingerprint"):
+        prefixkv.PrefixStore.load(path, wrapped).close()
+
+
 @pytest.mark.parametrize(
     "rope",
     [
@@ -686,7 +708,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from prefixkv.kv import persist
+    from prefixkv.kv import prefix_file
 
     store = prefixkv.PrefixStore(model, block_size=4)
     ids = _prompt(99)
@@ -697,7 +719,7 @@ def test_non_finite_blocks_are_refused_on_load(model: Any, tmp_path: Any) -> Non
         meta = dict(f.metadata())
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     tensors["k.1"][0, 0, 0, 0] = float("nan")
-    meta["checksum"] = persist.checksum(tensors, meta)
+    meta["checksum"] = prefix_file.checksum(tensors, meta)
     save_file(tensors, str(path), metadata=meta)
     with pytest.raises(PersistError, match="non-finite"):
         prefixkv.PrefixStore.load(path, model)

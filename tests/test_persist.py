@@ -14,7 +14,7 @@ from conftest import compare, random_tokens
 import prefixkv
 from prefixkv import CacheMisuseError, CapacityError, PersistError
 from prefixkv.kv.fingerprint import fingerprint
-from prefixkv.kv.persist import FORMAT_VERSION
+from prefixkv.kv.prefix_file import FORMAT_VERSION
 
 TOL = 1e-6
 BS = 4
@@ -183,7 +183,7 @@ def test_a_well_checksummed_but_malformed_trie_is_refused(saved: Path, tmp_path:
     """A file made by hand with a valid checksum still cannot corrupt a store."""
     from safetensors.torch import load_file, save_file
 
-    from prefixkv.kv.persist import checksum, read
+    from prefixkv.kv.prefix_file import checksum, read
 
     tensors, meta = load_file(saved), read(saved).meta
     breakages = {

@@ -20,43 +20,27 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import torch
 from transformers import GenerationConfig, StopStringCriteria
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
+from .arguments import Prompt, check_generate_kwargs, generation_settings, prompt_ids, refill_refusal
 from .batches import plan, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
-from .kv.namespace import transformers_model, user_space
+from .kv.namespace import user_space
 from .scheduler import Row, Scheduler
-from .store import PrefixStore, as_token_list
+from .store import PrefixStore
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
 else:  # tqdm.auto without ipywidgets warns in a notebook ("IProgress not found"): the text bar works everywhere
     from tqdm import tqdm
-
-Prompt = Sequence[int] | torch.Tensor | str | Sequence[Mapping[str, Any]]
-
-# keywords that describe one call's inputs or its stopping in a way a padded batch of several prompts cannot keep
-_REFUSED = {
-    "input_ids": "pass the prompts as the second argument",
-    "inputs": "pass the prompts as the second argument",
-    "attention_mask": "each prompt is padded by generate_many",
-    "inputs_embeds": "generate_many takes token ids, text or chat messages",
-    "cache": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
-    "past_key_values": "generate_many makes one PagedPrefixCache per batch; pass store= instead",
-    "max_length": "it counts the padded prompt; use max_new_tokens",
-    "stopping_criteria": "a row's stopping point could not be told from the batch; use eos_token_id or stop_strings",
-    "streamer": "a streamer gets the tokens of the whole batch; use stream=True for results as batches finish",
-    "assistant_model": "transformers runs assisted decoding on one prompt a call; call model.generate per prompt",
-}
 
 
 @dataclass(frozen=True)
@@ -128,15 +112,16 @@ def generate_many(
     closes it after; pass one to keep the prefixes for later calls. At most ``batch_size`` rows go in one
     ``generate`` call, and with a store that has a budget (``max_memory=``) at most half its blocks: on a large
     model, give the store a budget or lower ``batch_size`` (each row holds its own tokens' K/V beside the shared
-    prefix). ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done
-    and refills it with waiting prompts, the other rows carrying on from the store (:func:`refill_refusal` says
-    which arguments do not allow it; ``refill=True`` with them raises ``ValueError``); ``refill=False`` runs each
-    batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
+    prefix). ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done and refills
+    it with waiting prompts, the other rows carrying on from the store (:func:`prefixkv.arguments.refill_refusal`
+    says which arguments do not allow it; ``refill=True`` with them raises ``ValueError``); ``refill=False`` runs
+    each batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
     ``stream=True``, an iterator that yields them as each ends (``index`` says which prompt). A ``tqdm`` progress
     bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
     reuse and publish only its K/V. ``generate_kwargs`` (a ``generation_config=`` too) are read as ``generate``
-    reads them (:func:`generation_settings`); what a padded batch cannot honour (``use_cache=False``, assisted
-    decoding, ``max_length``, ...) raises ``ValueError`` with the reason, before anything runs. Mutates the store.
+    reads them (:func:`prefixkv.arguments.generation_settings`); what a padded batch cannot honour
+    (``use_cache=False``, assisted decoding, ``max_length``, ...) raises ``ValueError`` with the reason, before
+    anything runs. Mutates the store.
 
     Every row equals ``generate`` on its prompt alone (with the attention mask ``generate`` infers from a pad
     token inside it): in float64 the same tokens and logits within 1e-6, for greedy and beam search. Sampling
@@ -152,16 +137,7 @@ def generate_many(
     >>> [len(g.tokens) for g in out], [g.cached_tokens for g in out]  # the prefix computed once, for row 1
     ([4, 4], [31, 0])
     """
-    for key, why in _REFUSED.items():
-        if key in generate_kwargs:
-            raise ValueError(f"generate_many() does not take {key}=: {why}")
-    settings = generation_settings(model, generate_kwargs)
-    refused = _refused_setting(settings)
-    if refused is not None:
-        raise ValueError(f"generate_many() does not take {refused}")
-    beams = settings.num_beams or 1
-    if beams > 1 and (settings.output_logits or settings.output_scores):
-        raise ValueError(f"with num_beams={beams}, logits and scores are per beam, not per prompt; call generate")
+    check_generate_kwargs(model, generate_kwargs)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
@@ -169,7 +145,7 @@ def generate_many(
     refusal = refill_refusal(model, generate_kwargs, store)
     if refill and refusal is not None:
         raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
-    rows = [_prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
+    rows = [prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
     user_space(namespace, None)  # a wrong name fails before anything runs
     results = _generate(
         model,
@@ -185,70 +161,6 @@ def generate_many(
     if stream:
         return results
     return sorted(results, key=lambda g: g.index)
-
-
-def generation_settings(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:
-    """The settings a ``model.generate(ids, **generate_kwargs)`` call runs with: its ``generation_config=`` (or
-    none), the model's ``generation_config`` and the keywords, merged by transformers' own
-    ``_prepare_generation_config`` (keywords first, then the passed config, then the model's). Does not mutate."""
-    kwargs = dict(generate_kwargs)
-    passed = kwargs.pop("generation_config", None)
-    config: GenerationConfig = transformers_model(model)._prepare_generation_config(passed, **kwargs)[0]
-    return config
-
-
-def _refused_setting(settings: GenerationConfig) -> str | None:
-    """Why ``generate_many`` cannot run these settings (from keywords or a ``generation_config``), or ``None``.
-    Does not mutate."""
-    if (settings.num_return_sequences or 1) != 1:
-        return (
-            f"num_return_sequences={settings.num_return_sequences}: it returns one sequence per prompt; repeat the "
-            "prompt in the list instead"
-        )
-    if settings.min_length:
-        return f"min_length={settings.min_length}: it counts the padded prompt; use min_new_tokens"
-    if settings.use_cache is False:
-        return (
-            "use_cache=False: every batch computes with a PagedPrefixCache of the store, and without a cache "
-            "generate would recompute each step otherwise; drop it, or call model.generate per prompt"
-        )
-    if settings.get_generation_mode() == GenerationMode.ASSISTED_GENERATION:
-        return (
-            "assisted decoding (prompt_lookup_num_tokens=, assistant_early_exit=, ...): transformers runs it on one "
-            "prompt a call; call model.generate per prompt"
-        )
-    return None
-
-
-def _prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
-    """The token ids of one prompt; ``ValueError`` for anything that is not token ids, text or chat messages
-    (ids are never truncated: a float or a bool is refused). Does not mutate."""
-    if isinstance(prompt, torch.Tensor) and prompt.dim() != 1:
-        raise ValueError(f"prompt {index} is a tensor of shape {tuple(prompt.shape)}; pass 1-D token ids")
-    if isinstance(prompt, str) or (
-        isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)
-    ):
-        if tokenizer is None:
-            raise ValueError(f"prompt {index} is text or chat messages: pass tokenizer= to encode it")
-        if isinstance(prompt, str):
-            ids = tokenizer(prompt)["input_ids"]
-        else:
-            chat = tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True
-            )
-            ids = chat["input_ids"]
-    elif isinstance(prompt, (Mapping, bytes)) or not isinstance(prompt, Iterable):
-        raise ValueError(
-            f"prompt {index} is a {type(prompt).__name__}: pass token ids, text or a list of chat messages"
-        )
-    else:
-        try:
-            ids = as_token_list(prompt if isinstance(prompt, torch.Tensor) else list[Any](prompt))
-        except ValueError as e:
-            raise ValueError(f"prompt {index}: {e}") from None
-    if not ids:
-        raise ValueError(f"prompt {index} has no tokens; every prompt needs at least one")
-    return list(ids)
 
 
 def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
@@ -282,41 +194,6 @@ def _stop_length(prompt: list[int], new: list[int], eos: set[int], stop: StopStr
         hit = next((t for t in range(1, n + 1) if bool(stop(seq[:, : len(prompt) + t], None)[0])), None)
         stopped, n = (True, hit) if hit is not None else (stopped, n)
     return n, stopped
-
-
-# the keywords with which a row cannot go on in a later call as if it were one call: their logits processors
-# count from the start of the call (or to max_length), keep state across steps, or run other models: refused when
-# set at all (_SET) or when not empty or zero (_COUNTING); guidance_scale when not 1
-_SET = ("forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty", "watermarking_config")
-_COUNTING = (
-    "min_length",
-    "min_new_tokens",
-    "begin_suppress_tokens",
-    "logits_processor",
-    "constraints",
-    "force_words_ids",
-)
-
-
-def refill_refusal(model: Any, generate_kwargs: dict[str, Any], store: PrefixStore | None = None) -> str | None:
-    """Why the rows of these ``generate`` arguments (over ``store``) cannot be refilled
-    (``generate_many(refill=...)``), or ``None``. A row goes on in a later call with its tokens so far as its
-    prompt: that is the same computation for greedy decoding and sampling with processors that only look at the
-    tokens, not for beam search or processors that count from the start of the call. An invariant store refills
-    too: which prompts join a call then follows the prompts alone (``Scheduler.uncached``). Does not mutate."""
-    settings = generation_settings(model, generate_kwargs)
-    beams = settings.num_beams or 1
-    if beams > 1:
-        return f"num_beams={beams}: a beam search keeps its beams within one call"
-    for key in (*_SET, *_COUNTING, "guidance_scale"):
-        value = getattr(settings, key) if hasattr(settings, key) else generate_kwargs.get(key)
-        if (
-            (key in _SET and value is not None)
-            or (key in _COUNTING and value)
-            or (key == "guidance_scale" and value not in (None, 1))
-        ):
-            return f"{key}={value!r}: it counts from the start of one call"
-    return None
 
 
 def _generate(

@@ -2,9 +2,9 @@
 
 A :class:`MethodPatch` replaces a method by an instance attribute and puts back exactly what was there. A
 :class:`SharedPatch` is a change that several users share (every store on a model shares one wrapper of
-``prepare_inputs_for_generation``): kept on the model under one attribute with its count of users, made by the
-first to join and undone by the last to leave. Its record names the model it was made on, so a
-``copy.deepcopy`` of the model, which copies the record (and the change), starts with no users."""
+``prepare_inputs_for_generation`` and one switch to prefixkv's attention): kept on the model under one attribute
+with its count of users, made by the first to join and undone by the last to leave. Its record names the model it
+was made on, so a ``copy.deepcopy`` of the model, which copies the record (and the change), starts with no users."""
 
 from __future__ import annotations
 

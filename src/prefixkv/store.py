@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import _compat, display
+from . import _compat, _compat_generate, display
 from .attention import interface, registry
 from .errors import CacheMisuseError, PersistError
 from .hf.hooks import attach_hooks, plan_chunked_prompt
 from .hf.parts import StoreSettings
 from .hf.runner import ModelRunner
 from .hf.support import check_supported
-from .kv import persist
+from .kv import persist, prefix_file
 from .kv.blocks import BlockManager
 from .kv.fingerprint import fingerprint
 from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
@@ -170,7 +170,7 @@ class PrefixStore:
         if offload is None and (max_offload_memory is not None or offload_dir is not None):
             raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
         check_supported(model)
-        _compat.install_generation_patches(plan_chunked_prompt)
+        _compat_generate.install_generation_patches(plan_chunked_prompt)
         self.model = model
         shape = attention_shape(model.config)
         model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
@@ -389,7 +389,7 @@ class PrefixStore:
         """A new store for ``model`` holding the prefixes saved at ``path`` (``kwargs`` as for
         ``PrefixStore``; block size and dtype default to the file's). Raises :class:`PersistError` for a
         truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
-        file = persist.read(path)
+        file = prefix_file.read(path)
         kwargs.setdefault("block_size", file.block_size)
         kwargs["dtype"] = kwargs.get("dtype") or file.dtype
         kwargs.setdefault("kv_dtype", file.kv_dtype)
@@ -397,7 +397,7 @@ class PrefixStore:
             kwargs.setdefault("invariant", True)
             kwargs.setdefault("chunk_size", int(file.meta["chunk_size"]))
         model_dtype = getattr(model, "dtype", torch.float32)
-        persist.check_compatible(
+        prefix_file.check_compatible(
             file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
         )
         store = cls(model, **kwargs)
@@ -422,8 +422,10 @@ class PrefixStore:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
-        file = persist.read(path)
-        persist.check_compatible(file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
+        file = prefix_file.read(path)
+        prefix_file.check_compatible(
+            file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype
+        )
         _check_schedule(self.chunk_size, file, path)
         return self.blocks.room.add_file(file, self.blocks.space())
 
@@ -511,7 +513,7 @@ def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
 
 
 def _file_meta(
-    store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = persist.FORMAT
+    store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = prefix_file.FORMAT
 ) -> dict[str, str]:
     """The metadata of a file of ``store``'s K/V (:func:`prefixkv.kv.persist.store_meta`) and, for an invariant
     store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
@@ -522,7 +524,7 @@ def _file_meta(
     return meta
 
 
-def _check_schedule(chunk_size: int | None, file: persist.PrefixFile, path: str | os.PathLike[str]) -> None:
+def _check_schedule(chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]) -> None:
     """Refuse a file whose K/V were computed in another prefill schedule than ``chunk_size``'s. Does not mutate."""
     theirs = file.meta.get("chunk_size")
     if theirs != (None if chunk_size is None else str(chunk_size)):

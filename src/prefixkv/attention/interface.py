@@ -19,6 +19,7 @@ docs/architectures.md lists the path of each family.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -28,13 +29,16 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..patching import SharedPatch
 from . import kernels, reads
 from .reads import AttentionCall, ForwardReads
 from .static import STEP_KWARG
 
 NAME = "prefixkv"
 _BASE = "_prefixkv_base_attn"
-_USERS = "_prefixkv_attention_users"
+# the switch to this attention, shared by every store on a model; a deep copy of the model carries the switch, not
+# its users
+_SWITCH = SharedPatch("_prefixkv_attention_users")
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -159,33 +163,37 @@ AttentionMaskInterface.register(NAME, prefixkv_mask)
 
 def install(model: Any) -> bool:
     """Switch ``model`` to ``prefixkv`` attention if it uses ``sdpa`` through ``AttentionInterface``; count
-    the stores using it. Mutates the model's config. Returns whether the model runs ``prefixkv`` attention.
+    the stores using it (one :class:`prefixkv.patching.SharedPatch`, as every change prefixkv shares on a model).
+    Mutates the model's config. Returns whether the model runs ``prefixkv`` attention.
 
     Models whose attention code does not look its function up by name (Falcon, Bloom: transformers'
     ``is_backend_compatible()`` is false) keep their implementation and are served through ``update``."""
-    config = model.config
-    current = config._attn_implementation
-    if current == NAME:
-        setattr(model, _USERS, getattr(model, _USERS, 0) + 1)
-        return True
-    if current != "sdpa" or not model.is_backend_compatible():
+    current = model.config._attn_implementation
+    if current != NAME and (current != "sdpa" or not model.is_backend_compatible()):
         return False
-    setattr(config, _BASE, current)
-    model.set_attn_implementation(NAME)
-    setattr(model, _USERS, 1)
+    _SWITCH.join(model, lambda: _switch(model))
     return True
 
 
-def uninstall(model: Any) -> None:
-    """Undo one :func:`install`; the last store to leave restores the original implementation."""
-    users = getattr(model, _USERS, 0)
-    if users <= 0:
-        return
-    if users > 1:
-        setattr(model, _USERS, users - 1)
-        return
-    delattr(model, _USERS)  # leave no trace on the model (prefixkv.disable restores it exactly)
+def _switch(model: Any) -> Callable[[], None]:
+    """Switch ``model`` to ``prefixkv`` attention, unless it runs it already (a deep copy of a model with a store
+    carries the switch), and return what switches it back. Mutates the model's config."""
+    config = model.config
+    if config._attn_implementation != NAME:
+        setattr(config, _BASE, config._attn_implementation)
+        model.set_attn_implementation(NAME)
+    return functools.partial(_switch_back, model)  # a partial: a deep copy's switches the copy back
+
+
+def _switch_back(model: Any) -> None:
     model.set_attn_implementation(_base(model.config))
+
+
+def uninstall(model: Any) -> None:
+    """Undo one :func:`install`; the last store to leave restores the original implementation and leaves no
+    trace on the model (prefixkv.disable restores it exactly). Mutates the model's config."""
+    if _SWITCH.held(model):
+        _SWITCH.leave(model)
 
 
 # device types whose pools attention reads in place. On CUDA, reading row by row costs a kernel launch per part

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .. import _compat_generate
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG
 from ..errors import CacheMisuseError
@@ -99,9 +99,9 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     cache = paged_cache(kwargs)
     if cache is None or args or not isinstance(input_ids, torch.Tensor):
         return original(input_ids, *args, **kwargs)
-    step = _compat.generate_step(kwargs, cache, input_ids)
+    step = _compat_generate.generate_step(kwargs, cache, input_ids)
     length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
-    _compat.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
+    _compat_generate.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
     inputs = original(input_ids, *args, **kwargs)
     if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
         raise CacheMisuseError(
@@ -122,7 +122,7 @@ def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs:
     """Before ``generate`` on ``model`` cuts ``input_ids`` into the chunks of a chunked prefill (by the columns the
     cache holds, read before any ``prepare_inputs_for_generation``): let a ``PagedPrefixCache`` of a store on
     ``model`` fit its reuse to the whole prompt and mask, which no chunk shows (the ``_prefill`` wrapper of
-    :func:`prefixkv._compat.install_generation_patches` calls this). Mutates the cache."""
+    :func:`prefixkv._compat_generate.install_generation_patches` calls this). Mutates the cache."""
     cache = paged_cache(kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
         plan_prompt(cache, input_ids, kwargs)

@@ -22,6 +22,7 @@ from . import persist
 from .allocator import BlockAllocator
 from .namespace import WeightsChanged
 from .pool import BlockPool
+from .prefix_file import PrefixFile
 from .tier import OffloadTier, chunk_keys
 from .trie import Node, RadixTrie, path_tokens
 
@@ -151,7 +152,7 @@ class Room:
             tensors.update(bm.pool.read_blocks(blocks))
             return Export(nodes, tensors, blocks)
 
-    def add_file(self, file: persist.PrefixFile, space: Hashable) -> persist.PersistStats:
+    def add_file(self, file: PrefixFile, space: Hashable) -> persist.PersistStats:
         """Insert the file's paths in namespace ``space``; copy in only the blocks of positions the store lacks.
         Mutates, or raises :class:`CapacityError` before any change when the budget cannot make room."""
         bm = self._blocks

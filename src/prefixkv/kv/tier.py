@@ -11,7 +11,7 @@ budget, least recently used first out.
 Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU
 runs asynchronously with compute); ``"disk"`` writes one safetensors file per block into a directory and
 reads it back memory-mapped. A disk file is written under a temporary name and renamed when whole, and
-carries the metadata and checksum of :mod:`prefixkv.kv.persist`: a write cut short by a crash leaves only a
+carries the metadata and checksum of :mod:`prefixkv.kv.prefix_file`: a write cut short by a crash leaves only a
 temporary file, which is never read; a file whose checksum fails is dropped with a warning.
 
 A directory may be shared (two workers, two models of one shape, a plain and an int8 store): a file's name
@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 
 from ..stats import TierStats
-from . import persist
+from . import persist, prefix_file
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
@@ -176,7 +176,7 @@ class OffloadTier:
         try:
             if self.directory is not None:
                 meta = {**self.meta, "key": key, "namespace": space}
-                meta["checksum"] = persist.checksum(tensors, meta)
+                meta["checksum"] = prefix_file.checksum(tensors, meta)
                 persist.write_atomically(self.path(key), tensors, meta)
                 size = self.path(key).stat().st_size
             else:
@@ -216,7 +216,7 @@ class OffloadTier:
         except Exception as e:  # safetensors raises its own error type for every malformed file
             self._refuse(key, f"is unreadable ({e})")
             return None
-        if meta.get("checksum") != persist.checksum(tensors, meta) or meta.get("key") != key:
+        if meta.get("checksum") != prefix_file.checksum(tensors, meta) or meta.get("key") != key:
             self._refuse(key, "fails its checksum")
             return None
         if _identity(meta) != self.meta or meta.get("namespace", "") != space:

@@ -1,0 +1,283 @@
+"""A prefix file of :mod:`prefixkv.kv.persist` read back and checked: its format, :func:`read` and
+:func:`check_compatible`.
+
+The file holds, per attention layer, K and V of the saved blocks only (``k.{layer}``, ``v.{layer}``,
+``[blocks, block_size, kv_heads, head_dim]``, renumbered ``0..blocks-1``), and the trie as integer
+tensors, nodes listed parents first:
+
+- ``trie.parent``: ``[nodes]``, the index of each node's parent, ``-1`` under the root;
+- ``trie.length``, ``trie.tokens``: each node's edge length, and all edges' token ids end to end;
+- ``trie.num_blocks``, ``trie.blocks``: how many blocks each node keeps (one per ``block_size`` chunk its
+  edge touches), and those file block indices end to end.
+
+The string metadata records the format and its version, the block size, the pool's and the model's
+dtypes, the layer and head shapes, a fingerprint of the model (:func:`prefixkv.kv.fingerprint.fingerprint`) and a
+sha256 over all of the above (:func:`checksum`: every tensor's name, dtype, shape and bytes, and every other
+metadata entry). A file is fully read and checked before a store is touched, so a refused file leaves the store as
+it was. This module only reads; writing is :mod:`prefixkv.kv.persist`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from ..errors import PersistError
+from ..memory import attention_shape
+from .fingerprint import fingerprint, tensor_bytes
+from .quantization import KV_DTYPES, SCALE_DTYPE, code_dtype
+
+FORMAT = "prefixkv.prefixes"
+FORMAT_VERSION = 3  # 3: codes of head vectors turned with exact sums (2: turned by a matmul; 1: a scale per block)
+TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
+
+PathLike = str | os.PathLike[str]
+
+
+class PrefixFile(NamedTuple):
+    """A file read and verified by :func:`read`: its metadata, each saved leaf's whole path as
+    ``(tokens, table)`` with ``table`` indexing the blocks, and per layer K/V of those blocks."""
+
+    meta: dict[str, str]
+    block_size: int
+    dtype: torch.dtype
+    model_dtype: torch.dtype
+    paths: list[tuple[list[int], list[int]]]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    kv_dtype: str | None = None
+    scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
+
+
+# -- read and verify -------------------------------------------------------------------------------------
+
+
+def read(path: PathLike) -> PrefixFile:
+    """Read a prefix file and verify its format version, checksum and structure. Raises
+    :class:`PersistError` saying what is wrong; ``FileNotFoundError`` if there is no file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prefix file at {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    except Exception as e:  # safetensors raises its own error type for every malformed file
+        raise PersistError(
+            f"{path} is not a readable safetensors file (truncated or corrupted?): {e}. Save the prefixes again"
+        ) from e
+    if meta.get("format") != FORMAT:
+        raise PersistError(f"{path} is a safetensors file but not a prefixkv prefix file (no format={FORMAT!r})")
+    version = _int(meta, "format_version", path)
+    if version > FORMAT_VERSION:
+        raise PersistError(
+            f"{path} has format version {version}, written by a newer prefixkv; this one reads versions up to "
+            f"{FORMAT_VERSION}. Upgrade prefixkv to load it"
+        )
+    if version < 1:
+        raise PersistError(f"{path} has format version {version}, which no prefixkv writes; the file is corrupted")
+    if meta.get("checksum") != checksum(tensors, meta):
+        raise PersistError(
+            f"{path} fails its checksum: its tensors or metadata changed after it was written "
+            "(a damaged copy or an edited file). Save the prefixes again"
+        )
+    return _parse(path, meta, tensors)
+
+
+def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> PrefixFile:
+    """Rebuild the leaf paths from the trie tensors, checking that they describe a well-formed trie
+    (a file with a valid checksum could still be made by hand)."""
+
+    def bad(what: str) -> PersistError:
+        return PersistError(f"{path} is malformed: {what}; it was not written by prefixkv.save")
+
+    bs = _int(meta, "block_size", path)
+    num_layers = _int(meta, "num_layers", path)
+    if bs < 1 or num_layers < 1:
+        raise bad(f"block_size {bs}, num_layers {num_layers}")
+    for name in (*TRIE_KEYS, *(f"{kv}.{i}" for i in range(num_layers) for kv in "kv")):
+        if name not in tensors:
+            raise bad(f"tensor {name} is missing")
+    parent, length, tokens, num_blocks, blocks = (_long_list(tensors[k], k, bad) for k in TRIE_KEYS)
+    keys = [tensors[f"k.{i}"] for i in range(num_layers)]
+    values = [tensors[f"v.{i}"] for i in range(num_layers)]
+    shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
+    dtype = _dtype(meta, "dtype", path)
+    kv_dtype = meta.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
+    stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
+    count = keys[0].shape[0] if keys[0].dim() == 4 else -1
+    for t in (*keys, *values):
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
+            raise bad(
+                f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
+                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+            )
+    version = _int(meta, "format_version", path)
+    if kv_dtype is not None and version < FORMAT_VERSION:
+        layout = "one scale per block" if version == 1 else "codes of head vectors turned by another transform"
+        raise PersistError(
+            f"{path} holds {kv_dtype} K/V with {layout} (format version {version}, an older prefixkv); this "
+            f"prefixkv (format version {FORMAT_VERSION}) cannot read them. Save the prefixes again from an "
+            "unquantized store or with this prefixkv"
+        )
+    scales = {}
+    if kv_dtype is not None:
+        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
+            scale = tensors.get(name)
+            if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, *shape[:2]):
+                raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {shape[1]}]")
+            scales[name] = scale
+    nodes = len(parent)
+    if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
+        raise bad("the trie tensors disagree in length")
+    if any(not 0 <= b < count for b in blocks):
+        raise bad("a block index is out of range")  # token keys may be negative: tokens a mask hid
+    for name, per_layer in zip(("K", "V"), (keys, values)):
+        for layer, block in enumerate(per_layer):
+            if not torch.isfinite(block).all():
+                raise PersistError(
+                    f"{path} holds non-finite {name} values (NaN or inf) in layer {layer}: every later request "
+                    "reusing them would compute NaN logits. The file was not written from a sane store; save the "
+                    "prefixes again"
+                )
+    starts: list[int] = []  # position of each node's first token
+    token_at: list[int] = []  # where each node's edge starts in ``tokens``, its blocks in ``blocks``
+    block_at: list[int] = []
+    has_child = [False] * nodes
+    for i in range(nodes):
+        p = parent[i]
+        if not -1 <= p < i or length[i] < 1:
+            raise bad(f"node {i} has parent {p} and length {length[i]}")
+        start = starts[p] + length[p] if p >= 0 else 0
+        chunks = (start + length[i] - 1) // bs - start // bs + 1
+        if num_blocks[i] != chunks:
+            raise bad(f"node {i} touches {chunks} chunks but lists {num_blocks[i]} blocks")
+        starts.append(start)
+        token_at.append(token_at[-1] + length[i - 1] if i else 0)
+        block_at.append(block_at[-1] + num_blocks[i - 1] if i else 0)
+        if p >= 0:
+            has_child[p] = True
+
+    def whole_path(leaf: int) -> tuple[list[int], list[int]]:
+        """The leaf's tokens from position 0, and the block of each chunk along its path (a node's
+        first block replaces its parent's last one when they share a chunk)."""
+        chain = []
+        while leaf >= 0:
+            chain.append(leaf)
+            leaf = parent[leaf]
+        path_tokens: list[int] = []
+        table: list[int] = []
+        for i in reversed(chain):
+            path_tokens += tokens[token_at[i] : token_at[i] + length[i]]
+            del table[starts[i] // bs :]
+            table += blocks[block_at[i] : block_at[i] + num_blocks[i]]
+        return path_tokens, table
+
+    paths = [whole_path(i) for i in range(nodes) if not has_child[i]]
+    return PrefixFile(
+        meta,
+        bs,
+        dtype,
+        _dtype(meta, "model_dtype", path),
+        paths,
+        keys,
+        values,
+        kv_dtype,
+        scales,
+    )
+
+
+# -- compatibility ----------------------------------------------------------------------------------------
+
+
+def check_compatible(
+    file: PrefixFile,
+    path: PathLike,
+    model: Any,
+    block_size: int,
+    dtype: torch.dtype,
+    model_dtype: torch.dtype,
+    kv_dtype: str | None = None,
+) -> None:
+    """Refuse a file made for another block size, dtype, quantization, shape or model. Does not mutate."""
+    meta = file.meta
+    if file.kv_dtype != kv_dtype:
+        kept, wanted = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
+        raise PersistError(
+            f"{path} keeps K/V {kept}, the store {wanted}: quantized and unquantized prefixes are kept apart. "
+            f"Load it into a store with kv_dtype={file.kv_dtype!r}, or convert it explicitly with "
+            f"PrefixStore.convert(path, new_path, kv_dtype={kv_dtype!r})"
+        )
+    if file.block_size != block_size:
+        raise PersistError(
+            f"{path} holds blocks of {file.block_size} tokens but the store uses block_size={block_size}; "
+            f"load it into a store with block_size={file.block_size}"
+        )
+    if file.model_dtype != model_dtype:
+        raise PersistError(
+            f"{path} was computed by a model in {file.model_dtype}, this model runs in {model_dtype}: its K/V "
+            f"would not be what this model computes; cast the model to {file.model_dtype} or save the prefixes again"
+        )
+    if file.dtype != dtype:
+        raise PersistError(
+            f"{path} keeps K/V in {file.dtype}, the store in {dtype}; build the store with dtype={file.dtype}"
+        )
+    shape = attention_shape(model.config)
+    theirs = (int(meta["num_layers"]), int(meta["kv_heads"]), int(meta["head_dim"]))
+    if theirs != tuple(shape):
+        raise PersistError(
+            f"{path} was saved from a model with {theirs[0]} layers of {theirs[1]} KV heads x {theirs[2]}, this "
+            f"model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}: it belongs to another model"
+        )
+    ours = fingerprint(model)
+    if meta["model_fingerprint"] != ours:
+        raise PersistError(
+            f"{path} was saved from a model with other weights or a config that changes K/V: its K/V would give "
+            f"wrong output with this one (fingerprint {meta['model_fingerprint'][:12]} in the file, saved from a "
+            f"{meta.get('model_type', '?')} model; {ours[:12]} for this "
+            f"{getattr(model.config, 'model_type', type(model).__name__)} model). Load it with the model (weights, "
+            "config and adapter) it was saved from"
+        )
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+
+def checksum(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
+        digest.update(tensor_bytes(t))
+    for key in sorted(meta):
+        if key != "checksum":
+            digest.update(f"{key}={meta[key]}\n".encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def _long_list(t: torch.Tensor, name: str, bad: Any) -> list[int]:
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise bad(f"{name} is {t.dtype} of shape {tuple(t.shape)}, expected 1-D int64")
+    values: list[int] = t.tolist()
+    return values
+
+
+def _int(meta: dict[str, str], key: str, path: Path) -> int:
+    try:
+        return int(meta[key])
+    except (KeyError, ValueError):
+        raise PersistError(f"{path} has no valid {key!r} in its metadata; the file is corrupted") from None
+
+
+def _dtype(meta: dict[str, str], key: str, path: Path) -> torch.dtype:
+    value = getattr(torch, meta.get(key, ""), None)
+    if not isinstance(value, torch.dtype):
+        raise PersistError(f"{path} names no valid {key!r} in its metadata ({meta.get(key)!r}); it is corrupted")
+    return value
