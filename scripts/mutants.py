@@ -148,6 +148,15 @@ MUTATIONS = [
         ("tests/test_many_arguments.py", "tests/test_score.py", "tests/test_errors.py"),
         "float token ids are truncated instead of refused (issue 32, #3, #4)",
     ),
+    # -- found in review (issue 34): the fingerprint read the PEFT wrapper, which always says "disabled"
+    Mutation(
+        "fingerprint-adapters-always-disabled",
+        "kv/fingerprint.py",
+        'json.dumps({"active": list(active), "disabled": disabled, "merged": list(merged)})',
+        'json.dumps({"active": list(active), "disabled": True, "merged": list(merged)})',
+        ("tests/test_never_wrong.py::test_a_file_saved_with_the_adapters_disabled_does_not_load_with_them_enabled",),
+        "a file saved with the adapters disabled loads where they are enabled: its K/V give wrong output",
+    ),
 ]
 
 

@@ -531,25 +531,29 @@ def test_peft_enable(model: Any) -> None:
 
 
 @PEFT_WARNINGS
-@pytest.mark.xfail(
-    strict=True,
-    reason="a known bug (issue 34): the fingerprint finds a PeftModel itself as its adapter layer, whose forwarded "
-    "disable_adapters is transformers' method (always true), so it cannot tell disabled adapters from enabled ones",
-)
 def test_a_file_saved_with_the_adapters_disabled_does_not_load_with_them_enabled(model: Any, tmp_path: Any) -> None:
-    """K/V computed without the adapter are refused where the adapter is on (they gave logits 0.71 off)."""
+    """K/V computed without the adapter are refused where the adapter is on (they gave logits 0.71 off), and the
+    reverse; a file loads where the adapters are as they were when it was saved, enabled or disabled."""
     peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(
         model, peft.LoraConfig(r=4, target_modules=["k_proj", "v_proj"], init_lora_weights=False)
     )
     store = prefixkv.PrefixStore(wrapped, block_size=4)
-    path = tmp_path / "p.safetensors"
+    off, on = tmp_path / "off.safetensors", tmp_path / "on.safetensors"
     with wrapped.disable_adapter():
         store.warm([_prompt(73)[0]], progress=False)
-        store.save(path)
+        store.save(off)
+    store.clear()
+    store.warm([_prompt(73)[0]], progress=False)
+    store.save(on)
     store.close()
     with pytest.raises(PersistError, match="fingerprint"):
-        prefixkv.PrefixStore.load(path, wrapped).close()
+        prefixkv.PrefixStore.load(off, wrapped).close()
+    prefixkv.PrefixStore.load(on, wrapped).close()
+    with wrapped.disable_adapter():
+        with pytest.raises(PersistError, match="fingerprint"):
+            prefixkv.PrefixStore.load(on, wrapped).close()
+        prefixkv.PrefixStore.load(off, wrapped).close()
 
 
 @pytest.mark.parametrize(

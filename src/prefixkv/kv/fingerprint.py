@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -151,20 +152,54 @@ def _offloaded_tensor(model: Any, name: str) -> torch.Tensor:
     )
 
 
+def tuner_layers(model: Any) -> list[Any]:
+    """The PEFT adapter layers inside ``model`` (LoRA and the other tuners, peft's ``BaseTunerLayer``; ``[]``
+    without peft): the one way prefixkv finds them, for the fingerprint and the namespace. A ``PeftModel`` itself
+    is not one (its ``disable_adapters`` is transformers' method, not a state). Does not mutate."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
 def active_adapters(layer: Any) -> list[str]:
     """The names of the PEFT adapters active on ``layer`` (a tuner layer's ``active_adapter``: one name or a
-    list; what peft's ``BaseTunerLayer.active_adapters`` reads), the one reading of them for the fingerprint
-    and the namespace (:func:`prefixkv.kv.namespace.adapter_space`)."""
+    list; what peft's ``BaseTunerLayer.active_adapters`` reads)."""
     active = layer.active_adapter
     return [active] if isinstance(active, str) else list(active)
 
 
+class Adapters(NamedTuple):
+    """The adapters' state of a model: the names of the active ones, whether they are disabled, the merged ones."""
+
+    active: tuple[str, ...]
+    disabled: bool
+    merged: tuple[str, ...]
+
+
+def adapter_space(tuners: Sequence[Any]) -> Adapters | None:
+    """What the adapters of ``tuners`` (:func:`tuner_layers`) make of the K/V a model computes now
+    (docs/correctness.md, "Adapters and changed weights"): ``None`` without adapters, else which adapters are
+    active, whether they are disabled, and which are merged into the weights (read from the first layer). The
+    namespace keys K/V by it, and the fingerprint of a file records it. Does not mutate."""
+    if not tuners:
+        return None
+    layer = tuners[0]
+    return Adapters(
+        tuple(active_adapters(layer)), bool(layer.disable_adapters), tuple(getattr(layer, "merged_adapters", ()))
+    )
+
+
 def _adapter_state(model: Any) -> str:
-    """Active and disabled PEFT adapters (read from the first tuner layer), or ``""`` without any."""
-    for module in model.modules():
-        if getattr(module, "active_adapter", None) is not None and hasattr(module, "disable_adapters"):
-            return json.dumps({"active": active_adapters(module), "disabled": bool(module.disable_adapters)})
-    return ""
+    """The adapters' part of the fingerprint (:func:`adapter_space`), or ``""`` without any. It names ``merged``
+    so that a file of a PEFT model saved when this part read the wrapper itself (always "disabled") matches no
+    model and is refused (docs/persistence.md)."""
+    space = adapter_space(tuner_layers(model))
+    if space is None:
+        return ""
+    active, disabled, merged = space
+    return json.dumps({"active": list(active), "disabled": disabled, "merged": list(merged)})
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .fingerprint import active_adapters, config_state
+from .fingerprint import adapter_space, config_state, tuner_layers
 
 # values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
 _SAMPLED = 4
@@ -27,29 +27,6 @@ def transformers_model(model: Any) -> Any:
     ``generate`` calls that model's ``generate``, so hooks on the wrapper would never run)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
-
-
-def _tuner_layers(model: Any) -> list[Any]:
-    """The PEFT adapter layers inside ``model`` (LoRA and the other tuners; ``[]`` without peft)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return []
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-
-
-def adapter_space(tuners: Sequence[Any]) -> Hashable:
-    """The namespace of the K/V a model computes now (docs/correctness.md, "Adapters and changed weights"):
-    ``None`` without adapters, else which adapters are active, whether they are disabled, and which are merged
-    into the weights."""
-    if not tuners:
-        return None
-    layer = tuners[0]
-    return (
-        tuple(active_adapters(layer)),
-        bool(layer.disable_adapters),
-        tuple(getattr(layer, "merged_adapters", ())),
-    )
 
 
 def _weights_state(model: Any) -> int:
@@ -87,8 +64,8 @@ def _few_values(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class WeightsChanged:
     """The namespace of K/V computed after the weights changed since the store was built: ``adapters`` as
-    :func:`adapter_space`, and ``state`` as :func:`_weights_state`. Only this process can tell such weights
-    apart, so the second tier keeps none of their blocks (its files outlive the process)."""
+    :func:`prefixkv.kv.fingerprint.adapter_space`, and ``state`` as :func:`_weights_state`. Only this process can
+    tell such weights apart, so the second tier keeps none of their blocks (its files outlive the process)."""
 
     adapters: Hashable
     state: int
@@ -129,7 +106,7 @@ class Namespace:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self._tuners = _tuner_layers(model)
+        self._tuners = tuner_layers(model)
         self._weights_at_start = _weights_state(model)
         self._steady = threading.local()  # this thread's memo of space() inside steady(): [] or [space]
 
@@ -160,7 +137,7 @@ class Namespace:
         if memo:
             return memo[0]
         if not self._tuners and hasattr(self.model, "peft_config"):
-            self._tuners = _tuner_layers(self.model)  # adapters added after the store was built
+            self._tuners = tuner_layers(self.model)  # adapters added after the store was built
         adapters = adapter_space(self._tuners)
         state = _weights_state(self.model)
         space = adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
