@@ -188,7 +188,10 @@ WITHIN = {
         *("attention.blocks", "attention.gather", "attention.registry", "attention.reader", "attention.flex_kernel"),
         "attention.flex",
     ],
-    "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
+    "hf": [
+        *("hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.layers", "hf.cache", "hf.hooks", "hf.runner"),
+    ],
     "top": [
         "options",
         "files",
