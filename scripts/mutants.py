@@ -60,10 +60,9 @@ MUTATIONS = [
     ),
     Mutation(
         "tier-identity-without-chunk-size",
-        "store.py",
-        'meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
-        'meta = persist.store_meta(self.settings, specs, self.model, model_print, BLOCK_FORMAT) if offload == "disk"'
-        " else {}",
+        "files.py",
+        'meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
+        'meta = persist.store_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
         ("tests/test_tier.py::test_a_disk_tier_of_another_store_is_not_read",),
         "a disk tier written in one prefill schedule is restored by a store of another",
     ),

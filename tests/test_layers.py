@@ -188,8 +188,13 @@ WITHIN = {
         *("attention.blocks", "attention.gather", "attention.registry", "attention.reader", "attention.flex_kernel"),
         "attention.flex",
     ],
-    "hf": ["hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call", "hf.cache", "hf.hooks", "hf.runner"],
+    "hf": [
+        *("hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.layers", "hf.cache", "hf.hooks", "hf.runner"),
+    ],
     "top": [
+        "options",
+        "files",
         "store",
         "enabling",
         "scheduler",
@@ -251,11 +256,12 @@ def test_the_layer_checks_can_fail() -> None:
     assert inside["kv"] == {"kv.trie"}
 
 
-# the store on top: the block manager, the namespace and the runner below it; the hooks and caches know it only as
-# `hf.parts.StoreParts`
+# the store on top: the block manager, the namespace and the runner below it, its settings (`hf.parts.StoreSettings`)
+# from its options and its files beside it; the hooks and caches know it only as `hf.parts.StoreParts`
 def test_the_store_composes_the_layers_below_it() -> None:
     found = graph()
-    assert found["store"] >= {"kv.blocks", "kv.namespace", "hf.runner", "hf.hooks", "hf.parts"}
+    assert found["store"] >= {"kv.blocks", "kv.namespace", "hf.runner", "hf.hooks", "options", "files"}
+    assert "hf.parts" in found["options"] & found["files"]
     assert not {m for m in found if layer(m) != "top" and found[m] & {"store", "enabling", "many", "score"}}
 
 

@@ -2,105 +2,35 @@
 the views of a notebook and ``close``; the blocks themselves (pool, allocator, trie, eviction, the second tier
 and the lock) are its :class:`~prefixkv.kv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
 keys them besides the tokens is its :class:`~prefixkv.kv.namespace.Namespace`. The store is built top-down
-(docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``), its block manager, the runner of
-its model (``store.runner``) and the model's hooks, and hands each what it needs; none of them imports this
-module."""
+(docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``, from its options checked by
+:mod:`prefixkv.options`), its block manager, the runner of its model (``store.runner``, which pins and warms) and
+the model's hooks, and hands each what it needs; none of them imports this module. Its files (save, load, merge,
+a disk tier's metadata) go through :mod:`prefixkv.files`."""
 
 from __future__ import annotations
 
 import operator
 import os
-import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from . import _compat, _compat_generate, display
-from .attention import interface, registry
-from .errors import CacheMisuseError, PersistError
+from . import _compat, _compat_generate, display, files
+from .attention import interface
+from .errors import CacheMisuseError
 from .hf.hooks import attach_hooks, plan_chunked_prompt
-from .hf.parts import StoreSettings
 from .hf.runner import ModelRunner
-from .hf.support import check_supported
 from .kv import persist, prefix_file
 from .kv.blocks import BlockManager
-from .kv.fingerprint import fingerprint
 from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
 from .kv.pool import BlockPool, LayerSpec, block_bytes
-from .kv.quantization import check_kv_dtype
-from .kv.tier import BLOCK_FORMAT, OffloadTier
-from .memory import attention_shape, format_bytes, parse_bytes
+from .kv.tier import OffloadTier
+from .memory import attention_shape, format_bytes
+from .options import check_options, check_priority, choose_attention, max_blocks
 from .stats import CacheStats, StoreStats
 
 _INITIAL_BLOCKS = 16
-_DTYPE_NAMES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-
-
-def _check_chunk_size(invariant: Any, chunk_size: Any, block_size: int) -> int | None:
-    """The chunk length of an invariant store (``None`` for the default schedule), after checking the options."""
-    if not isinstance(invariant, bool):
-        raise TypeError(f"invariant must be True or False, got {invariant!r}")
-    if not invariant:
-        if chunk_size is not None:
-            raise ValueError(f"chunk_size={chunk_size!r} sets the invariant schedule; pass invariant=True with it")
-        return None
-    if chunk_size is None:
-        return 4 * block_size
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1 or chunk_size % block_size:
-        raise ValueError(
-            f"chunk_size must be a positive multiple of block_size={block_size}, got {chunk_size!r}; "
-            f"for example {4 * block_size}"
-        )
-    return chunk_size
-
-
-def _check_dtype(dtype: Any) -> torch.dtype | None:
-    """``dtype`` as a floating torch dtype (names such as ``"bfloat16"`` too), or ``None``."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        named = _DTYPE_NAMES.get(dtype.removeprefix("torch."))
-        if named is None:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)}")
-        return named
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(
-            f"dtype must be a floating torch dtype (torch.float16, torch.bfloat16, torch.float32, torch.float64) "
-            f"or its name, got {dtype!r}; for 8-bit blocks pass kv_dtype='int8' or 'fp8' with it"
-        )
-    return dtype
-
-
-def _choose_attention(store: PrefixStore, name: str, *, serves: bool) -> str:
-    """The one-line reason of the backend ``name`` resolves to for the store's pool (``store.attention_backend``;
-    every cache of the store reads through ``store.attention``); warns when an explicit ``"flex"``
-    (:mod:`prefixkv.attention.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool
-    (``"blocks"`` over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
-    if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
-        from .attention import flex  # noqa: F401
-    named = registry.pool_backend(name, store.pool, store.hf_model, store.model_dtype)[1]
-    if store.invariant:
-        reason = (
-            "gather: an invariant store reads each row whole, in logical order (its canonical read, "
-            "docs/correctness.md), which FlexAttention's split-and-merge prefill is not"
-        )
-    elif not serves:
-        reason = (
-            "gather: the model's attention is not 'sdpa' through transformers' AttentionInterface (eager, or its "
-            "own code), so update hands it whole rows"
-        )
-    else:
-        reason = named
-    if name == "flex" and not reason.startswith("flex"):
-        warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
-    return reason
 
 
 class PrefixStore:
@@ -157,45 +87,28 @@ class PrefixStore:
         chunk_size: int | None = None,
         attention: str = "auto",
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        # the canonical prefill schedule's chunk length; None: the default schedule (reuse at any block)
-        chunk = _check_chunk_size(invariant, chunk_size, block_size)
-        if max_memory is not None and num_blocks is not None:
-            raise ValueError("give the budget as max_memory or as num_blocks, not both")
-        store_dtype = _check_dtype(dtype)
-        check_kv_dtype(kv_dtype)
-        # how attention reads the pool; it changes no K/V, so keys and files leave it out
-        backend = registry.check_backend(attention)
-        if offload is None and (max_offload_memory is not None or offload_dir is not None):
-            raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
-        check_supported(model)
+        # what the layers below read of the store (``store.settings``, frozen), every option checked first, and the
+        # same values as a user reads them: ``store.block_size``, ``store.chunk_size``, ``store.dtype``, ...
+        settings = check_options(
+            model, block_size=block_size, max_memory=max_memory, num_blocks=num_blocks, dtype=dtype, kv_dtype=kv_dtype,
+            offload=offload, max_offload_memory=max_offload_memory, offload_dir=offload_dir, invariant=invariant,
+            chunk_size=chunk_size, attention=attention,
+        )  # fmt: skip
         _compat_generate.install_generation_patches(plan_chunked_prompt)
         self.model = model
         shape = attention_shape(model.config)
-        model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
-        # what the layers below read of the store (``store.settings``, frozen), and the same values as a user
-        # reads them: ``store.block_size``, ``store.chunk_size``, ``store.dtype``, ``store.model_dtype``, ...
-        settings = StoreSettings(block_size, chunk, store_dtype or model_dtype, model_dtype, kv_dtype, backend)
         self.settings = settings
         self.block_size, self.chunk_size, self.dtype = settings.block_size, settings.chunk_size, settings.dtype
         self.model_dtype, self.kv_dtype, self.attention = settings.model_dtype, settings.kv_dtype, settings.attention
         devices = layer_devices(model, shape.num_layers)
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
-        self.max_blocks = _budget(max_memory, num_blocks, self.bytes_per_block, block_size)
+        self.max_blocks = max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
-        tier = None
-        if offload is not None:
-            limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
-            # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
-            # directory serves a model under each of its adapters
-            model_print = fingerprint(model, adapters=False)
-            meta = _file_meta(self, specs, model_print, BLOCK_FORMAT) if offload == "disk" else {}
-            tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
+        tier = files.offload_tier(offload, max_offload_memory, offload_dir, settings, specs, model)
         self.blocks = BlockManager(
             BlockPool(specs, block_size, first + 1, kv_dtype),
-            chunk_size=chunk,
+            chunk_size=settings.chunk_size,
             max_blocks=self.max_blocks,
             bytes_per_block=self.bytes_per_block,
             tier=tier,
@@ -204,7 +117,9 @@ class PrefixStore:
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)
         self.runner = ModelRunner(self)
-        self.attention_backend = _choose_attention(self, attention, serves=interface.install(self.hf_model))
+        self.attention_backend = choose_attention(
+            attention, self.pool, self.hf_model, settings, serves=interface.install(self.hf_model)
+        )
         self._hooks = attach_hooks(self.hf_model, self)
 
     # the blocks' pool and tier, as a user reads them: their home is the block manager
@@ -267,32 +182,8 @@ class PrefixStore:
         >>> store.stats.blocks_pinned
         3
         """
-        if priority is not None and (
-            isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100
-        ):
-            raise ValueError(f"pin(priority=) is an int from 0 to 100 (or None: a hard pin), got {priority!r}")
-        ids_list = as_token_list(ids)
-        if not ids_list:
-            raise ValueError("pin() needs at least one token id")
-        tokens = _kept(ids_list, self.chunk_size)
-        if not tokens:
-            raise ValueError(
-                f"an invariant store caches whole chunks of chunk_size={self.chunk_size} tokens; these "
-                f"{len(ids_list)} ids hold none, so pinning them keeps nothing. Pin a longer prefix, or build the "
-                "store with a smaller chunk_size"
-            )
-        space = user_space(namespace, self.blocks.space())
-        pins = self.blocks.pins
-        with self.blocks.lock:
-            if priority is None:
-                pins.check_budget(tokens, space)
-            if pins.add(ids_list, tokens, space, priority):
-                return len(tokens)
-        # the prefill keeps the published tokens locked until the pin holds them
-        with self.runner.prefill(tokens, keep_partial=True, count=True, namespace=namespace):
-            if not pins.add(ids_list, tokens, space, priority):
-                raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
-        return len(tokens)
+        check_priority(priority)
+        return self.runner.pin(as_token_list(ids), priority, namespace)
 
     def unpin(
         self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None, namespace: str | None = None
@@ -340,19 +231,7 @@ class PrefixStore:
         """
         given: Iterable[object] = [prompts] if isinstance(prompts, (str, dict)) else prompts
         token_lists = [_as_warm_tokens(prompt) for prompt in given]  # every prompt checked before any is computed
-        rows = []
-        with tqdm(token_lists, desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
-            for tokens in bar:
-                with self.runner.prefill(tokens, keep_partial=False, count=True, namespace=namespace) as row:
-                    rows.append(row)
-                reused = sum(r.cached_tokens for r in rows)
-                bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
-        return CacheStats(
-            sum(r.prompt_tokens for r in rows),
-            sum(r.cached_tokens for r in rows),
-            sum(r.computed_tokens for r in rows),
-            tuple(rows),
-        )
+        return self.runner.warm(token_lists, progress=progress, namespace=namespace)
 
     def save(
         self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None
@@ -374,15 +253,7 @@ class PrefixStore:
         16
         """
         wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
-        now = getattr(self.model, "dtype", self.model_dtype)
-        if now != self.model_dtype:
-            raise PersistError(
-                f"the model now computes in {now} but the store's K/V were computed in "
-                f"{self.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
-            )
-        model_print = fingerprint(self.model)
-        nodes, tensors, blocks = self.blocks.room.export(wanted, self.blocks.space())
-        return persist.write(path, tensors, _file_meta(self, self.pool.specs, model_print), nodes, blocks)
+        return files.save(path, wanted, self.blocks, self.settings, self.model)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
@@ -390,20 +261,9 @@ class PrefixStore:
         ``PrefixStore``; block size and dtype default to the file's). Raises :class:`PersistError` for a
         truncated, corrupted or newer file, or one saved from another model, dtype or shape."""
         file = prefix_file.read(path)
-        kwargs.setdefault("block_size", file.block_size)
-        kwargs["dtype"] = kwargs.get("dtype") or file.dtype
-        kwargs.setdefault("kv_dtype", file.kv_dtype)
-        if "chunk_size" in file.meta and "invariant" not in kwargs:
-            kwargs.setdefault("invariant", True)
-            kwargs.setdefault("chunk_size", int(file.meta["chunk_size"]))
-        model_dtype = getattr(model, "dtype", torch.float32)
-        prefix_file.check_compatible(
-            file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
-        )
-        store = cls(model, **kwargs)
+        store = cls(model, **files.load_options(file, path, model, kwargs))
         try:
-            _check_schedule(store.chunk_size, file, path)
-            store.blocks.room.add_file(file, store.blocks.space())
+            files.add_file(store.blocks, store.chunk_size, file, path)
         except BaseException:
             store.close()
             raise
@@ -426,8 +286,7 @@ class PrefixStore:
         prefix_file.check_compatible(
             file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype
         )
-        _check_schedule(self.chunk_size, file, path)
-        return self.blocks.room.add_file(file, self.blocks.space())
+        return files.add_file(self.blocks, self.chunk_size, file, path)
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""
@@ -483,57 +342,6 @@ class PrefixStore:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """What some transformers releases ask a cache first (before ``is_compileable``): the same refusal."""
         raise _not_a_cache()
-
-
-def _budget(max_memory: int | str | None, num_blocks: int | None, bytes_per_block: int, block_size: int) -> int | None:
-    """The pool's bound in blocks (``None``: it grows as requests need), from ``max_memory`` or ``num_blocks``."""
-    if num_blocks is not None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        return num_blocks
-    if max_memory is None:
-        return None
-    budget = parse_bytes(max_memory)
-    # the pool's tensors stay within max_memory: the null block (padding) is paid from it too
-    blocks = budget // bytes_per_block - 1
-    if blocks < 1:
-        raise ValueError(
-            f"max_memory={max_memory!r} ({budget} bytes) is less than one block of {block_size} tokens "
-            f"({bytes_per_block} bytes) plus the reserved padding block; raise max_memory or lower block_size"
-        )
-    return blocks
-
-
-def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
-    """The part of ``tokens`` that :meth:`pin` and :meth:`warm` cache: all of them, or in the invariant
-    schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
-    if chunk_size is None:
-        return tokens
-    return tokens[: len(tokens) // chunk_size * chunk_size]
-
-
-def _file_meta(
-    store: PrefixStore, specs: list[LayerSpec], model_print: str, format: str = prefix_file.FORMAT
-) -> dict[str, str]:
-    """The metadata of a file of ``store``'s K/V (:func:`prefixkv.kv.persist.store_meta`) and, for an invariant
-    store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
-    tiers carry the schedule")."""
-    meta = persist.store_meta(store.settings, specs, store.model, model_print, format)
-    if store.chunk_size is not None:
-        meta["chunk_size"] = str(store.chunk_size)
-    return meta
-
-
-def _check_schedule(chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]) -> None:
-    """Refuse a file whose K/V were computed in another prefill schedule than ``chunk_size``'s. Does not mutate."""
-    theirs = file.meta.get("chunk_size")
-    if theirs != (None if chunk_size is None else str(chunk_size)):
-        kept = "the default schedule" if theirs is None else f"the invariant schedule (chunk_size={theirs})"
-        ours = "the default schedule" if chunk_size is None else f"chunk_size={chunk_size}"
-        raise PersistError(
-            f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
-            "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
-        )
 
 
 def _not_a_cache() -> CacheMisuseError:

@@ -13,7 +13,9 @@ from another thread); the jobs behind them have their own objects, which never c
 keys, claims; attaching a prompt, a forward's slots, publishing, cropping, selecting) are a
 :class:`prefixkv.hf.rows.RowSet`; the proof that their K/V are those of their keys (docs/correctness.md, "Publish only
 what is proven") is :mod:`prefixkv.hf.proof`; the first-step protocol of a ``generate`` call is
-:class:`prefixkv.hf.call.GenerateCall`; the read plan is :mod:`prefixkv.attention.reads`. The module functions
+:class:`prefixkv.hf.call.GenerateCall`; the read plan is :mod:`prefixkv.attention.reads`; the write of a layer's K/V
+once the forward is known to be the owner's, and a compiled step's tensors, are :mod:`prefixkv.hf.layers` (beside
+the layer objects transformers calls, which pass each call on to the cache). The module functions
 (:func:`begin_forward`, :func:`end_forward`, :func:`plan_call`, :func:`attach_prompt`, :func:`publish_all`) are
 prefixkv's own protocol with a cache, for the model hooks and the runner; a user never calls them.
 """
@@ -21,11 +23,10 @@ prefixkv's own protocol with a cache, for the model hooks and the runner; a user
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .. import _compat, display
 from ..attention import interface, reads, static
@@ -35,55 +36,9 @@ from ..kv.namespace import user_space
 from ..stats import CacheStats
 from . import proof
 from .call import GenerateCall
+from .layers import PagedLayer, begin_step, check_layer, end_step, write_layer
 from .parts import StoreParts
 from .rows import RowSet, check_prompt
-
-
-@_compat.adapt_cache
-class _PagedLayer(CacheLayerMixin):
-    """The per-layer face transformers expects; all state lives in the owning cache."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(self, cache: PagedPrefixCache, layer_idx: int) -> None:
-        super().__init__()
-        # a weak reference: a strong one would make every cache a cycle that only the cyclic garbage collector
-        # frees, so `del cache` would not give the blocks back (docs/correctness.md, "Releasing caches")
-        self._cache_ref = weakref.ref(cache)
-        self._layer_idx = layer_idx
-        self.is_initialized = True
-
-    @property
-    def _cache(self) -> PagedPrefixCache:
-        cache = self._cache_ref()
-        if cache is None:
-            raise CacheMisuseError("the PagedPrefixCache of this layer was garbage-collected")
-        return cache
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cache.update(key_states, value_states, self._layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self._cache.get_seq_length(self._layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_mask_sizes(query_length, self._layer_idx)
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        return None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        return None
 
 
 @_compat.adapt_cache
@@ -124,7 +79,7 @@ class PagedPrefixCache(Cache):
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
         num_layers = len(blocks.pool.specs)
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
         # the rows, their columns and claims; the namespace K/V computed now are cached under is read here only:
         # the store's, within the user's `namespace` (docs/generate.md, "Isolation between users")
         user_space(namespace, None)  # a wrong name fails here, before any block is claimed
@@ -200,7 +155,7 @@ class PagedPrefixCache(Cache):
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
         if q == 1 and self._compile_refusal is None:
-            self._step = _static_step(self, forward, start)
+            self._step = begin_step(held, self._blocks, self._step_tables, forward, start)
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
 
@@ -223,14 +178,7 @@ class PagedPrefixCache(Cache):
         plan, self._reads = self._reads, None
         if self._step is not None:
             self._step = None
-            try:
-                if self._rowset.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
-                    for t in (*self._blocks.pool.keys, *self._blocks.pool.values):
-                        t[:, 0].zero_()
-            finally:
-                self._blocks.lock.release()  # taken by _static_step
-            if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
-                self._rowset.seen[:] = [self._rowset.length] * len(self._rowset.seen)
+            end_step(self._rowset, self._blocks, ok)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:
@@ -375,41 +323,13 @@ class PagedPrefixCache(Cache):
         return display.cache_html(self)
 
 
-def _static_step(cache: PagedPrefixCache, forward: proof.ForwardInputs, start: int) -> static.StaticStep:
-    """The tensors of a compiled step (:mod:`prefixkv.attention.static`) feeding column ``start``: as wide as the
-    mask ``generate`` built from :meth:`get_mask_sizes`, else the bucket of ``start + 1`` columns."""
-    held, blocks = cache._rowset, cache.store.blocks
-    pool = blocks.pool  # its devices: a growth keeps them
-    mask = forward.attention_mask
-    columns = (
-        mask.shape[-1]
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4
-        else static.width(start + 1, blocks.block_size)
-    )
-    if columns <= start:
-        raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
-    if isinstance(mask, torch.Tensor):  # its width is the bucket's: a size of the graph, not a graph of its own
-        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
-    device = pool.specs[0].device
-    table = cache._step_tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
-    position = torch.tensor(start, device=device)
-    # the graph writes into the pool without the block manager: its lock is held until the forward ends, so
-    # that no other thread grows the pool (a copy) meanwhile, which would lose the step's writes
-    blocks.lock.acquire()
-    try:
-        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, position)
-    except BaseException:
-        blocks.lock.release()
-        raise
-
-
 @interface.outside_compile
 def _check_static(cache: PagedPrefixCache, key_states: torch.Tensor, layer_idx: int) -> None:
-    """:meth:`_update`'s checks, for an eager compiled step."""
+    """:meth:`PagedPrefixCache.update`'s checks, for an eager compiled step."""
     if cache._owner != threading.get_ident():
         raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
     held = cache._rowset
-    _check_layer(cache.store, key_states, layer_idx, held.length - 1, held.length)
+    check_layer(cache.store, key_states, layer_idx, held.length - 1, held.length)
 
 
 @interface.outside_compile
@@ -428,52 +348,7 @@ def _paged_update(
             "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
             "generate call using it); its blocks are given back when the forward ends"
         )
-    held = cache._rowset
-    _check_layer(cache.store, key_states, layer_idx, held.seen[layer_idx], held.length)
-    device = key_states.device
-    keep = None if held.keep is None else held.keep.to(device)
-    cache.store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
-    held.seen[layer_idx] = held.length
-    if plan.in_place:
-        _hand_out(plan, layer_idx, key_states)
-        return key_states, value_states
-    keys, values = plan.gather(layer_idx)
-    if keys.dtype != key_states.dtype:
-        keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
-    if plan.probe or plan.canonical:
-        _hand_out(plan, layer_idx, keys)
-    return keys, values
-
-
-def _check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
-    """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
-    allocated ``length - seen`` columns for it."""
-    specs = store.blocks.pool.specs
-    if layer_idx >= len(specs):
-        raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
-    spec = specs[layer_idx]
-    if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
-        raise CacheMisuseError(
-            f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
-            f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
-        )
-    if key_states.device != spec.device or key_states.dtype != store.settings.model_dtype:
-        raise CacheMisuseError(
-            f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
-            f"built for {store.settings.model_dtype} on {spec.device}: the model was moved or cast after the "
-            "PrefixStore was built; build a new store"
-        )
-    q = key_states.shape[-2]
-    if seen + q != length:
-        raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
-
-
-def _hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
-    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself
-    (:data:`prefixkv.attention.reads.TAG`), so that only the attention call of that layer, with that tensor,
-    reads the plan. Mutates ``plan`` and ``key``."""
-    plan.handed.add(layer)
-    setattr(key, reads.TAG, (plan, layer))
+    return write_layer(plan, cache._rowset, cache.store, key_states, value_states, layer_idx)
 
 
 # -- prefixkv's own protocol with a cache: the model hooks (prefixkv.hf.hooks) and the runner (prefixkv.hf.runner) ---
@@ -482,17 +357,8 @@ def _hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
 def attach_prompt(
     cache: PagedPrefixCache, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
 ) -> None:
-    """Start ``cache`` (built without ``input_ids``) from prompt rows given as keys (token ids; ``-1 - id`` where a
-    mask hides one) after ``pads`` leading pad columns: match each row, keep the batch to one offset, share or copy
-    blocks. Rows that share a prefix the store does not hold yet get it computed once, first (in-batch sharing, by
-    the store's runner). With ``count=False`` the lookup stays out of the store's statistics (that inner prefill).
-    Mutates.
-
-    In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has its
-    canonical chunks computed (:func:`prefixkv.hf.rows.chunk_end`, by the store's runner), reuses exactly those, and
-    the cache publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With
-    ``chunks`` the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every
-    whole chunk the store holds, and its forwards publish."""
+    """Start ``cache`` (built without ``input_ids``) from prompt rows given as keys after ``pads`` leading pad
+    columns (:meth:`prefixkv.hf.rows.RowSet.attach`, which says how). Mutates."""
     cache._rowset.attach(cache.store, pads, rows, count=count, chunks=chunks)
 
 

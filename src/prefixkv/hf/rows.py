@@ -190,7 +190,17 @@ class RowSet:
     def attach(
         self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool = True, chunks: bool = False
     ) -> None:
-        """:func:`prefixkv.hf.cache.attach_prompt`. Mutates."""
+        """Start the rows (none yet) from prompt rows given as keys (token ids; ``-1 - id`` where a mask hides one)
+        after ``pads`` leading pad columns: match each row, keep the batch to one offset, share or copy blocks. Rows
+        that share a prefix the store does not hold yet get it computed once, first (in-batch sharing, by the
+        store's runner). With ``count=False`` the lookup stays out of the store's statistics (that inner prefill).
+        What :func:`prefixkv.hf.cache.attach_prompt` does to a cache. Mutates.
+
+        In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has its
+        canonical chunks computed (:func:`chunk_end`, by the store's runner), reuses exactly those, and the cache
+        publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With ``chunks``
+        the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every whole
+        chunk the store holds, and its forwards publish."""
         bs, chunk = self.block_size, store.settings.chunk_size
         self.publishes = chunk is None or chunks
         # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")

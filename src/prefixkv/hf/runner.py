@@ -1,7 +1,7 @@
-"""Running a store's model: the prefill that ``PrefixStore.pin`` and ``PrefixStore.warm`` need, in-batch
-sharing (a prefix several rows of one batch share is computed once), and the canonical chunk schedule of an
-invariant store (docs/correctness.md, "Outputs that never depend on the cache"). Each store builds its
-:class:`ModelRunner` and owns it (``store.runner``); the runner knows the store only as the parts it hands down
+"""Running a store's model: ``PrefixStore.pin`` and ``PrefixStore.warm`` (the prefill of their token ids, and the
+pin itself), in-batch sharing (a prefix several rows of one batch share is computed once), and the canonical chunk
+schedule of an invariant store (docs/correctness.md, "Outputs that never depend on the cache"). Each store builds
+its :class:`ModelRunner` and owns it (``store.runner``); the runner knows the store only as the parts it hands down
 (:class:`prefixkv.hf.parts.StoreParts`), so this module never imports the store (docs/how-it-works.md, "Layers")."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..kv.namespace import user_space
-from ..stats import RowStats
+from ..stats import CacheStats, RowStats
 from .cache import PagedPrefixCache, attach_prompt, publish_all
 from .parts import StoreParts
 
@@ -32,7 +33,7 @@ def prefill(
     ``count=False`` keeps the lookup out of the store's statistics. All of it in user ``namespace``
     (:class:`PagedPrefixCache`). Mutates the store."""
     if store.settings.chunk_size is not None:
-        kept = tokens[: len(tokens) // store.settings.chunk_size * store.settings.chunk_size]
+        kept = _kept(tokens, store.settings.chunk_size)
         with prefill_chunks(store, [kept], namespace) as (held,):
             if count:
                 store.blocks.count_query([len(tokens)], [held])
@@ -75,6 +76,14 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
                 for start in range(cache.get_seq_length(), len(tokens), chunk):
                     _forward(cache, tokens[start : start + chunk])
         yield held
+
+
+def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
+    """The part of ``tokens`` that :func:`prefill` computes and :meth:`ModelRunner.pin` keeps: all of them, or in
+    the invariant schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
+    if chunk_size is None:
+        return tokens
+    return tokens[: len(tokens) // chunk_size * chunk_size]
 
 
 def _forward(cache: PagedPrefixCache, tokens: list[int]) -> None:
@@ -157,3 +166,50 @@ class ModelRunner:
     ) -> contextlib.AbstractContextManager[list[int]]:
         """:func:`prefill_chunks` with this runner's store. Mutates the store."""
         return prefill_chunks(self.store, prefixes, namespace)
+
+    def pin(self, ids: list[int], priority: int | None, namespace: str | None) -> int:
+        """:meth:`prefixkv.PrefixStore.pin` of the token ids ``ids`` (``priority`` checked): pin the part of them
+        the store's schedule keeps, computing first what is not cached yet, and return how many tokens that is.
+        Mutates the store; raises ``ValueError`` for ids that keep nothing and :class:`CapacityError` for a hard
+        pin over the budget, pinning nothing."""
+        if not ids:
+            raise ValueError("pin() needs at least one token id")
+        chunk_size = self.store.settings.chunk_size
+        tokens = _kept(ids, chunk_size)
+        if not tokens:
+            raise ValueError(
+                f"an invariant store caches whole chunks of chunk_size={chunk_size} tokens; these "
+                f"{len(ids)} ids hold none, so pinning them keeps nothing. Pin a longer prefix, or build the "
+                "store with a smaller chunk_size"
+            )
+        blocks = self.store.blocks
+        space = user_space(namespace, blocks.space())
+        pins = blocks.pins
+        with blocks.lock:
+            if priority is None:
+                pins.check_budget(tokens, space)
+            if pins.add(ids, tokens, space, priority):
+                return len(tokens)
+        # the prefill keeps the published tokens locked until the pin holds them
+        with self.prefill(tokens, keep_partial=True, count=True, namespace=namespace):
+            if not pins.add(ids, tokens, space, priority):
+                raise RuntimeError("prefixkv: the pin's prefill did not publish its tokens (the model changed?)")
+        return len(tokens)
+
+    def warm(self, prompts: list[list[int]], *, progress: bool, namespace: str | None) -> CacheStats:
+        """:meth:`prefixkv.PrefixStore.warm` of prompts given as token ids: prefill each in turn (whole blocks
+        kept), with a ``tqdm.auto`` progress bar unless ``progress=False``, and return the prompt tokens reused and
+        computed. Mutates the store."""
+        rows = []
+        with tqdm(prompts, desc="prefixkv warm", unit="prompt", disable=not progress) as bar:
+            for tokens in bar:
+                with self.prefill(tokens, keep_partial=False, count=True, namespace=namespace) as row:
+                    rows.append(row)
+                reused = sum(r.cached_tokens for r in rows)
+                bar.set_postfix(reused=reused, computed=sum(r.computed_tokens for r in rows))
+        return CacheStats(
+            sum(r.prompt_tokens for r in rows),
+            sum(r.cached_tokens for r in rows),
+            sum(r.computed_tokens for r in rows),
+            tuple(rows),
+        )

@@ -1,0 +1,114 @@
+"""A store's files (docs/persistence.md): what ``PrefixStore.save`` writes and what the files of a disk tier carry
+(:func:`file_meta`: the store's settings and model, and an invariant store's chunk length), and what
+``PrefixStore.load`` and ``PrefixStore.merge`` check before a file's blocks join a store. The file format itself,
+its checksum and its checks against a model are :mod:`prefixkv.kv.persist`'s."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .errors import PersistError
+from .hf.parts import StoreSettings
+from .kv import persist, prefix_file
+from .kv.blocks import BlockManager
+from .kv.fingerprint import fingerprint
+from .kv.pool import LayerSpec
+from .kv.tier import BLOCK_FORMAT, OffloadTier
+from .memory import parse_bytes
+
+
+def file_meta(
+    settings: StoreSettings, specs: list[LayerSpec], model: Any, model_print: str, format: str = prefix_file.FORMAT
+) -> dict[str, str]:
+    """The metadata of a file of a store's K/V (:func:`prefixkv.kv.persist.store_meta`) and, for an invariant
+    store, its chunk length: K/V computed in another schedule are other K/V (docs/correctness.md, "Files and
+    tiers carry the schedule")."""
+    meta = persist.store_meta(settings, specs, model, model_print, format)
+    if settings.chunk_size is not None:
+        meta["chunk_size"] = str(settings.chunk_size)
+    return meta
+
+
+def offload_tier(
+    offload: str | None,
+    max_offload_memory: int | str | None,
+    offload_dir: str | os.PathLike[str] | None,
+    settings: StoreSettings,
+    specs: list[LayerSpec],
+    model: Any,
+) -> OffloadTier | None:
+    """The second tier ``PrefixStore(offload=...)`` asks for (``None`` without): blocks in host memory or in files
+    of ``offload_dir`` (created if missing) whose metadata ties them to the store's K/V (:func:`file_meta`)."""
+    if offload is None:
+        return None
+    limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
+    # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
+    # directory serves a model under each of its adapters
+    model_print = fingerprint(model, adapters=False)
+    meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}
+    return OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
+
+
+def save(
+    path: str | os.PathLike[str],
+    wanted: list[list[int]] | None,
+    blocks: BlockManager,
+    settings: StoreSettings,
+    model: Any,
+) -> persist.PersistStats:
+    """Write the prefixes ``blocks`` hold (all, or the cached part of each of ``wanted``) to ``path``, with
+    ``model``'s fingerprint (:meth:`prefixkv.PrefixStore.save`). Does not mutate the store."""
+    now = getattr(model, "dtype", settings.model_dtype)
+    if now != settings.model_dtype:
+        raise PersistError(
+            f"the model now computes in {now} but the store's K/V were computed in "
+            f"{settings.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
+        )
+    model_print = fingerprint(model)
+    nodes, tensors, saved = blocks.room.export(wanted, blocks.space())
+    return persist.write(path, tensors, file_meta(settings, blocks.pool.specs, model, model_print), nodes, saved)
+
+
+def load_options(
+    file: prefix_file.PrefixFile, path: str | os.PathLike[str], model: Any, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The options of a store that loads ``file`` for ``model`` (:meth:`prefixkv.PrefixStore.load`): ``kwargs``
+    with block size, dtype, quantization and an invariant store's chunk length defaulting to the file's, after
+    checking that the file fits the model and them (:func:`prefixkv.kv.prefix_file.check_compatible`). Mutates
+    ``kwargs``."""
+    kwargs.setdefault("block_size", file.block_size)
+    kwargs["dtype"] = kwargs.get("dtype") or file.dtype
+    kwargs.setdefault("kv_dtype", file.kv_dtype)
+    if "chunk_size" in file.meta and "invariant" not in kwargs:
+        kwargs.setdefault("invariant", True)
+        kwargs.setdefault("chunk_size", int(file.meta["chunk_size"]))
+    model_dtype = getattr(model, "dtype", torch.float32)
+    prefix_file.check_compatible(
+        file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
+    )
+    return kwargs
+
+
+def add_file(
+    blocks: BlockManager, chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]
+) -> persist.PersistStats:
+    """Add the prefixes of ``file`` (checked against the store's model and shapes) to ``blocks``, within their
+    budget, after refusing a file computed in another prefill schedule than ``chunk_size``'s. Mutates ``blocks``
+    only once the file is known to fit (:meth:`prefixkv.kv.room.Room.add_file`)."""
+    _check_schedule(chunk_size, file, path)
+    return blocks.room.add_file(file, blocks.space())
+
+
+def _check_schedule(chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]) -> None:
+    """Refuse a file whose K/V were computed in another prefill schedule than ``chunk_size``'s. Does not mutate."""
+    theirs = file.meta.get("chunk_size")
+    if theirs != (None if chunk_size is None else str(chunk_size)):
+        kept = "the default schedule" if theirs is None else f"the invariant schedule (chunk_size={theirs})"
+        ours = "the default schedule" if chunk_size is None else f"chunk_size={chunk_size}"
+        raise PersistError(
+            f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
+            "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
+        )

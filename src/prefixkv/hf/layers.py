@@ -1,0 +1,173 @@
+"""The layers of a :class:`~prefixkv.hf.cache.PagedPrefixCache` and what one forward does with each layer's new K/V:
+the per-layer face transformers calls (:class:`PagedLayer`; every call goes to the cache), whether the K/V fit the
+store (:func:`check_layer`), their write into the pool and what the attention is handed (:func:`write_layer`,
+:func:`hand_out`); and a compiled step (:mod:`prefixkv.attention.static`), which writes every layer in one graph
+while it holds the store's lock (:func:`begin_step`, :func:`end_step`). The cache hands each function the parts it
+needs (its rows, the forward's read plan, the store), so none of them reaches into the cache, and this module does
+not import it: which thread's forward owns the cache, and a ``close()`` from another one, stay the cache's."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import _compat
+from ..attention import reads, static
+from ..errors import CacheMisuseError
+from ..kv.blocks import BlockManager
+from . import proof
+from .parts import StoreParts
+from .rows import RowSet
+
+
+@_compat.adapt_cache
+class PagedLayer(CacheLayerMixin):
+    """The per-layer face transformers expects (``cache.layers``); all state lives in the owning cache, which it
+    holds by a weak reference."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: Cache, layer_idx: int) -> None:
+        super().__init__()
+        # a weak reference: a strong one would make every cache a cycle that only the cyclic garbage collector
+        # frees, so `del cache` would not give the blocks back (docs/correctness.md, "Releasing caches")
+        self._cache_ref = weakref.ref(cache)
+        self._layer_idx = layer_idx
+        self.is_initialized = True
+
+    @property
+    def _cache(self) -> Cache:
+        cache = self._cache_ref()
+        if cache is None:
+            raise CacheMisuseError("the PagedPrefixCache of this layer was garbage-collected")
+        return cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.update(key_states, value_states, self._layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length(self._layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_mask_sizes(query_length, self._layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None
+
+
+def write_layer(
+    plan: reads.ForwardReads,
+    held: RowSet,
+    store: StoreParts,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    layer_idx: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``update`` of a forward that is not a compiled step, once the cache knows the forward is its owner's and
+    the cache open: write the new K/V (``[B, kv_heads, q, head_dim]``) of layer ``layer_idx`` into the slots of
+    ``held``'s new columns and return what the attention reads, as ``plan`` says (the new K/V themselves, or the
+    layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
+    check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length)
+    device = key_states.device
+    keep = None if held.keep is None else held.keep.to(device)
+    store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
+    held.seen[layer_idx] = held.length
+    if plan.in_place:
+        hand_out(plan, layer_idx, key_states)
+        return key_states, value_states
+    keys, values = plan.gather(layer_idx)
+    if keys.dtype != key_states.dtype:
+        keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+    if plan.probe or plan.canonical:
+        hand_out(plan, layer_idx, keys)
+    return keys, values
+
+
+def check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
+    """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
+    allocated ``length - seen`` columns for it."""
+    specs = store.blocks.pool.specs
+    if layer_idx >= len(specs):
+        raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
+    spec = specs[layer_idx]
+    if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
+        raise CacheMisuseError(
+            f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
+            f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
+        )
+    if key_states.device != spec.device or key_states.dtype != store.settings.model_dtype:
+        raise CacheMisuseError(
+            f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
+            f"built for {store.settings.model_dtype} on {spec.device}: the model was moved or cast after the "
+            "PrefixStore was built; build a new store"
+        )
+    q = key_states.shape[-2]
+    if seen + q != length:
+        raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
+
+
+def hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:
+    """Note that ``update`` returns ``key`` for ``layer``, on the tensor itself
+    (:data:`prefixkv.attention.reads.TAG`), so that only the attention call of that layer, with that tensor,
+    reads the plan. Mutates ``plan`` and ``key``."""
+    plan.handed.add(layer)
+    setattr(key, reads.TAG, (plan, layer))
+
+
+def begin_step(
+    held: RowSet, blocks: BlockManager, tables: static.StepTables, forward: proof.ForwardInputs, start: int
+) -> static.StaticStep:
+    """The tensors of a compiled step (:mod:`prefixkv.attention.static`) feeding column ``start`` of ``held``'s
+    rows: as wide as the mask ``generate`` built from ``get_mask_sizes``, else the bucket of ``start + 1`` columns.
+    Takes the store's lock, which :func:`end_step` gives back."""
+    pool = blocks.pool  # its devices: a growth keeps them
+    mask = forward.attention_mask
+    columns = (
+        mask.shape[-1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4
+        else static.width(start + 1, blocks.block_size)
+    )
+    if columns <= start:
+        raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
+    if isinstance(mask, torch.Tensor):  # its width is the bucket's: a size of the graph, not a graph of its own
+        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+    device = pool.specs[0].device
+    table = tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
+    position = torch.tensor(start, device=device)
+    # the graph writes into the pool without the block manager: its lock is held until the forward ends, so
+    # that no other thread grows the pool (a copy) meanwhile, which would lose the step's writes
+    blocks.lock.acquire()
+    try:
+        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, position)
+    except BaseException:
+        blocks.lock.release()
+        raise
+
+
+def end_step(held: RowSet, blocks: BlockManager, ok: bool) -> None:
+    """The end of a compiled step that :func:`begin_step` began (``ok``: its forward returned): keep the null block
+    zeros, give the store's lock back, and note that the step wrote every layer. Mutates."""
+    try:
+        if held.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
+            for t in (*blocks.pool.keys, *blocks.pool.values):
+                t[:, 0].zero_()
+    finally:
+        blocks.lock.release()  # taken by begin_step
+    if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
+        held.seen[:] = [held.length] * len(held.seen)
