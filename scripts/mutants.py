@@ -156,6 +156,23 @@ MUTATIONS = [
         ("tests/test_never_wrong.py::test_a_file_saved_with_the_adapters_disabled_does_not_load_with_them_enabled",),
         "a file saved with the adapters disabled loads where they are enabled: its K/V give wrong output",
     ),
+    # -- found in review (issue 36): compiled steps were tested on llama alone
+    Mutation(
+        "compiled-steps-prove-the-4d-masks",
+        "hf/hooks.py",
+        "        _GENERATE_MASKS[cache] = mask\n",
+        "        _GENERATE_MASKS.pop(cache, None)\n",
+        ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),
+        "a compileable cache on a model with sliding or per-kind layers publishes nothing: no reuse, silently",
+    ),
+    Mutation(
+        "compiled-steps-on-a-models-own-attention",
+        "hf/cache.py",
+        "    if not interface.serves(store.hf_model):\n",
+        "    if False:\n",
+        ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),
+        "Falcon-RW and Bloom take compiled steps their own attention cannot read: errors on ALiBi and padding",
+    ),
 ]
 
 

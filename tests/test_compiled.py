@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from conftest import cache_kw, stock_twin
+from conftest import cache_kw, left_pad, random_tokens, stock_twin
+from test_families import FAMILIES, NAN_WHEN_PADDED_IN_FLOAT64, SHARED, documented_paths
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
 
@@ -106,6 +107,44 @@ def test_eager_steps_match_stock_cold_and_warm_padded(mode: int) -> None:
         assert cached[1] > cached[0]
         pool = store.blocks.pool
         assert all(bool((t[:, 0] == 0).all()) for t in (*pool.keys, *pool.values))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_takes_compiled_steps_or_says_why(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Across the families of docs/architectures.md: one that runs prefixkv attention takes its one-token forwards
+    as static steps, which give stock's tokens and logits (float64) cold, then warm in a left-padded batch that
+    reuses the shared prefix (sliding windows, hybrid and chunked layers build generate's per-kind masks, which the
+    proof reads through the 2-D mask they came from); one whose attention is its own (the ``update`` path) is
+    refused, saying so, and decodes as an ordinary cache."""
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64)
+    twin = stock_twin(model)
+    steps: list[int] = []
+    update = static.StaticStep.update
+    monkeypatch.setattr(static.StaticStep, "update", lambda self, *a: steps.append(1) or update(self, *a))
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        probe = prefixkv.PagedPrefixCache(store, compileable=True)
+        if documented_paths()[family] == "update":
+            assert not probe.is_compileable and "its own attention" in probe.compile_reason
+        else:
+            assert probe.is_compileable, probe.compile_reason
+        system = random_tokens(SHARED, seed=1)
+        cold = torch.cat([system, random_tokens(6, seed=2)])[None]
+        ids, mask = left_pad(
+            [torch.cat([system, random_tokens(4, seed=11)]), torch.cat([system, random_tokens(7, seed=12)])]
+        )
+        for x, m in ((cold, None), (ids, mask)):
+            ref = generate(twin, x, m, DynamicCache(config=twin.config), max_new_tokens=5)
+            with prefixkv.PagedPrefixCache(store, x, m, compileable=True) as cache:
+                out = generate(model, x, m, cache, max_new_tokens=5)
+            store.check_invariants()
+            if ref.logits[0].isnan().any():  # stock's padded rows of these families (tests/test_families.py)
+                assert family in NAN_WHEN_PADDED_IN_FLOAT64 and m is not None
+                continue
+            assert torch.equal(out.sequences, ref.sequences)
+            assert max_diff(out, ref) <= 1e-6
+        # the batch reused the cold call's prefix: 3 pads, so 45 columns skipped (tests/test_families.py)
+        assert [r.cached_tokens for r in cache.stats.per_row] == [SHARED - 3, SHARED]
+        assert bool(steps) == probe.is_compileable
 
 
 def test_a_warm_step_is_one_graph_and_the_buckets_stay_warm() -> None:

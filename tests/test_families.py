@@ -150,7 +150,7 @@ def test_left_padded_batch(family: str, model: Any, store: prefixkv.PrefixStore)
         assert result.out.sequences[i, ids.shape[1] :].tolist() == alone.sequences[0, len(row) :].tolist()
 
 
-def _documented_paths() -> dict[str, str]:
+def documented_paths() -> dict[str, str]:
     """family -> "prefixkv" or "update", from the table in docs/architectures.md."""
     paths = {}
     for line in DOCS.read_text().splitlines():
@@ -165,7 +165,7 @@ def _documented_paths() -> dict[str, str]:
 
 
 def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    documented = _documented_paths().get(family)
+    documented = documented_paths().get(family)
     assert documented is not None, f"{family} has no row in {DOCS}"
     calls = []
 
@@ -371,7 +371,7 @@ def test_unsupported_families_are_refused_with_the_reason(family: str) -> None:
 
 
 def test_every_family_is_documented() -> None:
-    documented = _documented_paths()
+    documented = documented_paths()
     assert set(FAMILIES) <= set(documented), f"missing from {DOCS}: {set(FAMILIES) - set(documented)}"
     text = DOCS.read_text()
     missing = [f for f in REFUSED if f"`{f}`" not in text]

@@ -51,6 +51,15 @@ def refusal(store: Any) -> str | None:
     return None
 
 
+def mark_width(masks: Any) -> None:
+    """Mark the last dimension (the bucket's width) of a step's mask, or of each mask of a dict of them (one per
+    kind of layer), a size of the graph rather than a constant of it, as :class:`StaticStep` marks its slot table's
+    width. Mutates only the tensors' dynamo marks."""
+    for mask in masks.values() if isinstance(masks, dict) else (masks,):
+        if isinstance(mask, torch.Tensor) and not hasattr(mask, "_dynamo_weak_dynamic_indices"):
+            torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
+
+
 class StepTables:
     """The slot tables of one cache's compiled steps, kept between steps: rebuilt only when a row's pads or block
     table or the bucket changed (a row enters a new block every ``block_size`` steps), since a table maps every

@@ -17,7 +17,7 @@ import torch
 
 from .. import _compat_generate
 from ..attention.interface import outside_compile, serves
-from ..attention.static import STEP_KWARG
+from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
 from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step
@@ -26,6 +26,9 @@ from .proof import CACHE_KWARGS, ForwardInputs
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
+# the 2-D mask (or ``None``) from which ``generate`` built the 4-D masks of a compileable cache's next forward (noted
+# by the prepare wrapper, taken by the pre-hook): what the proof reads instead of masks it cannot read
+_GENERATE_MASKS: weakref.WeakKeyDictionary[PagedPrefixCache, torch.Tensor | None] = weakref.WeakKeyDictionary()
 
 
 def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
@@ -72,10 +75,14 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             )
         decode_step = cache in _DECODE_STEPS
         _DECODE_STEPS.discard(cache)
+        if cache in _GENERATE_MASKS:
+            inputs = {**inputs, "attention_mask": _GENERATE_MASKS.pop(cache)}
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
         if static_step(cache) and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
-            # (prefixkv.attention.static)
+            # (prefixkv.attention.static); the masks generate built are as wide as the step's slot table, a size of
+            # the graph as the table's width is
+            mark_width(kwargs.get("attention_mask"))
             return args, {**kwargs, STEP_KWARG: True}
         return None
 
@@ -102,6 +109,7 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     step = _compat_generate.generate_step(kwargs, cache, input_ids)
     length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
     _compat_generate.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
+    mask = kwargs.get("attention_mask")
     inputs = original(input_ids, *args, **kwargs)
     if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
         raise CacheMisuseError(
@@ -115,6 +123,13 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
         _DECODE_STEPS.add(cache)
     else:
         _DECODE_STEPS.discard(cache)
+    # for a compileable cache generate replaces the 2-D mask by the 4-D masks it builds from it (one per kind of
+    # layer); those show the same columns, and the proof reads the 2-D one
+    replaced = isinstance(inputs, dict) and inputs.get("attention_mask") is not mask
+    if replaced and cache.is_compileable and (mask is None or mask.dim() == 2):
+        _GENERATE_MASKS[cache] = mask
+    else:
+        _GENERATE_MASKS.pop(cache, None)
     return inputs
 
 
