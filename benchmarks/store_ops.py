@@ -25,16 +25,19 @@ from _common import machine, model_for, save, table, tokens
 import prefixkv
 from prefixkv.hf.cache import PagedPrefixCache, begin_forward, end_forward
 from prefixkv.hf.proof import ForwardInputs
+from prefixkv.hf.rows import RowSet
+from prefixkv.kv.room import Room
 
-# the store operations of one request, and the method that performs each
+# the store operations of one request, and the method that performs each: a cache's rows claim, extend, publish
+# and release their blocks through the store's block manager (docs/how-it-works.md, "The block manager")
 OPERATIONS: dict[str, tuple[type, str]] = {
-    "match + attach": (PagedPrefixCache, "_attach"),
-    "allocate (with eviction)": (PagedPrefixCache, "_allocate"),
-    "publish": (PagedPrefixCache, "_end"),
+    "match + attach": (RowSet, "attach"),
+    "allocate (with eviction)": (RowSet, "allocate"),
+    "publish": (RowSet, "publish_full"),
     "release": (PagedPrefixCache, "close"),
 }
 # inside the above: making room, i.e. growing the pool or evicting
-MAKE_ROOM = (prefixkv.PrefixStore, "_ensure_free")
+MAKE_ROOM = (Room, "ensure_free")
 
 
 @contextmanager

@@ -22,6 +22,7 @@ import decode
 import gpu_check
 import memory
 import quant
+import store_ops
 import throughput
 import tiers
 import trie_ops
@@ -116,6 +117,16 @@ def test_trie_ops_smoke(sequences: int) -> None:
     r = trie_ops.run(sequences, 10, 64, 16, 100, 20, 16)
     assert r["nodes"] >= 10 and r["median_ms"] > 0
     assert "sequences" in trie_ops.report(r)
+
+
+def test_store_ops_smoke_times_every_operation() -> None:
+    """Every operation it times is a method that runs (a renamed one fails here, not in a later full run)."""
+    r = store_ops.run(requests=12, prefixes=3, num_blocks=16)
+    assert r["evictions"] > 0 and 0 < r["hit_rate"] < 1
+    assert all(us > 0 for us in r["us_per_request"].values()), r["us_per_request"]
+    assert [row[0] for row in _cells(store_ops.report(r))][: len(store_ops.OPERATIONS)] == list(store_ops.OPERATIONS)
+    s = store_ops.sequence(64)
+    assert s["tokens"] == 64 and s["publish_ms_per_sequence"] > 0 and s["begin_us_per_step"] > 0
 
 
 def test_quant_smoke_counts_the_scales_in_the_memory() -> None:

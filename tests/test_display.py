@@ -207,7 +207,7 @@ def test_views_of_a_long_chain_do_not_recurse(llama64: Any) -> None:
     for k in range(1, len(seq) + 1):
         trie.insert(seq[:k], list(range(1, k + 1)))
     store = prefixkv.PrefixStore(llama64, block_size=1)
-    store.blocks._trie = trie  # the views only read the trie
+    store.blocks.ledger._trie = trie  # the views only read the trie, through the ledger
     assert len(display.trie_text(store, max_nodes=2000).splitlines()) == 1 + 1500
     (top,) = display.top_prefixes(store, 1)
     assert top.tokens == tuple(seq) and top.continuations == 1

@@ -119,7 +119,7 @@ def test_show_decodes_keys_of_masked_tokens() -> None:
     mask[0, 2] = 0  # a hole: the keys from there on are apart from the plain ids'
     with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
         model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    keys = [n.tokens for n in store.blocks.prefix_view()]
+    keys = [n.tokens for n in store.blocks.ledger.prefix_view()]
     assert any(k < 0 for edge in keys for k in edge)
     text = str(store.show(tok))  # OverflowError before the fix
     assert tok.decode(ids[0, :2]) in text

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixkv import _compat
 from prefixkv.attention import blocks, flex, flex_kernel
 from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import Read
@@ -256,6 +257,13 @@ def test_can_serve_gives_the_reason_it_cannot() -> None:
     assert not flex.can_serve("cpu", torch.float32, 16, custom_mask=True)[0]
     assert not flex.can_serve("cpu", torch.int8, 16)[0]
     assert not flex.can_serve("meta", torch.float32, 16)[0]
+
+
+def test_a_torch_without_the_log_sum_exp_request_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch release has FlexAttention's ``AuxRequest`` is ``_compat``'s to know; the backend asks it."""
+    monkeypatch.setattr(_compat, "flex_aux_request", lambda: None)
+    ok, reason = flex.can_serve("cpu", torch.float32, 16)
+    assert not ok and reason == _compat.flex_refusal() and f"torch {torch.__version__}" in reason
 
 
 def test_a_compile_failure_raises_and_is_then_refused(monkeypatch: pytest.MonkeyPatch) -> None:

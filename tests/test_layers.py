@@ -181,7 +181,8 @@ WITHIN = {
     "base": ["errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"],
     "kv": [
         *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
-        *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.blocks"),
+        *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.ledger"),
+        "kv.blocks",
     ],
     "attention": [
         *("attention.reads", "attention.static", "attention.kernels", "attention.interface", "attention.planner"),

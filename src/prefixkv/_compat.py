@@ -20,6 +20,9 @@ never by comparing version numbers:
   of older releases reads K/V head ``h`` for query head ``h``, past the K/V heads of a grouped model, and returns
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
+- torch's FlexAttention returns its log-sum-exp when asked with an ``AuxRequest`` from torch 2.9 (older releases
+  take ``return_lse=``, deprecated since): :func:`flex_aux_request` finds it, and :func:`flex_refusal` says in one
+  line why the ``"flex"`` backend cannot serve on a torch without it.
 
 The ``cache=`` alias is installed when this module loads (when prefixkv's public names first load): it only lets a
 call that would fail run, and a stock call with a ``DynamicCache`` made before any store (a reference to compare
@@ -222,3 +225,22 @@ def cpu_flash_attention(
         query, key, value, 0.0, causal, attn_mask=attn_mask, scale=scale
     )
     return out, lse
+
+
+def flex_aux_request() -> Any:
+    """torch's FlexAttention ``AuxRequest`` (``return_aux=AuxRequest(lse=True)`` asks for the log-sum-exp), or
+    ``None`` where the installed torch lacks it (before 2.9). Does not mutate."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    return getattr(flex_module, "AuxRequest", None)
+
+
+def flex_refusal() -> str | None:
+    """Why the installed torch cannot serve the ``"flex"`` backend (:func:`prefixkv.attention.flex_kernel.can_serve`),
+    in one line, or ``None``. Does not mutate."""
+    if flex_aux_request() is None:
+        return (
+            f"torch {torch.__version__} has no flex_attention AuxRequest (the log-sum-exp request of torch 2.9 and "
+            "later): upgrade torch"
+        )
+    return None

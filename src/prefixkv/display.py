@@ -3,7 +3,7 @@ hit rate, memory, the most shared cached prefixes, the trie as a tree and each r
 module a user calls; the records and the text views it names are :mod:`prefixkv.display_text`'s, the HTML is
 rendered here.
 
-Everything here only reads, from public snapshots (:meth:`BlockManager.prefix_view` of ``store.blocks``,
+Everything here only reads, from public snapshots (:meth:`Ledger.prefix_view` of ``store.blocks.ledger``,
 :meth:`PagedPrefixCache.block_tables`) and counters; it mutates nothing and imports neither the store nor the
 cache, which sit above it (they render themselves through it).
 The HTML is self-contained (inline styles, no scripts), so it renders offline and in exported notebooks.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .display_text import (
+    BlocksLike,
     CachedPrefix,
     CacheLike,
     NodeLike,
@@ -41,6 +42,7 @@ from .display_text import (
 from .memory import format_bytes
 
 __all__ = [
+    "BlocksLike",
     "CacheLike",
     "CachedPrefix",
     "NodeLike",

@@ -3,7 +3,7 @@
 shared prefixes, the trie as a tree and each row's block table. :mod:`prefixkv.display`, the module a user calls,
 renders them as HTML too.
 
-Everything here only reads, from public snapshots (:meth:`BlockManager.prefix_view` of ``store.blocks``,
+Everything here only reads, from public snapshots (:meth:`Ledger.prefix_view` of ``store.blocks.ledger``,
 :meth:`PagedPrefixCache.block_tables`) and counters; it mutates nothing and imports neither the store nor the
 cache, which sit above it.
 """
@@ -31,7 +31,7 @@ class CachedPrefix:
 
 
 class NodeLike(Protocol):
-    """What the views read of one node of the trie's snapshot (:class:`prefixkv.kv.trie.NodeView`)."""
+    """What the views read of one node of the trie's snapshot (:class:`prefixkv.kv.nodes.NodeView`)."""
 
     @property
     def tokens(self) -> tuple[int, ...]: ...
@@ -59,9 +59,16 @@ class NodeLike(Protocol):
 
 
 class PrefixesLike(Protocol):
-    """What the views read of a store's block manager (``store.blocks``): the snapshot of its trie."""
+    """What the views read of a store's block manager's books (``store.blocks.ledger``): the snapshot of its trie."""
 
     def prefix_view(self) -> Sequence[NodeLike]: ...
+
+
+class BlocksLike(Protocol):
+    """What the views read of a store's block manager (``store.blocks``): its books."""
+
+    @property
+    def ledger(self) -> PrefixesLike: ...
 
 
 class StoreLike(Protocol):
@@ -86,13 +93,13 @@ class StoreLike(Protocol):
     def closed(self) -> bool: ...
 
     @property
-    def blocks(self) -> PrefixesLike: ...
+    def blocks(self) -> BlocksLike: ...
 
 
 def top_prefixes(store: StoreLike, n: int = 5) -> list[CachedPrefix]:
     """The ``n`` most shared cached prefixes: branch points and leaves of the trie, by the number of
     cached sequences that continue them, then by length. Does not mutate."""
-    nodes = store.blocks.prefix_view()
+    nodes = store.blocks.ledger.prefix_view()
     children = _children(nodes)
     leaves = _leaf_counts(nodes, children)
     ranked = [(leaves[i], nodes[i].end, i) for i in leaves if len(children[i]) != 1]
@@ -108,7 +115,7 @@ def trie_text(store: StoreLike, tokenizer: Any = None, max_nodes: int = 40) -> s
     pinned, in use or evictable, and its first tokens (decoded when a tokenizer is given). The default namespace
     comes first, under ``root``; every other one that holds prefixes (a user's ``namespace=``, an adapter, weights
     changed since the store was built) follows under a root line that names it. Does not mutate."""
-    nodes = store.blocks.prefix_view()
+    nodes = store.blocks.ledger.prefix_view()
     children = _children(nodes)
     spaces = list(dict.fromkeys([None, *(n.space for n in nodes if n.parent < 0)]))
     lines: list[str] = []

@@ -142,12 +142,12 @@ class PrefixStore:
     @property
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters. Does not mutate."""
-        return self.blocks.stats()
+        return self.blocks.ledger.stats()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live
         cache rows), or the trie is malformed. Does not mutate."""
-        self.blocks.check_invariants()
+        self.blocks.ledger.check_invariants()
 
     def cached_length(self, tokens: Sequence[int], space: Hashable = None, *, namespace: str | None = None) -> int:
         """How many leading ``tokens`` namespace ``space`` holds (``None``: the model without adapters) for user

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from prefixkv import _compat
 from prefixkv.attention.kernels import attend as attend_columns
 from prefixkv.attention.kernels import merge_by_lse
 from prefixkv.errors import PrefixKVError
@@ -67,13 +68,6 @@ _failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why 
 class FlexUnavailable(PrefixKVError, RuntimeError):
     """FlexAttention could not compile for these inputs; the message says why. Read the pool another way (the
     gather or the blocks reader): :func:`can_serve` refuses this device and dtype from now on."""
-
-
-def _aux_request() -> Any:
-    """torch's ``AuxRequest`` (what asks FlexAttention for the log-sum-exp), or ``None`` where this torch lacks it."""
-    from torch.nn.attention import flex_attention as flex_module
-
-    return getattr(flex_module, "AuxRequest", None)
 
 
 def can_serve(
@@ -115,11 +109,9 @@ def can_serve(
         return False, f"soft-capping ({softcap}): not implemented by this backend; the model's own attention serves it"
     if custom_mask:
         return False, "the model's mask is not padding, holes, causal or a sliding window over logical columns"
-    if _aux_request() is None:
-        return False, (
-            f"torch {torch.__version__} has no flex_attention AuxRequest (the log-sum-exp request of newer torch): "
-            "upgrade torch"
-        )
+    refusal = _compat.flex_refusal()
+    if refusal is not None:
+        return False, refusal
     failed = _failed.get((kind, dtype))
     if failed is not None:
         return False, failed
@@ -291,7 +283,7 @@ def _flex(
     compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention over the pool views; compiled (the log-sum-exp only off the CPU) or torch's eager version."""
-    aux = _aux_request()(lse=True) if lse else None
+    aux = _compat.flex_aux_request()(lse=True) if lse else None
     result: Any
     if not compiled:
         with warnings.catch_warnings():  # eager is chosen on purpose (the CPU's log-sum-exp, or a reference)

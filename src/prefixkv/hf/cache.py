@@ -307,7 +307,7 @@ class PagedPrefixCache(Cache):
         """Each row's leading padding, block table, and which of its blocks something else holds too (the
         trie, another row, another cache); empty once closed. Does not mutate."""
         rows = list(self._rowset.rows)
-        views = self._blocks.table_view([row.claim for row in rows])
+        views = self._blocks.ledger.table_view([row.claim for row in rows])
         return [display.RowTable(row.pad, v.blocks, v.shared) for row, v in zip(rows, views)]
 
     def __repr__(self) -> str:

@@ -243,7 +243,7 @@ class RowSet:
             sum(s.prompt_tokens for s in per_row), sum(reused), sum(s.computed_tokens for s in per_row), per_row
         )
         if count:
-            self.blocks.count_query([len(t) for t in rows], reused)
+            self.blocks.ledger.count_query([len(t) for t in rows], reused)
 
     def reattach(self, store: StoreParts, pads: list[int], rows: list[list[int]], space: Hashable) -> None:
         """Give back what construction reused and attach ``rows`` again, under ``space``, as the lookup of the
@@ -252,7 +252,7 @@ class RowSet:
         self.release()
         self.length = 0
         self.space = space
-        self.blocks.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
+        self.blocks.ledger.count_query([r.prompt_tokens for r in before], [r.cached_tokens for r in before], undo=True)
         self.attach(store, pads, rows)
 
     def drop_reuse(self) -> None:
@@ -263,8 +263,8 @@ class RowSet:
         self.stats = CacheStats(self.stats.prompt_tokens, 0, self.stats.prompt_tokens, per_row)
         # the store counted this lookup's reuse at construction: count it as the miss it has become
         prompts = [r.prompt_tokens for r in before]
-        self.blocks.count_query(prompts, [r.cached_tokens for r in before], undo=True)
-        self.blocks.count_query(prompts, [0] * len(prompts))
+        self.blocks.ledger.count_query(prompts, [r.cached_tokens for r in before], undo=True)
+        self.blocks.ledger.count_query(prompts, [0] * len(prompts))
 
     # -- one forward -----------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ def prefill(
         kept = _kept(tokens, store.settings.chunk_size)
         with prefill_chunks(store, [kept], namespace) as (held,):
             if count:
-                store.blocks.count_query([len(tokens)], [held])
+                store.blocks.ledger.count_query([len(tokens)], [held])
             yield RowStats(len(tokens), held, len(kept) - held)
         return
     ids = torch.tensor([tokens], dtype=torch.long) if count else None

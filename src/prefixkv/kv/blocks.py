@@ -6,7 +6,8 @@ several threads on one store), and is what caches call (as ``store.blocks``): ``
 takes the lock itself, says what it mutates and leaves refcounts exact if it raises. Below it, its
 :class:`~prefixkv.kv.room.Room` makes room (growth within the budget, LRU eviction into the second tier, restores
 from it, the blocks of a saved file) and its :class:`~prefixkv.kv.room.Pins` keeps the prefixes a user pinned
-(``kv/room.py``). Every block that enters the trie goes through
+(``kv/room.py``); its :class:`~prefixkv.kv.ledger.Ledger` counts lookups, gives the stats and the snapshots for
+display, and recounts every block's holders (``kv/ledger.py``). Every block that enters the trie goes through
 one insert, :meth:`BlockManager.insert`. See docs/how-it-works.md, "The block manager"."""
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..stats import StoreStats
 from .allocator import BlockAllocator
+from .ledger import Ledger
 from .namespace import Namespace
 from .pool import BlockPool
 from .room import Pins, Room
 from .tier import OffloadTier
-from .trie import Match, Node, NodeView, RadixTrie
+from .trie import Match, Node, RadixTrie
 
 # tokens of room kept free after each row of a batch's prefill, for the blocks its decode steps add
 _RESERVE_TOKENS = 128
@@ -48,13 +49,6 @@ class Claimed(NamedTuple):
 
     claims: list[Claim]
     reused: list[int]
-
-
-class TableView(NamedTuple):
-    """A claim's block table, and for each block whether something else holds it too."""
-
-    blocks: tuple[int, ...]
-    shared: tuple[bool, ...]
 
 
 class BlockManager:
@@ -86,10 +80,10 @@ class BlockManager:
         self._trie = RadixTrie(pool.block_size)
         self._claims: weakref.WeakSet[Claim] = weakref.WeakSet()
         self.key_space = namespace  # what keys the K/V besides the tokens (Namespace.steady: a memo of space())
-        self._queries = self._misses = self._prompt_tokens = self._hit_tokens = 0
         self.closed = False  # set by close() only
         self.room = Room(self, self._allocator, self._trie)
         self.pins = Pins(self, self._trie, self._allocator)
+        self.ledger = Ledger(self, self._allocator, self._trie, self._claims)
 
     @property
     def invariant(self) -> bool:
@@ -311,28 +305,6 @@ class BlockManager:
             assert slots is not None
             return self.pool.gather(layer, slots)
 
-    def table_view(self, claims: Sequence[Claim]) -> list[TableView]:
-        """Each claim's blocks, and whether something else holds each of them too. Does not mutate."""
-        with self.lock:
-            rc = self._allocator.refcount
-            return [TableView(tuple(c.table), tuple(rc(b) > 1 for b in c.table)) for c in claims]
-
-    def prefix_view(self) -> list[NodeView]:
-        """A copy of every cached prefix node, for display (:meth:`RadixTrie.view`), pins marked. Does not
-        mutate."""
-        with self.lock:
-            return self._trie.view(self.pins.nodes())
-
-    def count_query(self, prompt_tokens: Sequence[int], reused: Sequence[int], *, undo: bool = False) -> None:
-        """Count a lookup in :meth:`stats` (``undo``: take back one counted before, as a cache that redoes its
-        reuse does). Mutates the counters."""
-        sign = -1 if undo else 1
-        with self.lock:
-            self._queries += sign * len(prompt_tokens)
-            self._misses += sign * sum(1 for r in reused if r == 0)
-            self._prompt_tokens += sign * sum(prompt_tokens)
-            self._hit_tokens += sign * sum(reused)
-
     def cached_length(self, tokens: Sequence[int], space: Hashable = None) -> int:
         """How many leading ``tokens`` namespace ``space`` holds. Does not mutate."""
         with self.lock:
@@ -364,48 +336,6 @@ class BlockManager:
     def refcount(self, block: int) -> int:
         """How many holders ``block`` has (the trie's occurrences and claims). Does not mutate."""
         return self._allocator.refcount(block)
-
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live claims), or
-        the trie, the allocator or the second tier is malformed. Does not mutate."""
-        with self.lock:
-            alloc = self._allocator
-            alloc.check_invariants()
-            holders = self._trie.check_invariants()
-            for claim in list(self._claims):
-                holders.update(claim.table)
-            for b in range(1, alloc.capacity):
-                if alloc.refcount(b) != holders.get(b, 0):
-                    raise AssertionError(f"block {b}: refcount {alloc.refcount(b)}, holders {holders.get(b, 0)}")
-            if set(holders) - set(range(1, alloc.capacity)):
-                raise AssertionError(f"holders name blocks outside the pool: {set(holders)}")
-            if self.pool.capacity != alloc.capacity:
-                raise AssertionError(f"pool has {self.pool.capacity} blocks, allocator {alloc.capacity}")
-            if self.tier is not None:
-                self.tier.check_invariants()
-
-    def stats(self) -> StoreStats:
-        """A consistent snapshot of the counters. Does not mutate."""
-        with self.lock:
-            used = self._allocator.num_used
-            cap = self.max_blocks if self.max_blocks is not None else self._allocator.capacity - 1
-            nodes = self._trie.nodes()
-            return StoreStats(
-                queries=self._queries,
-                misses=self._misses,
-                prompt_tokens=self._prompt_tokens,
-                hit_tokens=self._hit_tokens,
-                hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
-                blocks_used=used,
-                blocks_free=cap - used,
-                blocks_evictable=self.room.evictable(),
-                blocks_pinned=len(self.pins.blocks()),
-                bytes_used=used * self.bytes_per_block,
-                evictions=self.room.evictions,
-                cached_tokens=sum(len(n.tokens) for n in nodes),
-                nodes=len(nodes),
-                offload=None if self.tier is None else self.tier.stats,
-            )
 
 
 def copy_on_write(

@@ -1,12 +1,14 @@
-"""The trie's nodes (:class:`Node`: an edge, its blocks, its lock count), the tokens of a node's path, and the
-root of each namespace (:class:`Roots`). No torch; the tree itself is :class:`prefixkv.kv.trie.RadixTrie`."""
+"""The trie's nodes (:class:`Node`: an edge, its blocks, its lock count), the tokens of a node's path, the root of
+each namespace (:class:`Roots`), and copies of nodes for display (:class:`NodeView`, :func:`node_views`). No torch;
+the tree itself is :class:`prefixkv.kv.trie.RadixTrie`."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, ItemsView, Iterator, ValuesView
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence, ValuesView
+from typing import NamedTuple
 
-__all__ = ["Node", "Roots", "path_tokens"]
+__all__ = ["Node", "NodeView", "Roots", "node_views", "path_tokens"]
 
 
 class Node:
@@ -97,8 +99,48 @@ class Roots:
     def __len__(self) -> int:
         return len(self._roots)
 
-    def items(self) -> ItemsView[Hashable, Node]:
-        return self._roots.items()
-
     def values(self) -> ValuesView[Node]:
         return self._roots.values()
+
+
+class NodeView(NamedTuple):
+    """A copy of one node (:func:`node_views`): its edge, blocks and lock count, the index of its parent in the
+    view (``-1`` under a root), its namespace, and whether it lies on the path of a given node (a pin)."""
+
+    tokens: tuple[int, ...]
+    start: int
+    blocks: tuple[int, ...]
+    lock: int
+    parent: int
+    space: Hashable
+    pinned: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+def node_views(
+    nodes: Iterable[Node], space_of: Callable[[Node], Hashable], pinned: Sequence[Node] = ()
+) -> list[NodeView]:
+    """A copy of each of ``nodes``, which come parents before children and without the roots (as
+    :meth:`prefixkv.kv.trie.RadixTrie.nodes` lists them); ``space_of`` names the namespace of a node under a root,
+    and those on the path of a node in ``pinned`` are marked. Does not mutate."""
+    marked: set[int] = set()
+    for end in pinned:
+        n: Node | None = end
+        while n is not None and id(n) not in marked:
+            marked.add(id(n))
+            n = n.parent
+    out: list[NodeView] = []
+    index: dict[int, int] = {}  # id of a node -> its place in ``out``
+    for node in nodes:
+        parent = node.parent
+        assert parent is not None, "a root has no view"
+        up = -1 if parent.parent is None else index[id(parent)]
+        space = space_of(node) if up < 0 else out[up].space
+        index[id(node)] = len(out)
+        out.append(
+            NodeView(tuple(node.tokens), node.start, tuple(node.blocks), node.lock, up, space, id(node) in marked)
+        )
+    return out

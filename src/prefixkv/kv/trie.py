@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 from .eviction import DEFAULT_PRIORITY, PROTECT_AFTER, PROTECTED_SHARE, EvictionPolicy, SegmentedLRU
-from .nodes import Node, Roots, path_tokens
+from .nodes import Node, NodeView, Roots, node_views, path_tokens
 
 __all__ = ["ALL_SPACES", "DEFAULT_PRIORITY", "PROTECTED_SHARE", "PROTECT_AFTER", "Insert", "Match", "Node"]
 __all__ += ["NodeView", "RadixTrie", "Roots", "path_tokens"]
@@ -47,23 +47,6 @@ class Insert(NamedTuple):
 
     node: Node
     added: list[int]
-
-
-class NodeView(NamedTuple):
-    """A copy of one node (:meth:`RadixTrie.view`): its edge, blocks and lock count, the index of its parent in
-    the view (``-1`` under a root), its namespace, and whether it lies on the path of a given node (a pin)."""
-
-    tokens: tuple[int, ...]
-    start: int
-    blocks: tuple[int, ...]
-    lock: int
-    parent: int
-    space: Hashable
-    pinned: bool
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
 
 
 def _common_prefix(edge: list[int], seq: list[int], pos: int, end: int | None = None) -> int:
@@ -146,9 +129,6 @@ class RadixTrie:
             node = child
         return Match(pos, blocks, last)
 
-    def is_leaf(self, node: Node) -> bool:
-        return not node.children and node.parent is not None
-
     def nodes(self, space: Hashable = ALL_SPACES) -> list[Node]:
         """Every node but the roots (of namespace ``space``; all namespaces by default), parents before
         children. Does not mutate."""
@@ -163,33 +143,8 @@ class RadixTrie:
 
     def view(self, pinned: Sequence[Node] = ()) -> list[NodeView]:
         """A copy of every node in :meth:`nodes` order (parents before children), marking those on the path of
-        a node in ``pinned``. Does not mutate."""
-        marked: set[int] = set()
-        for end in pinned:
-            n: Node | None = end
-            while n is not None and id(n) not in marked:
-                marked.add(id(n))
-                n = n.parent
-        out: list[NodeView] = []
-        index: dict[int, int] = {}
-        stack = [(child, space) for space, root in self._roots.items() for child in root.children.values()]
-        while stack:
-            node, space = stack.pop()
-            parent = node.parent
-            index[id(node)] = len(out)
-            out.append(
-                NodeView(
-                    tuple(node.tokens),
-                    node.start,
-                    tuple(node.blocks),
-                    node.lock,
-                    -1 if parent is None or parent.parent is None else index[id(parent)],
-                    space,
-                    id(node) in marked,
-                )
-            )
-            stack.extend((child, space) for child in node.children.values())
-        return out
+        a node in ``pinned`` (:func:`~prefixkv.kv.nodes.node_views`). Does not mutate."""
+        return node_views(self.nodes(), self.space_of, pinned)
 
     # -- mutations -------------------------------------------------------------------------------
 
