@@ -167,7 +167,7 @@ MUTATIONS = [
     ),
     Mutation(
         "compiled-steps-on-a-models-own-attention",
-        "hf/cache.py",
+        "hf/layers.py",
         "    if not interface.serves(store.hf_model):\n",
         "    if False:\n",
         ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),

@@ -36,7 +36,7 @@ from ..kv.namespace import user_space
 from ..stats import CacheStats
 from . import proof
 from .call import GenerateCall
-from .layers import PagedLayer, begin_step, check_layer, end_step, write_layer
+from .layers import PagedLayer, begin_step, check_layer, compile_refusal, end_step, write_layer
 from .parts import StoreParts
 from .rows import RowSet, check_prompt
 
@@ -91,7 +91,7 @@ class PagedPrefixCache(Cache):
             model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
         # compiled decode steps (prefixkv.attention.static): why not, or None where every one-token forward is one
-        self._compile_refusal = _compile_refusal(store) if compileable else "it was built without compileable=True"
+        self._compile_refusal = compile_refusal(store) if compileable else "it was built without compileable=True"
         self.compile_reason = (
             "every one-token forward is one graph per bucket of columns and batch"
             if self._compile_refusal is None
@@ -352,19 +352,6 @@ def _paged_update(
 
 
 # -- prefixkv's own protocol with a cache: the model hooks (prefixkv.hf.hooks) and the runner (prefixkv.hf.runner) ---
-
-
-def _compile_refusal(store: StoreParts) -> str | None:
-    """Why ``store``'s caches cannot take compiled decode steps (:func:`prefixkv.attention.static.refusal`), or a
-    model whose attention is its own (the ``update`` path of docs/architectures.md: ALiBi, soft-capping, eager only),
-    to which a compiled step does not hand its K/V; ``None`` where they can. Does not mutate."""
-    if not interface.serves(store.hf_model):
-        kind = getattr(store.hf_model.config, "model_type", type(store.hf_model).__name__)
-        return (
-            f"this {kind} model runs its own attention, not prefixkv's (docs/architectures.md), and its compiled "
-            "step is not one of prefixkv's"
-        )
-    return static.refusal(store)
 
 
 def attach_prompt(

@@ -2,7 +2,8 @@
 the per-layer face transformers calls (:class:`PagedLayer`; every call goes to the cache), whether the K/V fit the
 store (:func:`check_layer`), their write into the pool and what the attention is handed (:func:`write_layer`,
 :func:`hand_out`); and a compiled step (:mod:`prefixkv.attention.static`), which writes every layer in one graph
-while it holds the store's lock (:func:`begin_step`, :func:`end_step`). The cache hands each function the parts it
+while it holds the store's lock (:func:`begin_step`, :func:`end_step`), where the store allows them
+(:func:`compile_refusal`). The cache hands each function the parts it
 needs (its rows, the forward's read plan, the store), so none of them reaches into the cache, and this module does
 not import it: which thread's forward owns the cache, and a ``close()`` from another one, stay the cache's."""
 
@@ -15,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _compat
-from ..attention import reads, static
+from ..attention import interface, reads, static
 from ..errors import CacheMisuseError
 from ..kv.blocks import BlockManager
 from . import proof
@@ -171,3 +172,16 @@ def end_step(held: RowSet, blocks: BlockManager, ok: bool) -> None:
         blocks.lock.release()  # taken by begin_step
     if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
         held.seen[:] = [held.length] * len(held.seen)
+
+
+def compile_refusal(store: StoreParts) -> str | None:
+    """Why ``store``'s caches cannot take compiled decode steps (:func:`prefixkv.attention.static.refusal`), or a
+    model whose attention is its own (the ``update`` path of docs/architectures.md: ALiBi, soft-capping, eager only),
+    to which a compiled step does not hand its K/V; ``None`` where they can. Does not mutate."""
+    if not interface.serves(store.hf_model):
+        kind = getattr(store.hf_model.config, "model_type", type(store.hf_model).__name__)
+        return (
+            f"this {kind} model runs its own attention, not prefixkv's (docs/architectures.md), and its compiled "
+            "step is not one of prefixkv's"
+        )
+    return static.refusal(store)
