@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from _common import interleaved, machine, model_for, save, table, target, tokens
+from _common import interleaved, interleaved_samples, machine, model_for, save, table, target, tokens
 from torch.nn import functional as F
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
@@ -318,10 +319,10 @@ def _prefix(model: Any, held: DynamicCache, length: int) -> DynamicCache:
 def padded_costs(
     model: Any, chunks: list[int], repeat: int, calls: tuple[tuple[int, int], ...] = PADDED_CALLS
 ) -> dict[str, Any]:
-    """Median ms of the prompt forwards each schedule runs (:func:`plan`) for each of ``calls``, over a plain
-    ``DynamicCache`` holding what the schedule reuses (a lower bound on a store's time: no pool, no gather, no
-    runner), the default store's and, at every chunk size of ``chunks``, the unpadded and the padded schedule's
-    taking turns in every repeat (a cold call, ``cached`` 0, half as many repeats)."""
+    """Median and fastest ms of the prompt forwards each schedule runs (:func:`plan`) for each of ``calls``, over a
+    plain ``DynamicCache`` holding what the schedule reuses (a lower bound on a store's time: no pool, no gather,
+    no runner), the default store's and, at every chunk size of ``chunks``, the unpadded and the padded
+    schedule's taking turns in every repeat (a cold call, ``cached`` 0, half as many repeats)."""
     seeds = itertools.count()
     held = DynamicCache(config=model.config)
     out: dict[str, Any] = {"chunks": chunks, "calls": []}
@@ -335,25 +336,31 @@ def padded_costs(
             plans = {"default": plan(cached, new)}
             for c in chunks:
                 plans |= {f"unpadded {c}": plan(cached, new, c), f"padded {c}": plan(cached, new, c, padded=True)}
-            ms = interleaved({name: timed(*p) for name, p in plans.items()}, repeat if cached else max(2, repeat // 2))
-            out["calls"].append({"cached": cached, "new": new, "plans": plans, "ms": ms})
+            variants = {name: timed(*p) for name, p in plans.items()}
+            samples = interleaved_samples(variants, repeat if cached else max(2, repeat // 2))
+            ms = {name: statistics.median(v) for name, v in samples.items()}
+            fastest = {name: min(v) for name, v in samples.items()}
+            out["calls"].append({"cached": cached, "new": new, "plans": plans, "ms": ms, "fastest": fastest})
             print(f"{cached} + {new}: " + ", ".join(f"{k} {v / ms['default']:.2f}x" for k, v in ms.items()), flush=True)
     return out
 
 
 def padded_report(result: dict[str, Any]) -> str:
-    """:func:`padded_costs` as a table: per schedule, its time over the default's and its forwards, per call."""
+    """:func:`padded_costs` as a table: per schedule and call, its median time over the default's (in brackets,
+    fastest over fastest) and its forwards."""
 
     def cell(call: dict[str, Any], name: str) -> str:
         start, rows = call["plans"][name]
         whole = rows[:-1] if rows[-1] != rows[0] else rows
         shape = f"{len(whole)} x {rows[0]}" + (f" + {rows[-1]}" if len(whole) < len(rows) else "")
-        return f"{call['ms'][name] / call['ms']['default']:.2f}x ({shape} from {start})"
+        median, fastest = (call[k][name] / call[k]["default"] for k in ("ms", "fastest"))
+        return f"{median:.2f}x ({fastest:.2f}x), {shape} from {start}"
 
     calls = result["calls"]
     headers = ["schedule", *(f"{c['cached']} + {c['new']}" if c["cached"] else f"cold {c['new']}" for c in calls)]
     first = (
-        f"{c['ms']['default']:.1f} ms (1 x {c['plans']['default'][1][0]} from {c['plans']['default'][0]})"
+        f"{c['ms']['default']:.1f} ms ({c['fastest']['default']:.1f}), 1 x {c['plans']['default'][1][0]} from "
+        f"{c['plans']['default'][0]}"
         for c in calls
     )
     rows = [["default store", *first]]
@@ -408,11 +415,12 @@ def _attention_rows(config: Any, dtype: torch.dtype, chunks: list[int], position
     ``F.scaled_dot_product_attention``, both under a boolean causal mask over the keys before the call and its
     own: per chunk size C, how many of the rows at ``positions`` get other bits when the C-row forward that
     computes them starts at another block boundary (multiple of 16), and whether a C-row call's first half is
-    the same when its second half (queries, keys, values) holds pads; and for the first position, the bit-distinct
-    results over calls of any row count in :data:`ROW_COUNTS` up to 128 starting anywhere before it."""
+    the same when its second half (queries, keys, values) holds pads; and for the middle position, the
+    bit-distinct results over calls of any row count in :data:`ROW_COUNTS` up to 128 starting anywhere before it."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     dim = config.hidden_size // heads
     n = positions.stop + max(chunks)
+    middle = positions[len(positions) // 2]
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, heads, n, dim, generator=g).to(dtype)
     k, v = (torch.randn(1, kv_heads, n, dim, generator=g).to(dtype) for _ in range(2))
@@ -437,18 +445,21 @@ def _attention_rows(config: Any, dtype: torch.dtype, chunks: list[int], position
                 starts = range((max(0, p - c + 1) + 15) // 16 * 16, p + 1, 16)
                 first, *rest = (row(kernel, p, s, c) for s in starts)
                 moved += any(not torch.equal(first, other) for other in rest)
-            start, half = positions.start // 16 * 16, c // 2
+            start, half = middle // 16 * 16, c // 2
             qq, kk, vv = q[:, :, start : start + c].clone(), k[:, :, : start + c].clone(), v[:, :, : start + c].clone()
             ref = kernel(qq, kk, vv)
             qq[:, :, half:], kk[:, :, start + half :], vv[:, :, start + half :] = 0, 7, -3
-            fixed[c] = {"moved": moved, "other_rows": torch.equal(kernel(qq, kk, vv)[:, :, :half], ref[:, :, :half])}
-        p = positions.start
+            same = torch.equal(kernel(qq, kk, vv)[:, :, :half], ref[:, :, :half])
+            fixed[c] = {"moved": moved, "rows": len(positions), "other_rows": same}
         calls = {
-            (s, m): [row(kernel, p, s, m)] for m in ROW_COUNTS if m <= 128 for s in range(max(0, p - m + 1), p + 1)
+            (s, m): [row(kernel, middle, s, m)]
+            for m in ROW_COUNTS
+            if m <= 128
+            for s in range(max(0, middle - m + 1), middle + 1)
         }
         out[name] = {
             "fixed": fixed,
-            "position": p,
+            "position": middle,
             "calls": len(calls),
             "distinct": len(_classes(calls, lambda a, b: 1)),
         }
@@ -503,7 +514,7 @@ def _model_rows(model: Any, chunks: list[int], length: int) -> dict[int, dict[st
 
 
 def row_independence(
-    model: Any, chunks: list[int], positions: range = range(1000, 1100), length: int = 1100
+    model: Any, chunks: list[int], positions: range = range(0, 1100, 11), length: int = 1100
 ) -> dict[str, Any]:
     """Whether a row's result depends on the other rows of a call, in float32 and bfloat16 on this machine's
     kernels: the linear layer (:func:`_linear_rows`) and the attention (:func:`_attention_rows`) at the model's
@@ -539,7 +550,7 @@ def rows_report(result: dict[str, Any]) -> str:
         for name, label in (("attend", "the store's attend"), ("sdpa", "SDPA, boolean causal mask")):
             a = attention[name]
             fixed = ", ".join(f"{c}: {'yes' if f['other_rows'] else 'NO'}" for c, f in a["fixed"].items())
-            moved = ", ".join(f"{c}: {f['moved']}" for c, f in a["fixed"].items())
+            moved = ", ".join(f"{c}: {f['moved']} of {f['rows']}" for c, f in a["fixed"].items())
             lines.append([f"{label}, {dtype}", f"{a['distinct']} distinct in {a['calls']} calls", fixed, moved])
     headers = [
         "kernel",
