@@ -7,10 +7,11 @@ cold time to first token (an empty store), and memory (the bytes and blocks each
 calls). With ``--real``, SmolLM2's 12-question chat experiment in bfloat16: how many answers are identical
 (tokens, and logits bit for bit) cold vs stock and warm vs cold, in both modes. With ``--chunks 64 128 256``,
 first the invariant store at those chunk sizes (:func:`chunk_sweep`). With ``--padded 16 32 64 128 256``, only
-the forwards a schedule runs, timed over a plain ``DynamicCache``: a padded schedule (every prompt forward has
-exactly C rows, the last one padded) and the unpadded chunked one, against one forward of the new tokens
-(:func:`padded_costs`). With ``--rows``, only whether a row's result depends on the other rows of a call, for the
-linear layer and the attention kernels on this machine (:func:`row_independence`). Run:
+the forwards a schedule runs, timed (CPU time of one thread) over a plain ``DynamicCache``: a padded schedule
+(every prompt forward has exactly C rows, the last one padded) and the unpadded chunked one, against one forward
+of the new tokens (:func:`padded_costs`). With ``--rows``, only whether a row's result depends on the other rows
+of a call, for the linear layer and the attention kernels on this machine and the model end to end
+(:func:`row_independence`). Run:
 ``python benchmarks/invariance.py [--size 100m] [--real] [--chunks N ...] [--padded N ...] [--rows]``.
 """
 
@@ -297,14 +298,15 @@ def plan(cached: int, new: int, chunk: int | None = None, padded: bool = False) 
 
 
 def _forwards(model: Any, cache: DynamicCache, sizes: list[int], seed: int) -> float:
-    """Milliseconds of forwards of ``sizes`` rows in turn over ``cache`` (which grows), the model's causal mask
-    keeping every row from the rows after it (a padded forward's pads stand last)."""
+    """CPU milliseconds of this thread (with one torch thread, all of the work) of forwards of ``sizes`` rows in
+    turn over ``cache`` (which grows), the model's causal mask keeping every row from the rows after it (a padded
+    forward's pads stand last). Other jobs on a shared machine stretch wall time, not this."""
     ids = tokens(sum(sizes), model.config.vocab_size, seed=seed)[None]
-    start, done = time.perf_counter(), 0
+    start, done = time.thread_time(), 0
     for rows in sizes:
         model(ids[:, done : done + rows], cache=cache, use_cache=True, logits_to_keep=1)
         done += rows
-    return 1000 * (time.perf_counter() - start)
+    return 1000 * (time.thread_time() - start)
 
 
 def _prefix(model: Any, held: DynamicCache, length: int) -> DynamicCache:
@@ -649,7 +651,8 @@ def main() -> None:
     ap.add_argument(
         "--padded",
         **sizes,
-        help="only the forwards of the padded and unpadded schedules at these chunk sizes, over a DynamicCache",
+        help="only the forwards of the padded and unpadded schedules at these chunk sizes, over a DynamicCache "
+        "(CPU time of the calling thread: with --threads 1)",
     )
     ap.add_argument("--rows", action="store_true", help="only whether a row's result depends on the call's other rows")
     args = ap.parse_args()
