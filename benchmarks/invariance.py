@@ -321,10 +321,11 @@ def _prefix(model: Any, held: DynamicCache, length: int) -> DynamicCache:
 def padded_costs(
     model: Any, chunks: list[int], repeat: int, calls: tuple[tuple[int, int], ...] = PADDED_CALLS
 ) -> dict[str, Any]:
-    """Median and fastest ms of the prompt forwards each schedule runs (:func:`plan`) for each of ``calls``, over a
-    plain ``DynamicCache`` holding what the schedule reuses (a lower bound on a store's time: no pool, no gather,
-    no runner), the default store's and, at every chunk size of ``chunks``, the unpadded and the padded
-    schedule's taking turns in every repeat (a cold call, ``cached`` 0, half as many repeats)."""
+    """Median and fastest CPU ms (:func:`_forwards`) of the prompt forwards each schedule runs (:func:`plan`) for
+    each of ``calls``, over a plain ``DynamicCache`` holding what the schedule reuses (the forwards alone: no pool,
+    no gather, no runner, but a ``DynamicCache`` concatenates its K/V in every forward), the default store's and,
+    at every chunk size of ``chunks``, the unpadded and the padded schedule's taking turns in every repeat (a cold
+    call, ``cached`` 0, half as many repeats)."""
     seeds = itertools.count()
     held = DynamicCache(config=model.config)
     out: dict[str, Any] = {"chunks": chunks, "calls": []}
@@ -481,6 +482,7 @@ def _padded_run(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int, 
 
 
 def _same_kv(a: DynamicCache, b: DynamicCache, length: int) -> bool:
+    """Whether the first ``length`` tokens' K/V of ``a`` and ``b`` are bit-identical in every layer."""
     return all(
         torch.equal(x.keys[:, :, :length], y.keys[:, :, :length])
         and torch.equal(x.values[:, :, :length], y.values[:, :, :length])
