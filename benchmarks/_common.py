@@ -35,8 +35,10 @@ def tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=g)
 
 
-def interleaved(variants: dict[str, Callable[[], float | None]], repeat: int, warmup: int = 1) -> dict[str, float]:
-    """Median milliseconds of each variant, run round-robin so that machine noise hits all alike.
+def interleaved_samples(
+    variants: dict[str, Callable[[], float | None]], repeat: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """The milliseconds of every repeat of each variant, run round-robin so that machine noise hits all alike.
 
     A variant may return its own measured milliseconds (to exclude set-up); else it is timed whole.
     """
@@ -48,7 +50,12 @@ def interleaved(variants: dict[str, Callable[[], float | None]], repeat: int, wa
             ms = own if own is not None else 1000 * (time.perf_counter() - start)
             if i >= warmup:
                 samples[name].append(ms)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return samples
+
+
+def interleaved(variants: dict[str, Callable[[], float | None]], repeat: int, warmup: int = 1) -> dict[str, float]:
+    """Median milliseconds of each variant (:func:`interleaved_samples`)."""
+    return {name: statistics.median(v) for name, v in interleaved_samples(variants, repeat, warmup).items()}
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

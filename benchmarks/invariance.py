@@ -6,24 +6,33 @@ questions after one 2048-token system prompt, on the same model), decode millise
 cold time to first token (an empty store), and memory (the bytes and blocks each store holds after the same
 calls). With ``--real``, SmolLM2's 12-question chat experiment in bfloat16: how many answers are identical
 (tokens, and logits bit for bit) cold vs stock and warm vs cold, in both modes. With ``--chunks 64 128 256``,
-first the invariant store at those chunk sizes (:func:`chunk_sweep`). Run:
-``python benchmarks/invariance.py [--size 100m] [--real] [--chunks N ...]``.
+first the invariant store at those chunk sizes (:func:`chunk_sweep`). With ``--padded 16 32 64 128 256``, only
+the forwards a schedule runs, timed (CPU time of one thread) over a plain ``DynamicCache``: a padded schedule
+(every prompt forward has exactly C rows, the last one padded) and the unpadded chunked one, against one forward
+of the new tokens (:func:`padded_costs`). With ``--rows``, only whether a row's result depends on the other rows
+of a call, for the linear layer and the attention kernels on this machine and the model end to end
+(:func:`row_independence`). Run:
+``python benchmarks/invariance.py [--size 100m] [--real] [--chunks N ...] [--padded N ...] [--rows]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from _common import interleaved, machine, model_for, save, table, target, tokens
+from _common import interleaved, interleaved_samples, machine, model_for, save, table, target, tokens
+from torch.nn import functional as F
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
 from prefixkv._demo import synthetic_workload
+from prefixkv.attention.kernels import attend
 
 SYSTEM = (
     "You are the help desk assistant of the Riverside Public Library. Answer in one or two short sentences, "
@@ -261,6 +270,315 @@ def chunk_sweep(
     return out
 
 
+# the calls of --padded: (tokens of the prompt an earlier call cached, new tokens after them)
+PADDED_CALLS = ((1024, 32), (1024, 40), (2048, 32), (2048, 40), (1000, 40), (0, 1056))
+
+
+def schedule(length: int, chunk: int, padded: bool) -> list[int]:
+    """The rows of each forward that computes ``length`` prompt tokens from a chunk boundary in ``chunk``-row
+    forwards: padded, ceil(length / chunk) forwards of ``chunk`` rows (the last one's pads included); unpadded (the
+    invariant store's), the whole chunks before the last token, then one forward of the rest."""
+    if padded:
+        return [chunk] * -(-length // chunk)
+    whole = (length - 1) // chunk
+    return [chunk] * whole + [length - whole * chunk]
+
+
+def plan(cached: int, new: int, chunk: int | None = None, padded: bool = False) -> tuple[int, list[int]]:
+    """Where a call's prompt forwards start and the rows of each, after an earlier call cached ``cached`` tokens of
+    its prompt, for ``new`` more. ``chunk`` None: the default store, one forward after the match's whole blocks.
+    Unpadded: the invariant store, which holds the whole chunks of the cached tokens (:func:`schedule`). Padded:
+    every forward ``chunk`` rows at a chunk boundary, the cached tokens' whole blocks held (a padded chunk's real
+    rows are those of the full chunk), so a call recomputes from the chunk boundary at or below its match."""
+    end, match = cached + new, cached // BLOCK * BLOCK
+    if chunk is None:
+        return match, [end - match]
+    start = (match if padded else cached) // chunk * chunk
+    return start, schedule(end - start, chunk, padded)
+
+
+def _forwards(model: Any, cache: DynamicCache, sizes: list[int], seed: int) -> float:
+    """CPU milliseconds of this thread (with one torch thread, all of the work) of forwards of ``sizes`` rows in
+    turn over ``cache`` (which grows), the model's causal mask keeping every row from the rows after it (a padded
+    forward's pads stand last). Other jobs on a shared machine stretch wall time, not this."""
+    ids = tokens(sum(sizes), model.config.vocab_size, seed=seed)[None]
+    start, done = time.thread_time(), 0
+    for rows in sizes:
+        model(ids[:, done : done + rows], cache=cache, use_cache=True, logits_to_keep=1)
+        done += rows
+    return 1000 * (time.thread_time() - start)
+
+
+def _prefix(model: Any, held: DynamicCache, length: int) -> DynamicCache:
+    """A cache of the first ``length`` tokens of ``held`` (views: its own updates leave ``held`` as it is)."""
+    cache = DynamicCache(config=model.config)
+    if length:
+        for i, layer in enumerate(held.layers):
+            cache.update(layer.keys[:, :, :length], layer.values[:, :, :length], i)
+    return cache
+
+
+def padded_costs(
+    model: Any, chunks: list[int], repeat: int, calls: tuple[tuple[int, int], ...] = PADDED_CALLS
+) -> dict[str, Any]:
+    """Median and fastest CPU ms (:func:`_forwards`) of the prompt forwards each schedule runs (:func:`plan`) for
+    each of ``calls``, over a plain ``DynamicCache`` holding what the schedule reuses (the forwards alone: no pool,
+    no gather, no runner, but a ``DynamicCache`` concatenates its K/V in every forward), the default store's and,
+    at every chunk size of ``chunks``, the unpadded and the padded schedule's taking turns in every repeat (a cold
+    call, ``cached`` 0, half as many repeats)."""
+    seeds = itertools.count()
+    held = DynamicCache(config=model.config)
+    out: dict[str, Any] = {"chunks": chunks, "calls": []}
+    with torch.inference_mode():
+        _forwards(model, held, [max(cached for cached, _ in calls) or 1], seed=0)
+
+        def timed(start: int, sizes: list[int]) -> Callable[[], float]:
+            return lambda: _forwards(model, _prefix(model, held, start), sizes, next(seeds))
+
+        for cached, new in calls:
+            plans = {"default": plan(cached, new)}
+            for c in chunks:
+                plans |= {f"unpadded {c}": plan(cached, new, c), f"padded {c}": plan(cached, new, c, padded=True)}
+            variants = {name: timed(*p) for name, p in plans.items()}
+            samples = interleaved_samples(variants, repeat if cached else max(2, repeat // 2))
+            ms = {name: statistics.median(v) for name, v in samples.items()}
+            fastest = {name: min(v) for name, v in samples.items()}
+            out["calls"].append({"cached": cached, "new": new, "plans": plans, "ms": ms, "fastest": fastest})
+            print(f"{cached} + {new}: " + ", ".join(f"{k} {v / ms['default']:.2f}x" for k, v in ms.items()), flush=True)
+    return out
+
+
+def padded_report(result: dict[str, Any]) -> str:
+    """:func:`padded_costs` as a table: per schedule and call, its median time over the default's (in brackets,
+    fastest over fastest) and its forwards."""
+
+    def cell(call: dict[str, Any], name: str) -> str:
+        start, rows = call["plans"][name]
+        whole = rows[:-1] if rows[-1] != rows[0] else rows
+        shape = f"{len(whole)} x {rows[0]}" + (f" + {rows[-1]}" if len(whole) < len(rows) else "")
+        median, fastest = (call[k][name] / call[k]["default"] for k in ("ms", "fastest"))
+        return f"{median:.2f}x ({fastest:.2f}x), {shape} from {start}"
+
+    calls = result["calls"]
+    headers = ["schedule", *(f"{c['cached']} + {c['new']}" if c["cached"] else f"cold {c['new']}" for c in calls)]
+    first = (
+        f"{c['ms']['default']:.1f} ms ({c['fastest']['default']:.1f}), 1 x {c['plans']['default'][1][0]} from "
+        f"{c['plans']['default'][0]}"
+        for c in calls
+    )
+    rows = [["default store", *first]]
+    for chunk in result["chunks"]:
+        rows += [[f"{kind} {chunk}", *(cell(c, f"{kind} {chunk}") for c in calls)] for kind in ("unpadded", "padded")]
+    return table(headers, rows)
+
+
+ROW_COUNTS = (1, 2, 3, 4, 7, 8, 15, 16, 17, 32, 33, 64, 128, 256, 1056)
+
+
+def _classes(results: dict[Any, list[torch.Tensor]], common: Callable[[Any, Any], int]) -> list[list[Any]]:
+    """The keys of ``results`` grouped by bit-equal results (the first ``common(a, b)`` rows of every tensor)."""
+    groups: list[list[Any]] = []
+    for key, out in results.items():
+        for group in groups:
+            rows = common(group[0], key)
+            if all(torch.equal(a[:rows], b[:rows]) for a, b in zip(results[group[0]], out)):
+                group.append(key)
+                break
+        else:
+            groups.append([key])
+    return groups
+
+
+def _linear_rows(config: Any, dtype: torch.dtype, chunks: list[int], counts: tuple[int, ...]) -> dict[str, Any]:
+    """``F.linear`` over the model's weight shapes (random values): the row counts M whose common rows are
+    bit-equal, grouped; and per chunk size C, whether a C-row call's rows are the same whatever the other rows hold
+    (half of them replaced by zeros, then by large values) and wherever the row stands (the rows permuted)."""
+    g = torch.Generator().manual_seed(0)
+    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in ((h, h), (i, h), (h, i), (v, h))]
+    inputs = [torch.randn(max(counts), w.shape[1], generator=g).to(dtype) for w in weights]
+    outs = {m: [F.linear(x[:m], w) for x, w in zip(inputs, weights)] for m in counts}
+    fixed = {}
+    for c in chunks:
+        same, placed = True, True
+        for x, w in zip(inputs, weights):
+            rows = x[:c]
+            ref = F.linear(rows, w)
+            for filler in (torch.zeros_like(rows[c // 2 :]), 100 * torch.randn(c - c // 2, rows.shape[1], generator=g)):
+                other = torch.cat([rows[: c // 2], filler.to(dtype)])
+                same &= torch.equal(F.linear(other, w)[: c // 2], ref[: c // 2])
+            order = torch.randperm(c, generator=g)
+            placed &= torch.equal(F.linear(rows[order], w), ref[order])
+        fixed[c] = {"other_rows": same, "row_place": placed}
+    return {"classes": _classes(outs, min), "fixed": fixed}
+
+
+def _attention_rows(config: Any, dtype: torch.dtype, chunks: list[int], positions: range) -> dict[str, Any]:
+    """The store's canonical attention read (:func:`prefixkv.attention.kernels.attend`) and
+    ``F.scaled_dot_product_attention``, both under a boolean causal mask over the keys before the call and its
+    own: per chunk size C, how many of the rows at ``positions`` get other bits when the C-row forward that
+    computes them starts at another block boundary (multiple of 16), and whether a C-row call's first half is
+    the same when its second half (queries, keys, values) holds pads; and for the middle position, the
+    bit-distinct results over calls of any row count in :data:`ROW_COUNTS` up to 128 starting anywhere before it."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    n = positions.stop + max(chunks)
+    middle = positions[len(positions) // 2]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, heads, n, dim, generator=g).to(dtype)
+    k, v = (torch.randn(1, kv_heads, n, dim, generator=g).to(dtype) for _ in range(2))
+
+    def store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        return attend(q, k, v, mask[None, None], None)[0]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    def row(kernel: Callable[..., torch.Tensor], p: int, start: int, rows: int) -> torch.Tensor:
+        return kernel(q[:, :, start : start + rows], k[:, :, : start + rows], v[:, :, : start + rows])[:, :, p - start]
+
+    out: dict[str, Any] = {}
+    for name, kernel in (("attend", store), ("sdpa", sdpa)):
+        fixed = {}
+        for c in chunks:
+            moved = 0
+            for p in positions:
+                starts = range((max(0, p - c + 1) + 15) // 16 * 16, p + 1, 16)
+                first, *rest = (row(kernel, p, s, c) for s in starts)
+                moved += any(not torch.equal(first, other) for other in rest)
+            start, half = middle // 16 * 16, c // 2
+            qq, kk, vv = q[:, :, start : start + c].clone(), k[:, :, : start + c].clone(), v[:, :, : start + c].clone()
+            ref = kernel(qq, kk, vv)
+            qq[:, :, half:], kk[:, :, start + half :], vv[:, :, start + half :] = 0, 7, -3
+            same = torch.equal(kernel(qq, kk, vv)[:, :, :half], ref[:, :, :half])
+            fixed[c] = {"moved": moved, "rows": len(positions), "other_rows": same}
+        calls = {
+            (s, m): [row(kernel, middle, s, m)]
+            for m in ROW_COUNTS
+            if m <= 128
+            for s in range(max(0, middle - m + 1), middle + 1)
+        }
+        out[name] = {
+            "fixed": fixed,
+            "position": middle,
+            "calls": len(calls),
+            "distinct": len(_classes(calls, lambda a, b: 1)),
+        }
+    return out
+
+
+def _padded_run(model: Any, ids: torch.Tensor, cache: DynamicCache, start: int, chunk: int) -> torch.Tensor:
+    """The logits of ``ids[start:]`` computed in ``chunk``-row forwards from ``start`` over ``cache``, the last one
+    padded (the pads' K/V cropped from the cache after it). Mutates ``cache``."""
+    out = []
+    for s in range(start, len(ids), chunk):
+        real = ids[s : s + chunk]
+        rows = torch.cat([real, real.new_zeros(chunk - len(real))])
+        out.append(model(rows[None], cache=cache, use_cache=True).logits[0, : len(real)])
+        cache.crop(len(real) - chunk)
+    return torch.cat(out)
+
+
+def _same_kv(a: DynamicCache, b: DynamicCache, length: int) -> bool:
+    """Whether the first ``length`` tokens' K/V of ``a`` and ``b`` are bit-identical in every layer."""
+    return all(
+        torch.equal(x.keys[:, :, :length], y.keys[:, :, :length])
+        and torch.equal(x.values[:, :, :length], y.values[:, :, :length])
+        for x, y in zip(a.layers, b.layers)
+    )
+
+
+def _model_rows(model: Any, chunks: list[int], length: int) -> dict[int, dict[str, Any]]:
+    """End to end on ``model``, a prompt of ``length`` tokens computed in C-row forwards from position 0, the last
+    one padded, per chunk size C: "pads", whether a shorter prompt whose pads stand where the longer one has
+    tokens gets the same K/V (what publishing a padded chunk's whole blocks needs); "moved", of up to three block
+    boundaries b that are no chunk boundary, those from which C-row forwards over the first b tokens' K/V give the
+    rest of the prompt other K/V or logits (what starting a forward at any block boundary needs)."""
+    ids = tokens(length, model.config.vocab_size, seed=length)
+    out: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        full = DynamicCache(config=model.config)
+        logits = _padded_run(model, ids, full, 0, chunk)
+        cut = length - chunk // 2 - 3
+        short = DynamicCache(config=model.config)
+        _padded_run(model, ids[:cut], short, 0, chunk)
+        inside = [b for b in range(BLOCK, length, BLOCK) if b % chunk]
+        tried = inside[:: max(1, len(inside) // 3)][:3]
+        moved = []
+        for b in tried:
+            cache = _prefix(model, full, b)
+            if not (
+                torch.equal(_padded_run(model, ids, cache, b, chunk), logits[b:]) and _same_kv(cache, full, length)
+            ):
+                moved.append(b)
+        out[chunk] = {"pads": _same_kv(short, full, cut), "tried": tried, "moved": moved}
+    return out
+
+
+def row_independence(
+    model: Any, chunks: list[int], positions: range = range(0, 1100, 11), length: int = 1100
+) -> dict[str, Any]:
+    """Whether a row's result depends on the other rows of a call, in float32 and bfloat16 on this machine's
+    kernels: the linear layer (:func:`_linear_rows`) and the attention (:func:`_attention_rows`) at the model's
+    shapes, and the model end to end over a ``length``-token prompt (:func:`_model_rows`)."""
+    out: dict[str, Any] = {"machine": machine()}
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            out[str(dtype).removeprefix("torch.")] = {
+                "linear": _linear_rows(model.config, dtype, chunks, ROW_COUNTS),
+                "attention": _attention_rows(model.config, dtype, chunks, positions),
+                "model": _model_rows(copy.deepcopy(model).to(dtype), chunks, length),
+            }
+    return out
+
+
+def rows_report(result: dict[str, Any]) -> str:
+    """:func:`row_independence` as a table, one line per kernel and dtype."""
+
+    def counts(group: list[int]) -> str:
+        """A run of :data:`ROW_COUNTS` as its ends (``4-1056``), any other group in full."""
+        at = ROW_COUNTS.index(group[0])
+        run = len(group) > 2 and list(ROW_COUNTS[at : at + len(group)]) == group
+        return f"{group[0]}-{group[-1]}" if run else ", ".join(map(str, group))
+
+    lines = []
+    for dtype in ("float32", "bfloat16"):
+        linear, attention = result[dtype]["linear"], result[dtype]["attention"]
+        groups = " / ".join(counts(g) for g in linear["classes"])
+        fixed = ", ".join(
+            f"{c}: {'yes' if f['other_rows'] and f['row_place'] else 'NO'}" for c, f in linear["fixed"].items()
+        )
+        lines.append([f"linear, {dtype}", groups, fixed, ""])
+        for name, label in (("attend", "the store's attend"), ("sdpa", "SDPA, boolean causal mask")):
+            a = attention[name]
+            fixed = ", ".join(f"{c}: {'yes' if f['other_rows'] else 'NO'}" for c, f in a["fixed"].items())
+            moved = ", ".join(f"{c}: {f['moved']} of {f['rows']}" for c, f in a["fixed"].items())
+            lines.append([f"{label}, {dtype}", f"{a['distinct']} distinct in {a['calls']} calls", fixed, moved])
+    headers = [
+        "kernel",
+        "row counts M with bit-equal common rows (attention: one row, any M and start)",
+        "C rows: a row the same whatever the other rows hold, by C",
+        "C rows from any block boundary: rows that change, by C",
+    ]
+    model = [
+        [
+            f"model, {dtype}, C = {c}",
+            "same" if m["pads"] else "OTHER",
+            f"{len(m['moved'])} of {len(m['tried'])} ({', '.join(map(str, m['tried']))})",
+        ]
+        for dtype in ("float32", "bfloat16")
+        for c, m in result[dtype]["model"].items()
+    ]
+    end_to_end = [
+        "end to end",
+        "K/V with pads where a longer prompt has tokens",
+        "forwards from block boundary b: b that change",
+    ]
+    return table(headers, lines) + "\n\n" + table(end_to_end, model)
+
+
 def ratios(result: dict[str, Any]) -> dict[str, float]:
     """Invariant over default for every measure of :func:`run`, by name."""
     out = {f"warm {w['prefix']}+{result['query']}": w["invariant"] / w["default"] for w in result["warm"]}
@@ -325,17 +643,35 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch threads (1 on a shared machine: small matmuls suffer most)"
     )
+    sizes: dict[str, Any] = {"type": int, "nargs": "+", "default": None}
     ap.add_argument(
         "--chunks",
-        type=int,
-        nargs="+",
-        default=None,
+        **sizes,
         help="also the invariant store at these chunk sizes: cold 1056, warm 1024+32, warm 1000+40 (mid-chunk)",
     )
     ap.add_argument("--only-chunks", action="store_true", help="with --chunks, only that sweep")
+    ap.add_argument(
+        "--padded",
+        **sizes,
+        help="only the forwards of the padded and unpadded schedules at these chunk sizes, over a DynamicCache "
+        "(CPU time of the calling thread: with --threads 1)",
+    )
+    ap.add_argument("--rows", action="store_true", help="only whether a row's result depends on the call's other rows")
     args = ap.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.padded or args.rows:
+        model = model_for(args.size)
+        print(machine(), flush=True)
+        if args.rows:
+            rows = row_independence(model, args.padded or [16, 32, 64, 128, 256])
+            save("invariance_rows", rows)
+            print(rows_report(rows), flush=True)
+        if args.padded:
+            costs = padded_costs(model, args.padded, args.repeat)
+            save("invariance_padded", {"size": args.size, "machine": machine(), **costs})
+            print(padded_report(costs))
+        return
     if args.chunks:
         sweep = chunk_sweep(model_for(args.size), args.chunks, args.repeat)
         if args.only_chunks:

@@ -231,3 +231,61 @@ def test_invariance_chunk_sweep_smoke() -> None:
     for row in sweep:
         assert list(row["ratios"]) == ["cold 72", "warm 40+32", "warm 37+40"]
         assert all(v > 0 for v in row["ratios"].values()), row
+
+
+def test_invariance_plans() -> None:
+    """The forwards each schedule runs: the default store after the match's whole blocks, the unpadded chunked one
+    after the cached tokens' whole chunks, the padded one in whole chunks from the match's chunk boundary."""
+    import invariance
+
+    assert invariance.plan(1000, 40) == (992, [48])
+    assert invariance.plan(1000, 40, 256) == (768, [256, 16])
+    assert invariance.plan(1000, 40, 256, padded=True) == (768, [256, 256])
+    assert invariance.plan(1000, 40, 16, padded=True) == (992, [16, 16, 16])
+    assert invariance.plan(1024, 32, 64) == invariance.plan(1024, 32) == (1024, [32])
+    assert invariance.plan(1024, 32, 64, padded=True) == (1024, [64])
+    assert invariance.plan(0, 1056, 64) == (0, [64] * 16 + [32])
+    assert invariance.plan(0, 1056, 64, padded=True) == (0, [64] * 17)
+
+
+def test_invariance_padded_smoke() -> None:
+    """--padded: every schedule's forwards timed over a DynamicCache, warm and cold, and the table of their ratios."""
+    import invariance
+
+    model = invariance.model_for("tiny")
+    r = invariance.padded_costs(model, [16, 32], 2, calls=((32, 8), (40, 20), (0, 40)))
+    assert [(c["cached"], c["new"]) for c in r["calls"]] == [(32, 8), (40, 20), (0, 40)]
+    for call in r["calls"]:
+        assert list(call["ms"]) == ["default", "unpadded 16", "padded 16", "unpadded 32", "padded 32"]
+        assert all(v > 0 for v in call["ms"].values()), call
+    cells = _cells(invariance.padded_report(r))
+    assert [row[0] for row in cells] == ["default store", "unpadded 16", "padded 16", "unpadded 32", "padded 32"]
+    assert cells[2][2].endswith("x), 2 x 16 from 32") and cells[3][3].endswith("x), 1 x 32 + 8 from 0")
+
+
+def test_invariance_rows_smoke() -> None:
+    """--rows: per dtype, the row counts grouped by the linear layer's bits, per chunk size the fixed-shape checks
+    of the linear layer and both attention kernels, and the model's end to end."""
+    import invariance
+
+    r = invariance.row_independence(invariance.model_for("tiny"), [16, 32], positions=range(40, 48), length=80)
+    for dtype in ("float32", "bfloat16"):
+        linear, attention = r[dtype]["linear"], r[dtype]["attention"]
+        assert sorted(m for group in linear["classes"] for m in group) == sorted(invariance.ROW_COUNTS)
+        assert list(linear["fixed"]) == [16, 32]
+        for kernel in ("attend", "sdpa"):
+            assert list(attention[kernel]["fixed"]) == [16, 32]
+            assert all(0 <= f["moved"] <= f["rows"] == 8 for f in attention[kernel]["fixed"].values())
+            assert 1 <= attention[kernel]["distinct"] <= attention[kernel]["calls"]
+        model = r[dtype]["model"]
+        assert model[16]["tried"] == []  # every block boundary is a chunk boundary
+        assert model[32]["tried"] == [16, 48] and set(model[32]["moved"]) <= {16, 48}
+    assert [row[0] for row in _cells(invariance.rows_report(r))] == [
+        "linear, float32",
+        "the store's attend, float32",
+        "SDPA, boolean causal mask, float32",
+        "linear, bfloat16",
+        "the store's attend, bfloat16",
+        "SDPA, boolean causal mask, bfloat16",
+        *(f"model, {dtype}, C = {c}" for dtype in ("float32", "bfloat16") for c in (16, 32)),
+    ]
