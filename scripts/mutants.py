@@ -160,7 +160,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-prove-the-4d-masks",
         "hf/hooks.py",
-        "        _GENERATE_MASKS[cache] = mask\n",
+        "        _GENERATE_MASKS[cache] = (mask, built)\n",
         "        _GENERATE_MASKS.pop(cache, None)\n",
         ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),
         "a compileable cache on a model with sliding or per-kind layers publishes nothing: no reuse, silently",
@@ -172,6 +172,14 @@ MUTATIONS = [
         "    if False:\n",
         ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),
         "Falcon-RW and Bloom take compiled steps their own attention cannot read: errors on ALiBi and padding",
+    ),
+    Mutation(
+        "compiled-steps-prove-a-stale-mask",
+        "hf/hooks.py",
+        '        if built is not None and inputs.get("attention_mask") is built:\n',
+        "        if built is not None:\n",
+        ("tests/test_compiled.py::test_the_proof_reads_generates_2d_mask_only_for_the_masks_built_from_it",),
+        "a prepare whose forward never came leaves its 2-D mask, and the next forward is proven with it, not its own",
     ),
 ]
 

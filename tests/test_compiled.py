@@ -147,6 +147,33 @@ def test_every_family_takes_compiled_steps_or_says_why(family: str, monkeypatch:
         assert bool(steps) == probe.is_compileable
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_proof_reads_generates_2d_mask_only_for_the_masks_built_from_it(stale: bool) -> None:
+    """A ``prepare_inputs_for_generation`` whose forward never comes (a loop of one's own, an error in between)
+    leaves no 2-D mask for the next forward to be proven with: prepare builds 4-D masks from a mask that hides
+    column 0, then a forward passes its own mask, which shows every column. That mask is the one proven (its blocks
+    are published under the plain ids), and a later request with column 0 hidden equals stock ``generate``."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        ids = random_tokens(16, seed=5)[None]
+        hidden = torch.ones_like(ids)
+        hidden[0, 0] = 0
+        cache = prefixkv.PagedPrefixCache(store, compileable=True)
+        if stale:
+            model.prepare_inputs_for_generation(ids, past_key_values=cache, attention_mask=hidden)
+        with torch.no_grad():
+            model(ids, attention_mask=torch.ones_like(ids), past_key_values=cache)
+        cache.close()
+        assert store.cached_length(ids[0].tolist()) == 16  # its 4 whole blocks
+        longer = torch.cat([ids, random_tokens(4, seed=6)[None]], 1)
+        mask = torch.cat([hidden, torch.ones(1, 4, dtype=torch.long)], 1)
+        ref = generate(twin, longer, mask, DynamicCache(config=twin.config), max_new_tokens=3)
+        with prefixkv.PagedPrefixCache(store, longer, mask) as again:
+            out = generate(model, longer, mask, again, max_new_tokens=3)
+        assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+
+
 def test_a_warm_step_is_one_graph_and_the_buckets_stay_warm() -> None:
     """Under ``generate``'s own compile (dynamo alone: counting, not speed), a warm decode step is one graph with
     no break; after the buckets are warm (batch 1 and 3, the widths of these lengths), a long run of warm, cold,

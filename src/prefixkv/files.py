@@ -1,7 +1,7 @@
 """A store's files (docs/persistence.md): what ``PrefixStore.save`` writes and what the files of a disk tier carry
 (:func:`file_meta`: the store's settings and model, and an invariant store's chunk length), and what
 ``PrefixStore.load`` and ``PrefixStore.merge`` check before a file's blocks join a store. The file format itself,
-its checksum and its checks against a model are :mod:`prefixkv.kv.persist`'s."""
+its checksum and its checks against a model are :mod:`prefixkv.kv.prefix_file`'s."""
 
 from __future__ import annotations
 

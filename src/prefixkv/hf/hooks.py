@@ -26,9 +26,12 @@ from .proof import CACHE_KWARGS, ForwardInputs
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
-# the 2-D mask (or ``None``) from which ``generate`` built the 4-D masks of a compileable cache's next forward (noted
-# by the prepare wrapper, taken by the pre-hook): what the proof reads instead of masks it cannot read
-_GENERATE_MASKS: weakref.WeakKeyDictionary[PagedPrefixCache, torch.Tensor | None] = weakref.WeakKeyDictionary()
+# for a compileable cache: the 2-D mask (or ``None``) from which ``generate``'s prepare built 4-D masks, and what it
+# built (noted by the prepare wrapper, taken by the next pre-hook): the proof reads the 2-D mask in their place only
+# for a forward that got exactly what was built (docs/correctness.md, "Publish only what is proven")
+_GENERATE_MASKS: weakref.WeakKeyDictionary[PagedPrefixCache, tuple[torch.Tensor | None, Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
@@ -75,8 +78,9 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             )
         decode_step = cache in _DECODE_STEPS
         _DECODE_STEPS.discard(cache)
-        if cache in _GENERATE_MASKS:
-            inputs = {**inputs, "attention_mask": _GENERATE_MASKS.pop(cache)}
+        source, built = _GENERATE_MASKS.pop(cache, (None, None))
+        if built is not None and inputs.get("attention_mask") is built:
+            inputs = {**inputs, "attention_mask": source}
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
         if static_step(cache) and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
@@ -125,12 +129,21 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
         _DECODE_STEPS.discard(cache)
     # for a compileable cache generate replaces the 2-D mask by the 4-D masks it builds from it (one per kind of
     # layer); those show the same columns, and the proof reads the 2-D one
-    replaced = isinstance(inputs, dict) and inputs.get("attention_mask") is not mask
-    if replaced and cache.is_compileable and (mask is None or mask.dim() == 2):
-        _GENERATE_MASKS[cache] = mask
+    built = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+    two_d = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+    if cache.is_compileable and built is not mask and two_d and _four_d(built):
+        _GENERATE_MASKS[cache] = (mask, built)
     else:
         _GENERATE_MASKS.pop(cache, None)
     return inputs
+
+
+def _four_d(masks: Any) -> bool:
+    """Whether ``masks`` is a 4-D mask tensor, or a dict of them by kind of layer (``None`` for a kind whose mask
+    transformers skips: causal over every column)."""
+    if isinstance(masks, dict):
+        return bool(masks) and all(m is None or _four_d(m) for m in masks.values())
+    return isinstance(masks, torch.Tensor) and masks.dim() == 4
 
 
 def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -170,12 +170,9 @@ def active_adapters(layer: Any) -> list[str]:
     return [active] if isinstance(active, str) else list(active)
 
 
-class Adapters(NamedTuple):
-    """The adapters' state of a model: the names of the active ones, whether they are disabled, the merged ones."""
-
-    active: tuple[str, ...]
-    disabled: bool
-    merged: tuple[str, ...]
+# the adapters' state of a model: the names of the active ones, whether they are disabled, the merged ones (a plain
+# tuple: the second tier keys its files by its repr)
+Adapters = tuple[tuple[str, ...], bool, tuple[str, ...]]
 
 
 def adapter_space(tuners: Sequence[Any]) -> Adapters | None:
@@ -186,9 +183,7 @@ def adapter_space(tuners: Sequence[Any]) -> Adapters | None:
     if not tuners:
         return None
     layer = tuners[0]
-    return Adapters(
-        tuple(active_adapters(layer)), bool(layer.disable_adapters), tuple(getattr(layer, "merged_adapters", ()))
-    )
+    return (tuple(active_adapters(layer)), bool(layer.disable_adapters), tuple(getattr(layer, "merged_adapters", ())))
 
 
 def _adapter_state(model: Any) -> str:
