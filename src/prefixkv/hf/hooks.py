@@ -84,8 +84,8 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
         if static_step(cache) and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
-            # (prefixkv.attention.static); the masks generate built are as wide as the step's slot table, a size of
-            # the graph as the table's width is
+            # (prefixkv.attention.static); the forward's masks are as wide as the step's slot table, a size of the
+            # graph as the table's width is
             mark_width(kwargs.get("attention_mask"))
             return args, {**kwargs, STEP_KWARG: True}
         return None

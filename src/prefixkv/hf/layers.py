@@ -146,8 +146,6 @@ def begin_step(
     )
     if columns <= start:
         raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
-    if isinstance(mask, torch.Tensor):  # its width is the bucket's: a size of the graph, not a graph of its own
-        torch._dynamo.maybe_mark_dynamic(mask, mask.dim() - 1)
     device = pool.specs[0].device
     table = tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
     position = torch.tensor(start, device=device)
