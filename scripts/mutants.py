@@ -181,6 +181,47 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_the_proof_reads_generates_2d_mask_only_for_the_masks_built_from_it",),
         "a prepare whose forward never came leaves its 2-D mask, and the next forward is proven with it, not its own",
     ),
+    # -- issue 36: a default cache's steps are compiled steps in, and only in, a call generate compiles
+    Mutation(
+        "compiled-steps-not-told-of-the-compile",
+        "_compat_generate.py",
+        "        note(self, model_kwargs, bool(compiled))\n",
+        "        note(self, model_kwargs, False)\n",
+        ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
+        "generate compiles a default cache's forwards with the eager read plan: graph breaks at every layer",
+    ),
+    Mutation(
+        "compiled-steps-in-eager-calls",
+        "hf/cache.py",
+        "    return cache._every_step or cache._compiled_call is True or _compat.compiled_forward(",
+        "    return True or (",
+        ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
+        "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",
+    ),
+    Mutation(
+        "compiled-steps-outlive-their-call",
+        "hf/cache.py",
+        "    if not cache._compile_noted:\n        cache._compiled_call = False\n",
+        "",
+        ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
+        "a beam search after a compiled call on the same cache takes compiled steps and generate's masks, eagerly",
+    ),
+    Mutation(
+        "compiled-steps-not-in-a-users-compiled-forward",
+        "hf/cache.py",
+        " or _compat.compiled_forward(cache.store.hf_model)",
+        "",
+        ("tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",),
+        "torch.compile(model.forward) with a default cache runs the eager read in pieces: graph breaks at every layer",
+    ),
+    Mutation(
+        "compiled-steps-never-after-an-eager-call",
+        "_compat_generate.py",
+        "        note(self, model_kwargs, None)\n",
+        "",
+        ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
+        "a cache that had an eager call says it is not compileable to the next call's choice: never compiled again",
+    ),
 ]
 
 

@@ -56,6 +56,8 @@ def test_compiled_smoke() -> None:
     """The compiled-decoding benchmark at smoke size, compiled by dynamo alone (inductor takes minutes here)."""
     r = compiled.run("tiny", [1], prefix=24, new=4, repeat=1, backend="eager")
     assert set(r["rows"][0]["ms"]) == {"pkv_compiled", "pkv_eager", "static", "dynamic"}
+    graphs, breaks = r["rows"][0]["compiled_first_call"]["pkv_compiled"]
+    assert graphs >= 1 and breaks == 0  # the first call compiles its steps, with no graph break
     assert r["rows"][0]["compiled_per_warm_call"]["pkv_compiled"] == (0, 0)  # warm: nothing compiled
     assert "StaticCache compiled" in compiled.report(r)
 

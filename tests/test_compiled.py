@@ -7,6 +7,7 @@ alone (``backend="eager"``) where only graphs and recompiles are counted, induct
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 from typing import Any
@@ -52,9 +53,13 @@ def test_is_compileable_says_why_not() -> None:
     model = prefixkv.models.tiny_model("llama")
     with prefixkv.PrefixStore(model, block_size=4) as store:
         plain = prefixkv.PagedPrefixCache(store)
-        assert not plain.is_compileable and "compileable=True" in plain.compile_reason
+        assert plain.is_compileable and plain.compile_reason.startswith("generate may compile it")
         asked = prefixkv.PagedPrefixCache(store, compileable=True)
-        assert asked.is_compileable and not asked.compile_reason.startswith("not")
+        assert asked.is_compileable and asked.compile_reason.startswith("every one-token forward")
+        refused = prefixkv.PagedPrefixCache(store, compileable=False)
+        assert not refused.is_compileable and "compileable=False" in refused.compile_reason
+        copied = copy.deepcopy(refused)
+        assert not copied.is_compileable and copied.compile_reason == refused.compile_reason
     with prefixkv.PrefixStore(model, block_size=4, invariant=True) as store:
         cache = prefixkv.PagedPrefixCache(store, compileable=True)
         assert not cache.is_compileable and "invariant" in cache.compile_reason
@@ -109,6 +114,25 @@ def test_eager_steps_match_stock_cold_and_warm_padded(mode: int) -> None:
         assert all(bool((t[:, 0] == 0).all()) for t in (*pool.keys, *pool.values))
 
 
+def family_prompts() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """A family test's calls: one row cold, then a left-padded batch of two that reuses its prefix."""
+    system = random_tokens(SHARED, seed=1)
+    cold = torch.cat([system, random_tokens(6, seed=2)])[None]
+    ids, mask = left_pad(
+        [torch.cat([system, random_tokens(4, seed=11)]), torch.cat([system, random_tokens(7, seed=12)])]
+    )
+    return [(cold, None), (ids, mask)]
+
+
+def same_as_stock(family: str, out: Any, ref: Any, padded: bool) -> None:
+    """``out`` has stock's tokens and logits (float64), but where stock's padded rows are NaN (test_families)."""
+    if ref.logits[0].isnan().any():
+        assert family in NAN_WHEN_PADDED_IN_FLOAT64 and padded
+        return
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_diff(out, ref) <= 1e-6
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_takes_compiled_steps_or_says_why(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Across the families of docs/architectures.md: one that runs prefixkv attention takes its one-token forwards
@@ -127,24 +151,169 @@ def test_every_family_takes_compiled_steps_or_says_why(family: str, monkeypatch:
             assert not probe.is_compileable and "its own attention" in probe.compile_reason
         else:
             assert probe.is_compileable, probe.compile_reason
-        system = random_tokens(SHARED, seed=1)
-        cold = torch.cat([system, random_tokens(6, seed=2)])[None]
-        ids, mask = left_pad(
-            [torch.cat([system, random_tokens(4, seed=11)]), torch.cat([system, random_tokens(7, seed=12)])]
-        )
-        for x, m in ((cold, None), (ids, mask)):
+        for x, m in family_prompts():
             ref = generate(twin, x, m, DynamicCache(config=twin.config), max_new_tokens=5)
             with prefixkv.PagedPrefixCache(store, x, m, compileable=True) as cache:
                 out = generate(model, x, m, cache, max_new_tokens=5)
             store.check_invariants()
-            if ref.logits[0].isnan().any():  # stock's padded rows of these families (tests/test_families.py)
-                assert family in NAN_WHEN_PADDED_IN_FLOAT64 and m is not None
-                continue
-            assert torch.equal(out.sequences, ref.sequences)
-            assert max_diff(out, ref) <= 1e-6
+            same_as_stock(family, out, ref, padded=m is not None)
         # the batch reused the cold call's prefix: 3 pads, so 45 columns skipped (tests/test_families.py)
         assert [r.cached_tokens for r in cache.stats.per_row] == [SHARED - 3, SHARED]
         assert bool(steps) == probe.is_compileable
+
+
+class CountedStep(static.StaticStep):
+    """:class:`prefixkv.attention.static.StaticStep` that counts the compiled steps begun."""
+
+    begun = 0
+
+    def __init__(self, *args: Any) -> None:
+        type(self).begun += 1
+        super().__init__(*args)
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def paged(kwargs: dict[str, Any]) -> Any:
+    """The ``PagedPrefixCache`` a forward's arguments carry."""
+    return next(v for v in kwargs.values() if isinstance(v, prefixkv.PagedPrefixCache))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_compiled_by_generate_gives_stock_or_says_why(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a default cache takes where ``generate`` compiles on its own, across the families of
+    docs/architectures.md and on every supported transformers (CI's oldest job runs this; which families are
+    refused differs by release): a compileable cache's decode steps are compiled steps and give stock's tokens and
+    logits (float64, dynamo alone), cold and warm in a left-padded batch; a cache that is not says why in
+    ``compile_reason`` and decodes as an ordinary one, with stock's outputs too."""
+    monkeypatch.setattr(static, "StaticStep", CountedStep)
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64)
+    twin = stock_twin(model)
+    config = compile_config("eager")
+    refs = [generate(twin, x, m, DynamicCache(config=twin.config), max_new_tokens=5) for x, m in family_prompts()]
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        for (x, m), ref in zip(family_prompts(), refs):
+            begun = CountedStep.begun
+            with prefixkv.PagedPrefixCache(store, x, m) as cache:
+                compileable, reason = cache.is_compileable, cache.compile_reason
+                out = generate(model, x, m, cache, max_new_tokens=5, compile_config=config)
+            store.check_invariants()
+            assert (CountedStep.begun - begun >= 4) if compileable else (CountedStep.begun == begun)
+            assert compileable or reason.startswith("not compileable: ")
+            same_as_stock(family, out, ref, padded=m is not None)
+        assert [r.cached_tokens for r in cache.stats.per_row] == [SHARED - 3, SHARED]
+
+
+def test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cache built with no option is compileable: where ``generate`` compiles on its own (here the CPU, as its
+    compile config allows every device; on CUDA it needs none) it compiles the cache's one-token forwards, one
+    graph with no graph break, cold and warm, giving stock's tokens and logits (float64, dynamo alone: exact); a
+    call that ``generate`` runs eagerly (no compile config here, or ``disable_compile``), before or after one it
+    compiled on the same cache, takes no compiled step and gets no mask of ``generate``'s building (the eager read
+    and masks, as for a cache that is not compileable), and the cache says it is not compileable during it."""
+    monkeypatch.setattr(static, "StaticStep", CountedStep)
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompts = {seed: left_pad([random_tokens(21, seed=seed), random_tokens(17, seed=seed + 1)]) for seed in (1, 5)}
+    config = compile_config("eager")
+    compiled, eager, disabled = {"compile_config": config}, {}, {"compile_config": config, "disable_compile": True}
+    new = 9
+    stock = {
+        seed: generate(twin, ids, mask, DynamicCache(config=twin.config), max_new_tokens=2 * new)
+        for seed, (ids, mask) in prompts.items()
+    }
+    masks: list[Any] = []  # the mask each forward of the model gets, and whether the cache said it is compileable
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        model.register_forward_pre_hook(  # after the store, which takes the stock twin
+            lambda _, args, kwargs: masks.append((kwargs.get("attention_mask"), paged(kwargs).is_compileable)),
+            with_kwargs=True,
+        )
+        # each case: the prompt, what generate is given in a call and in a second call on the same cache that
+        # continues it, and the graphs compiled (after the first compiled call, none: the batch's bucket is warm)
+        for seed, first_call, second_call, compiles in [
+            (1, eager, eager, 0),  # cold
+            (1, compiled, eager, 1),
+            (1, disabled, compiled, 0),
+            (5, compiled, disabled, 0),  # cold
+            (1, compiled, compiled, 0),
+        ]:
+            ids, mask = prompts[seed]
+            breaks, graphs = graph_breaks(), counters["stats"]["unique_graphs"]
+            more = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], dim=1)
+            with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+                x, m, outs = ids, mask, []
+                for kwargs in (first_call, second_call):
+                    # the steps: every one-token forward of a compiled call (a warm prompt's first forward is one
+                    # token; a cold one's is the prefill, eager), and no other forward
+                    warm = bool(outs) or cache.stats.cached_tokens > 0
+                    begun, masks[:] = CountedStep.begun, []
+                    outs.append(generate(model, x, m, cache, max_new_tokens=new, **kwargs))
+                    steps = (new if warm else new - 1) if kwargs is compiled else 0
+                    assert CountedStep.begun - begun == steps
+                    # a compiled call's forwards get generate's 4-D masks; an eager one's, the 2-D mask, as always
+                    two_d = [isinstance(got, torch.Tensor) and got.dim() == 2 for got, _ in masks]
+                    assert not any(two_d) if kwargs is compiled else all(two_d)
+                    assert all(said == (kwargs is compiled) for _, said in masks)
+                    x, m = outs[-1].sequences, more
+            assert torch.equal(outs[1].sequences, stock[seed].sequences)
+            assert max(max_diff(outs[0], stock[seed]), *(
+                (a - b).abs().max().item() for a, b in zip(outs[1].logits, stock[seed].logits[new:])
+            )) <= 1e-10  # fmt: skip
+            assert graph_breaks() == breaks
+            assert counters["stats"]["unique_graphs"] - graphs == compiles
+
+        # a compiled call, then a beam search continuing it on the same cache: beams' loop never asks to compile,
+        # so that call is eager (no step, no mask of generate's building) whatever the first one was
+        ids, mask = prompts[5]
+        more = torch.cat([mask, torch.ones(2, new, dtype=mask.dtype)], dim=1)
+        with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+            first = generate(model, ids, mask, cache, max_new_tokens=new, **compiled)
+            begun, masks[:] = CountedStep.begun, []
+            beams = generate(model, first.sequences, more, cache, max_new_tokens=4, num_beams=2)
+        assert (
+            CountedStep.begun == begun
+            and masks
+            and all(isinstance(m, torch.Tensor) and m.dim() == 2 and not said for m, said in masks)
+        )
+        stock_model = stock_twin(model)  # now the copy taken when the store was built
+        ref = generate(stock_model, first.sequences, more, DynamicCache(config=model.config), max_new_tokens=4,
+                       num_beams=2)  # fmt: skip
+        assert torch.equal(beams.sequences, ref.sequences) and max_diff(beams, ref) <= 1e-10
+
+
+def test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The recipe of transformers' docs and gpt-fast, ``model.forward = torch.compile(model.forward)``: a default
+    cache's decode steps are compiled steps there, cold and warm, with stock's tokens and logits (float64, dynamo
+    alone), and a warm call compiles nothing new (the cold one compiled the step's graph for this batch)."""
+    monkeypatch.setattr(static, "StaticStep", CountedStep)
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    ids, mask = left_pad([random_tokens(21, seed=3), random_tokens(17, seed=4)])
+    new = 7
+    stock = generate(twin, ids, mask, DynamicCache(config=twin.config), max_new_tokens=new)
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        model.forward = torch.compile(model.forward, backend="eager")
+        try:
+            for warm in (False, True):
+                begun, graphs = CountedStep.begun, counters["stats"]["unique_graphs"]
+                with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+                    out = generate(model, ids, mask, cache, max_new_tokens=new)
+                assert CountedStep.begun - begun == (new if warm else new - 1)
+                assert torch.equal(out.sequences, stock.sequences) and max_diff(out, stock) <= 1e-10
+                assert (counters["stats"]["unique_graphs"] == graphs) == warm  # the cold call compiles, the warm not
+        finally:
+            del model.forward
 
 
 @pytest.mark.parametrize("stale", [False, True])

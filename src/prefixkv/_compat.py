@@ -16,10 +16,17 @@ never by comparing version numbers:
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
 - transformers 4.57-5.3 give a cache layer's ``get_mask_sizes`` the step's ``cache_position`` where later releases
   give its length (the query length): :func:`adapt_cache` turns the one into the other.
+- transformers 4.57 builds a compileable cache's 4-D masks in ``prepare_inputs_for_generation`` with a model's own
+  ``_prepare_4d_causal_attention_mask_with_cache_position`` where it has one (OPT among the families of
+  docs/architectures.md), as wide as the cache's fixed length (``get_max_cache_shape``), which a
+  ``PagedPrefixCache`` has not (later releases build them from ``get_mask_sizes``): :func:`compile_refusal` refuses
+  compiled steps on such a model there.
 - torch's CPU flash-attention kernel gives a group of query heads its shared K/V head from torch 2.9; the kernel
   of older releases reads K/V head ``h`` for query head ``h``, past the K/V heads of a grouped model, and returns
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
+- a forward compiled by ``torch.compile(model.forward)`` is known by an attribute of torch's
+  (:func:`compiled_forward`).
 - torch's FlexAttention returns its log-sum-exp when asked with an ``AuxRequest`` from torch 2.9 (older releases
   take ``return_lse=``, deprecated since): :func:`flex_aux_request` finds it, and :func:`flex_refusal` says in one
   line why the ``"flex"`` backend cannot serve on a torch without it.
@@ -225,6 +232,35 @@ def cpu_flash_attention(
         query, key, value, 0.0, causal, attn_mask=attn_mask, scale=scale
     )
     return out, lse
+
+
+# the model's own 4-D mask builder that transformers 4.57's prepare_inputs_for_generation calls for a compileable
+# cache, at the cache's fixed length
+_FIXED_LENGTH_MASKS = "_prepare_4d_causal_attention_mask_with_cache_position"
+_PREPARE_BUILDS_FIXED_LENGTH_MASKS = _FIXED_LENGTH_MASKS in inspect.getsource(
+    _generation.GenerationMixin.prepare_inputs_for_generation
+)
+
+
+def compile_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``generate`` on the installed transformers cannot hand ``model`` a ``PagedPrefixCache``'s compiled steps,
+    in one line, or ``None``. Does not mutate."""
+    if not _PREPARE_BUILDS_FIXED_LENGTH_MASKS:
+        return None
+    base: Any = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if getattr(base, _FIXED_LENGTH_MASKS, None) is None and getattr(decoder, _FIXED_LENGTH_MASKS, None) is None:
+        return None
+    return (
+        f"transformers {transformers.__version__} builds this model's masks for a compileable cache as wide as a "
+        "fixed cache length, which a PagedPrefixCache has not (newer releases build them from get_mask_sizes)"
+    )
+
+
+def compiled_forward(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` is a function ``torch.compile`` returned (``model.forward =
+    torch.compile(model.forward)``), by the attribute torch 2.6 to 2.13 give it. Does not mutate."""
+    return hasattr(model.forward, "_torchdynamo_orig_callable")
 
 
 def flex_aux_request() -> Any:

@@ -205,13 +205,37 @@ def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
     return noting
 
 
+def _noting_compile(
+    criteria: Callable[..., Any], note: Callable[[Any, dict[str, Any], bool | None], None]
+) -> Callable[..., Any]:
+    """``GenerationMixin._valid_auto_compile_criteria``, generate's choice to compile a decoding loop's forwards
+    (made before the loop's first forward, on every release prefixkv supports), that tells ``note`` it is about to
+    choose (``None``), then what it chose: a ``PagedPrefixCache`` takes its one-token forwards as steps of fixed
+    shapes when, and only when, they are compiled, and in a call that is not it says it is not compileable, so
+    that the call's masks are built as for any cache (docs/generate.md, "Compiled decoding"). Not a shim: no
+    release tells a cache whether it is compiled; the wrapper goes when one does."""
+
+    @functools.wraps(criteria)
+    def noting(self: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
+        note(self, model_kwargs, None)
+        compiled = criteria(self, model_kwargs, generation_config)
+        note(self, model_kwargs, bool(compiled))
+        return compiled
+
+    return noting
+
+
 _installed = False
 
 
-def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[str, Any]], None]) -> None:
+def install_generation_patches(
+    plan_chunks: Callable[[Any, torch.Tensor, dict[str, Any]], None],
+    note_compile: Callable[[Any, dict[str, Any], bool | None], None],
+) -> None:
     """Wrap the ``GenerationMixin`` methods this release needs for a cache that chooses its columns at the first
     step (:func:`_recording_past`, :func:`_keeping_embeds`, :func:`_planning_chunks` with ``plan_chunks``,
-    :func:`_noting_start`); each wrapper changes nothing for other caches. Called by every ``PrefixStore`` when it
+    :func:`_noting_start`) and takes compiled steps only in a compiled loop (:func:`_noting_compile` with
+    ``note_compile``); each wrapper changes nothing for other caches. Called by every ``PrefixStore`` when it
     is built (no ``PagedPrefixCache`` exists before one), once per process. Mutates
     ``transformers.generation.utils.GenerationMixin``."""
     global _installed
@@ -219,6 +243,9 @@ def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[st
         return
     _installed = True
     mixin = _generation.GenerationMixin
+    mixin._valid_auto_compile_criteria = _noting_compile(  # type: ignore[method-assign]
+        mixin._valid_auto_compile_criteria, note_compile
+    )
     if "activate_past_recording" not in inspect.getsource(mixin._assisted_decoding):
         mixin._assisted_decoding = _recording_past(mixin._assisted_decoding)  # type: ignore[method-assign]
     if hasattr(mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(mixin._prefill):

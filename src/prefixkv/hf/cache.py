@@ -50,10 +50,14 @@ class PagedPrefixCache(Cache):
     at least the last prompt token is always recomputed. Close it (``close()``, ``with``) to give its
     blocks back; what it computed stays cached in the store for later calls. ``namespace="alice"`` (a str)
     reuses and publishes only the K/V of caches built with the same name; ``None``, the default, is the one
-    namespace every user shares (docs/generate.md, "Isolation between users"). ``compileable=True`` makes every
-    one-token forward a step of fixed shapes per bucket that ``generate``'s own compile (and ``torch.compile``)
-    traces as one graph, with the prefix still reused (:attr:`is_compileable`, :attr:`compile_reason`;
-    docs/generate.md, "Compiled decoding").
+    namespace every user shares (docs/generate.md, "Isolation between users"). A cache is compileable by default
+    (:attr:`is_compileable`, :attr:`compile_reason` says why not where it is not): where ``generate`` compiles its
+    decode steps on its own (on accelerators, or where its compile config says every device), each one-token
+    forward of that call is a step of fixed shapes per bucket, one graph, with the prefix still reused, as is
+    each one of a model whose forward ``torch.compile`` returned; eager calls keep the eager read.
+    ``compileable=True`` makes every one-token forward such a step (for another compile of one's own:
+    ``model.compile()``), ``compileable=False`` keeps ``generate`` from compiling (docs/generate.md, "Compiled
+    decoding").
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -72,7 +76,7 @@ class PagedPrefixCache(Cache):
         attention_mask: torch.Tensor | None = None,
         *,
         namespace: str | None = None,
-        compileable: bool = False,
+        compileable: bool | None = None,
     ) -> None:
         if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
@@ -90,12 +94,22 @@ class PagedPrefixCache(Cache):
             blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
             model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
         )  # fmt: skip
-        # compiled decode steps (prefixkv.attention.static): why not, or None where every one-token forward is one
-        self._compile_refusal = compile_refusal(store) if compileable else "it was built without compileable=True"
+        # compiled decode steps (prefixkv.attention.static): why not, or None where a one-token forward may be one;
+        # which are: every one (compileable=True), or those of a generate call that compiles them (note_compile)
+        self._compile_refusal = (
+            "it was built with compileable=False" if compileable is False else compile_refusal(store)
+        )
+        self._asked = compileable
+        self._every_step = compileable is True
+        self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
+        self._compile_noted = False  # the choice was made for the call whose first step comes next
         self.compile_reason = (
-            "every one-token forward is one graph per bucket of columns and batch"
-            if self._compile_refusal is None
-            else f"not compileable: {self._compile_refusal}"
+            f"not compileable: {self._compile_refusal}"
+            if self._compile_refusal is not None
+            else "every one-token forward is one graph per bucket of columns and batch"
+            if self._every_step
+            else "generate may compile it: each one-token forward of a call it compiles is one graph per bucket "
+            "of columns and batch"
         )
         """Why :attr:`is_compileable` is what it is, one line."""
         self._step_tables = static.StepTables(blocks.block_size)
@@ -118,11 +132,14 @@ class PagedPrefixCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        """Whether ``generate`` may compile this cache's decode steps: built with ``compileable=True`` on a store
-        whose caches can take them (:attr:`compile_reason` says why not). Then every one-token forward is a step
-        of fixed shapes per bucket whose ``update`` and attention compile to one graph (docs/generate.md,
-        "Compiled decoding"). Does not mutate."""
-        return self._compile_refusal is None
+        """Whether ``generate`` may compile this cache's decode steps: built without ``compileable=False`` on a
+        store whose caches can take them (:attr:`compile_reason` says why not). Then each one-token forward of a
+        call that ``generate`` compiles (every one, with ``compileable=True``) is a step of fixed shapes per
+        bucket whose ``update`` and attention compile to one graph (docs/generate.md, "Compiled decoding"). During
+        a call that ``generate`` chose to run eagerly it is ``False`` (unless built with ``compileable=True``), so
+        that the call's forwards build their masks as with any other cache; each call chooses anew. Does not
+        mutate."""
+        return self._compile_refusal is None and (self._every_step or self._compiled_call is not False)
 
     @property
     def stats(self) -> CacheStats:
@@ -154,7 +171,7 @@ class PagedPrefixCache(Cache):
         start = held.allocate(forward, x.shape[0], q)
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
-        if q == 1 and self._compile_refusal is None:
+        if q == 1 and takes_steps(self):
             self._step = begin_step(held, self._blocks, self._step_tables, forward, start)
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
@@ -216,13 +233,13 @@ class PagedPrefixCache(Cache):
         return seen[layer_idx] if layer_idx < len(seen) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """The mask's width: the columns after the forward, or for a compiled step (one token, a compileable
-        cache) their bucket (:func:`prefixkv.attention.static.width`), so that a step's shapes change only between
+        """The mask's width: the columns after the forward, or for a compiled step (one token, :func:`takes_steps`)
+        their bucket (:func:`prefixkv.attention.static.width`), so that a step's shapes change only between
         buckets."""
         if self._step is not None:
             return self._step.table.shape[1], 0
         columns = self.get_seq_length(layer_idx) + query_length
-        if query_length == 1 and self._compile_refusal is None:
+        if query_length == 1 and takes_steps(self):
             return static.width(columns, self._blocks.block_size), 0
         return columns, 0
 
@@ -292,7 +309,7 @@ class PagedPrefixCache(Cache):
             raise CacheMisuseError("this PagedPrefixCache is closed; there is nothing to copy")
         if self._owner is not None:
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
-        other = PagedPrefixCache(self.store, namespace=self.namespace)
+        other = PagedPrefixCache(self.store, namespace=self.namespace, compileable=self._asked)
         other._rowset = self._rowset.fork()
         other._gen_call = GenerateCall(self._gen_call.prompt_ids)
         other._gen_call.computed = self._gen_call.computed
@@ -377,6 +394,11 @@ def plan_call(
     not continue what the cache holds. Mutates."""
     if cache.closed:
         raise CacheMisuseError("this PagedPrefixCache is closed; build a new one for each generate call")
+    # generate chose whether to compile this call's forwards before its first step, or did not choose (a decoding
+    # loop that never compiles: beams), and then the call is eager whatever an earlier call on the cache chose
+    if not cache._compile_noted:
+        cache._compiled_call = False
+    cache._compile_noted = False
     return cache._gen_call.plan(cache._rowset, cache.store, input_ids, next_sequence_length, kwargs)
 
 
@@ -397,6 +419,21 @@ def end_forward(cache: PagedPrefixCache, ok: bool) -> None:
     """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
     filled, and carry out a ``close()`` that another thread asked for meanwhile. Mutates."""
     cache._end(ok)
+
+
+def note_compile(cache: PagedPrefixCache, compiled: bool | None) -> None:
+    """``generate`` chose whether to compile the forwards of the call it runs with ``cache`` (``None``: it is about
+    to choose): its one-token forwards are compiled steps if so (:func:`takes_steps`). Mutates."""
+    cache._compiled_call, cache._compile_noted = compiled, True
+
+
+def takes_steps(cache: PagedPrefixCache) -> bool:
+    """Whether a one-token forward with ``cache`` now is a compiled step (:mod:`prefixkv.attention.static`): every
+    one of a cache built with ``compileable=True`` or on a model whose forward ``torch.compile`` returned, else
+    those of a call that ``generate`` compiles."""
+    if cache._compile_refusal is not None:
+        return False
+    return cache._every_step or cache._compiled_call is True or _compat.compiled_forward(cache.store.hf_model)
 
 
 def static_step(cache: PagedPrefixCache) -> bool:

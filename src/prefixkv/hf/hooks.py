@@ -20,7 +20,7 @@ from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
-from .cache import PagedPrefixCache, begin_forward, end_forward, plan_call, plan_prompt, static_step
+from .cache import PagedPrefixCache, begin_forward, end_forward, note_compile, plan_call, plan_prompt, static_step
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
 
@@ -154,6 +154,17 @@ def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs:
     cache = paged_cache(kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
         plan_prompt(cache, input_ids, kwargs)
+
+
+def note_generate_compile(model: torch.nn.Module, model_kwargs: dict[str, Any], compiled: bool | None) -> None:
+    """``generate`` on ``model`` chose whether to compile the forwards of the call whose arguments are
+    ``model_kwargs`` (``None``: it is about to choose; the ``_valid_auto_compile_criteria`` wrapper of
+    :func:`prefixkv._compat_generate.install_generation_patches` calls this): a ``PagedPrefixCache`` of a store on
+    ``model`` takes its one-token forwards as compiled steps if so (docs/generate.md, "Compiled decoding"). Mutates
+    the cache."""
+    cache = paged_cache(model_kwargs)
+    if cache is not None and has_open_store(model) and cache.store.hf_model is model:
+        note_compile(cache, compiled)
 
 
 _PREPARE = "prepare_inputs_for_generation"

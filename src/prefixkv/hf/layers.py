@@ -175,7 +175,11 @@ def end_step(held: RowSet, blocks: BlockManager, ok: bool) -> None:
 def compile_refusal(store: StoreParts) -> str | None:
     """Why ``store``'s caches cannot take compiled decode steps (:func:`prefixkv.attention.static.refusal`), or a
     model whose attention is its own (the ``update`` path of docs/architectures.md: ALiBi, soft-capping, eager only),
-    to which a compiled step does not hand its K/V; ``None`` where they can. Does not mutate."""
+    to which a compiled step does not hand its K/V, or one whose masks the installed transformers builds at a fixed
+    length (:func:`prefixkv._compat.compile_refusal`); ``None`` where they can. Does not mutate."""
+    release = _compat.compile_refusal(store.hf_model)
+    if release is not None:
+        return release
     if not interface.serves(store.hf_model):
         kind = getattr(store.hf_model.config, "model_type", type(store.hf_model).__name__)
         return (
