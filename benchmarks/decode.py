@@ -50,11 +50,11 @@ def decode_ms(
     variant: str,
     store: prefixkv.PrefixStore | None,
     reused: list[int] | None = None,
-    compileable: bool = False,
+    compileable: bool | None = None,
     **extra: Any,
 ) -> float:
     """Milliseconds per decoded token of one generate call with the ``variant`` cache (``extra``: more generate
-    arguments; ``compileable``: prefixkv's cache built with ``compileable=True``); prefixkv's cached tokens are
+    arguments; ``compileable``: prefixkv's cache option, the default unless given); prefixkv's cached tokens are
     appended to ``reused`` when given."""
     clock = StepClock()
     kwargs: dict[str, Any] = dict(extra)

@@ -15,7 +15,7 @@ on a machine with CUDA:
    bfloat16, and 16 rows on a shared 2048-token prefix; and how long planning one step's reads takes;
 4. milliseconds per new token of ``generate``: ``DynamicCache``, ``StaticCache``, ``StaticCache`` under
    ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64, the default backend and
-   ``attention="flex"``; on the 1.5B model also ``PagedPrefixCache(..., compileable=True)`` under ``generate``'s
+   ``attention="flex"``; on the 1.5B model also the default ``PagedPrefixCache`` under ``generate``'s
    own compile, CUDA graphs through ``mode="reduce-overhead"``) on the ~100M model (float32, bfloat16) and the
    ~1.5B model with random weights (bfloat16);
 5. time to the first token on a warm 2048-token prefix against stock.
@@ -413,10 +413,10 @@ def generate_case(
     with_compile: bool,
     compile_config: CompileConfig | None = None,
 ) -> dict[str, float]:
-    """The fastest of ``min(repeat, 2)`` calls per cache, taking turns; ``with_compile``: also ``StaticCache`` and
-    prefixkv's compileable cache (``compileable=True``, the gather's and the blocks' stores) under transformers'
-    default ``torch.compile`` of the decode steps (inductor with CUDA graphs, ``mode="reduce-overhead"``), or under
-    ``compile_config``."""
+    """The fastest of ``min(repeat, 2)`` calls per cache, taking turns (the eager ones with ``disable_compile``);
+    ``with_compile``: also ``StaticCache`` and prefixkv's default cache (the gather's and the blocks' stores) under
+    transformers' own ``torch.compile`` of the decode steps (inductor with CUDA graphs, ``mode="reduce-overhead"``),
+    or under ``compile_config``."""
     compiling = {} if compile_config is None else {"compile_config": compile_config}
     new, any_store = sizes.new_tokens, next(iter(stores.values()))
     variants: dict[str, Callable[[], float]] = {
@@ -431,7 +431,7 @@ def generate_case(
         )  # type: ignore[misc]
         if with_compile and not label.startswith("flex"):
             variants[f"prefixkv {label} compiled"] = lambda store=store: decode_ms(
-                model, ids, new, "prefixkv", store, compileable=True, **compiling
+                model, ids, new, "prefixkv", store, **compiling
             )  # type: ignore[misc]
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(min(sizes.repeat, 2)):
