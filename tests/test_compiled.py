@@ -199,13 +199,16 @@ def test_every_family_compiled_by_generate_gives_stock_or_says_why(
     torch._dynamo.reset()
     with prefixkv.PrefixStore(model, block_size=4) as store:
         for (x, m), ref, compiled in zip(family_prompts(), refs, (False, True)):
-            begun = CountedStep.begun
+            begun, graphs = CountedStep.begun, counters["stats"]["unique_graphs"]
             with prefixkv.PagedPrefixCache(store, x, m) as cache:
                 compileable, reason = cache.is_compileable, cache.compile_reason
                 out = generate(model, x, m, cache, max_new_tokens=5, **({"compile_config": config} if compiled else {}))
             store.check_invariants()
-            # every decode step of the compiled call (its first forward feeds each row's own tokens)
+            # every decode step of the compiled call (its first forward feeds each row's own tokens), in graphs
+            # dynamo compiled then (unless transformers compiles none for the family: Llama 4's is its plain call)
             assert CountedStep.begun - begun == (4 if compileable and compiled else 0)
+            compiles = compileable and compiled and model.get_compiled_call(config) != model.__call__
+            assert (counters["stats"]["unique_graphs"] > graphs) == compiles
             assert compileable or reason.startswith("not compileable: ")
             same_as_stock(family, out, ref, padded=m is not None)
         assert [r.cached_tokens for r in cache.stats.per_row] == [SHARED - 3, SHARED]
