@@ -193,7 +193,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-in-eager-calls",
         "hf/cache.py",
-        "    return cache._every_step or cache._compiled_call is True or _compat.compiled_forward(",
+        "    return cache._asked is True or cache._compiled_call is True or _compat.compiled_forward(",
         "    return True or (",
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",

@@ -60,6 +60,12 @@ def test_is_compileable_says_why_not() -> None:
         assert not refused.is_compileable and "compileable=False" in refused.compile_reason
         copied = copy.deepcopy(refused)
         assert not copied.is_compileable and copied.compile_reason == refused.compile_reason
+        held = store.stats.blocks_used
+        for wrong in ("yes", 1, 0):  # 1 == True, but an int is not the option: refused before a block is claimed
+            with pytest.raises(TypeError, match="compileable takes True"):
+                prefixkv.PagedPrefixCache(store, torch.arange(3, 11)[None], compileable=wrong)  # type: ignore[arg-type]
+        assert store.stats.blocks_used == held
+        store.check_invariants()
     with prefixkv.PrefixStore(model, block_size=4, invariant=True) as store:
         cache = prefixkv.PagedPrefixCache(store, compileable=True)
         assert not cache.is_compileable and "invariant" in cache.compile_reason

@@ -80,6 +80,11 @@ class PagedPrefixCache(Cache):
     ) -> None:
         if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
+        if compileable is not None and not isinstance(compileable, bool):
+            raise TypeError(
+                f"compileable takes True (every one-token forward a compiled step), False (never compiled) or None "
+                f"(the default: compiled where generate compiles), got {compileable!r}"
+            )
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
         num_layers = len(blocks.pool.specs)
@@ -99,15 +104,14 @@ class PagedPrefixCache(Cache):
         self._compile_refusal = (
             "it was built with compileable=False" if compileable is False else compile_refusal(store)
         )
-        self._asked = compileable
-        self._every_step = compileable is True
+        self._asked = compileable  # True: every one-token forward is a compiled step
         self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self.compile_reason = (
             f"not compileable: {self._compile_refusal}"
             if self._compile_refusal is not None
             else "every one-token forward is one graph per bucket of columns and batch"
-            if self._every_step
+            if compileable
             else "generate may compile it: each one-token forward of a call it compiles is one graph per bucket "
             "of columns and batch"
         )
@@ -139,7 +143,7 @@ class PagedPrefixCache(Cache):
         a call that ``generate`` chose to run eagerly it is ``False`` (unless built with ``compileable=True``), so
         that the call's forwards build their masks as with any other cache; each call chooses anew. Does not
         mutate."""
-        return self._compile_refusal is None and (self._every_step or self._compiled_call is not False)
+        return self._compile_refusal is None and (self._asked is True or self._compiled_call is not False)
 
     @property
     def stats(self) -> CacheStats:
@@ -433,7 +437,7 @@ def takes_steps(cache: PagedPrefixCache) -> bool:
     those of a call that ``generate`` compiles."""
     if cache._compile_refusal is not None:
         return False
-    return cache._every_step or cache._compiled_call is True or _compat.compiled_forward(cache.store.hf_model)
+    return cache._asked is True or cache._compiled_call is True or _compat.compiled_forward(cache.store.hf_model)
 
 
 def static_step(cache: PagedPrefixCache) -> bool:
