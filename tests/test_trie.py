@@ -242,6 +242,21 @@ def test_touch_stamps_only_the_node_and_evicts_as_if_it_stamped_the_path(
     assert eager.evict_one() is None
 
 
+def test_releasing_a_node_evicted_while_retained_leaves_its_parent_evictable() -> None:
+    """A retained leaf evicted (a soft pin keeps nothing when nothing else is left), then released: its parent,
+    now a leaf whose priority the release lowered, is still evicted (it was queued under the retained priority,
+    an entry the release made stale; found by the hypothesis test above)."""
+    trie = RadixTrie(block_size=1, protected_share=1.0)
+    trie.insert([0, 0], [1, 2])
+    kept = trie.insert([0, 0, 0], [1, 2, 3]).node
+    trie.retain(kept, 10)
+    assert trie.evict_one() == [3]
+    trie.release(kept, 10)
+    assert trie.evict_one() == [1, 2]
+    assert trie.evict_one() is None
+    trie.check_invariants()
+
+
 def test_reused_prefixes_survive_a_scan_of_one_off_sequences() -> None:
     """Four prefixes reused twice, then a scan of 1,000 one-off sequences under a budget that holds a few of
     them: every eviction takes a one-off, and the four stay whole. Plain LRU (protection switched off) loses them

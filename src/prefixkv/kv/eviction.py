@@ -199,7 +199,12 @@ class SegmentedLRU:
             if not n.retains[priority]:
                 del n.retains[priority]
             n = n.parent
-        self.offer(node)
+        # a node evicted while retained: its nearest live ancestor may be a leaf queued under the old priority
+        live: TrieNode | None = node
+        while live is not None and not live.alive:
+            live = live.parent
+        if live is not None:
+            self.offer(live)
 
     def offer(self, node: TrieNode) -> None:
         if node.alive and node.lock == 0 and not node.children and node.parent is not None:
