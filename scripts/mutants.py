@@ -214,6 +214,15 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",),
         "torch.compile(model.forward) with a default cache runs the eager read in pieces: graph breaks at every layer",
     ),
+    # -- found in review (issue 36's round): a release after eviction left the parent with a stale queue entry
+    Mutation(
+        "release-offers-only-the-dead-node",
+        "kv/eviction.py",
+        "        while live is not None and not live.alive:\n            live = live.parent\n",
+        "",
+        ("tests/test_trie.py::test_releasing_a_node_evicted_while_retained_leaves_its_parent_evictable",),
+        "a leaf whose retained child was evicted and then released is never evicted: a CapacityError with room left",
+    ),
     Mutation(
         "compiled-steps-never-after-an-eager-call",
         "_compat_generate.py",
