@@ -206,6 +206,7 @@ WITHIN = {
         "integrations.lm_eval",
         "integrations.trl",
         "lm_eval",
+        "census",
         "_api",
     ],
 }

@@ -30,6 +30,25 @@ def _bench_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _families_main(args: argparse.Namespace) -> int:
+    from . import census
+
+    names = args.family or None
+    results = census.run(names, time_limit=args.time_limit, progress=None if args.markdown else _print_line)
+    if args.markdown:
+        print(census.markdown(results))
+    else:
+        print(", ".join(f"{n} {v}" for v, n in census.counts(results).items()))
+    return 1 if any(r.defect for r in results) else 0
+
+
+def _print_line(result: object) -> None:
+    from . import census
+
+    assert isinstance(result, census.FamilyResult)
+    print(census.line(result), flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--quick", action="store_true", help="the small model and sizes: a smoke run, about 5 minutes on 2 busy cores"
     )
     b.set_defaults(func=_bench_main)
+    f = sub.add_parser(
+        "families",
+        help="the family census: a tiny model of every causal-LM family of the installed transformers, stock "
+        "generate against prefixkv (exit 1 on any wrong output, crash or silent miss)",
+    )
+    f.add_argument("family", nargs="*", help="model types to check (default: every causal-LM family)")
+    f.add_argument("--markdown", action="store_true", help="print docs/architectures.md's census table")
+    f.add_argument("--time-limit", type=float, default=60.0, help="seconds per family (default: 60)")
+    f.set_defaults(func=_families_main)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
