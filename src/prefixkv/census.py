@@ -7,13 +7,16 @@ warm (45 shared prompt tokens), with beam search and with a left-padded batch, c
 (float64 within 1e-6; float32 within 1e-4 where the family's kernels refuse float64). One line per family:
 
 - ``exact``: every check within the bound, and the warm call reused the shared prefix;
+- ``exact, no reuse``: every check within the bound, nothing reused, and the cache's stats say why
+  (:attr:`prefixkv.stats.CacheStats.not_cached`);
 - ``refused``: ``PrefixStore`` raised :class:`~prefixkv.UnsupportedModelError`, with the reason;
 - ``n/a``: stock ``generate`` cannot build or run the family at that size, with transformers' error;
-- ``wrong``, ``crash``, ``no reuse``: a defect of prefixkv (the census test fails on any).
+- ``wrong``, ``crash``, ``silent miss`` (nothing reused and no reason given): a defect of prefixkv (the census test
+  fails on any).
 
 ``python -m prefixkv families`` prints the table; docs/architectures.md's census table is its ``--markdown`` output.
 
->>> [r.verdict for r in run(["llama", "mpt"])]
+>>> [r.verdict for r in run(["llama", "openai-gpt"])]
 ['exact', 'refused']
 """
 
@@ -36,17 +39,19 @@ from . import models
 from ._compat import GENERATE_CACHE_KWARG
 from .errors import UnsupportedModelError
 from .hf.cache import PagedPrefixCache
+from .hf.support import REFUSAL_ADVICE
 from .store import PrefixStore
 
-VERDICTS = ("exact", "refused", "n/a", "wrong", "crash", "no reuse")
-DEFECTS = frozenset({"wrong", "crash", "no reuse"})
+VERDICTS = ("exact", "exact, no reuse", "refused", "n/a", "wrong", "crash", "silent miss")
+DEFECTS = frozenset({"wrong", "crash", "silent miss"})
 """The verdicts that are prefixkv's defects: the census test fails on any of them."""
 
 SHARED = 45  # prompt tokens the warm call, the beams and the padded batch share with the cold call
 BLOCK_SIZE = 4  # a match ends inside a block: 44 tokens shared as whole blocks, 1 copied
 MAX_PARAMETERS = 20_000_000  # a family whose tiny config still builds more is reported n/a, not built
 _BOUND = {torch.float64: 1e-6, torch.float32: 1e-4}
-_GENERATE = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+# every call passes use_cache=True, as a user who wants a cache does (MPT's config turns it off by default)
+_GENERATE = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, use_cache=True)
 
 # the sizes of a tiny model, applied to every field a family's config class (and each of its sub-configs) has
 _TINY_FIELDS: dict[str, Any] = {
@@ -225,7 +230,8 @@ def _check(model_type: str) -> FamilyResult:
     try:
         store = PrefixStore(model, block_size=BLOCK_SIZE)
     except UnsupportedModelError as e:
-        return FamilyResult(model_type, "refused", _one_line(e).removeprefix(f"{model_type} "), name)
+        reason = str(e).removeprefix(f"{model_type} ").removesuffix(REFUSAL_ADVICE)
+        return FamilyResult(model_type, "refused", _one_line(reason), name)
     try:
         return _compare(model_type, model, twin, store, refs, (cold, warm, beams, padded, mask), dtype)
     except Exception as e:
@@ -240,11 +246,11 @@ def _compare(
     cold, warm, beams, padded, mask = prompts
     name = str(dtype).removeprefix("torch.")
     diffs: dict[str, float] = {}
-    reused = 0
+    reused, why = 0, None
     for label, ids, ref in (("cold", cold, refs[0]), ("warm", warm, refs[1])):
         with PagedPrefixCache(store, ids) as cache:
             diffs[label] = _diff(ref, _generate(model, ids, None, cache))
-        reused = cache.stats.cached_tokens
+        reused, why = cache.stats.cached_tokens, why or cache.stats.not_cached
     with PagedPrefixCache(store, beams) as cache:
         diffs["beams"] = _diff(
             _generate(twin, beams, None, num_beams=3), _generate(model, beams, None, cache, num_beams=3)
@@ -263,8 +269,10 @@ def _compare(
         detail = ", ".join(f"{k} {diffs[k]:.1e}" for k in bad)
         return FamilyResult(model_type, "wrong", f"logits off stock: {detail} ({name})", name, worst, reused)
     path = "the model's own attention on whole rows" if not _reads_blocks(model) else "reads the blocks"
+    if reused == 0 and why is not None:
+        return FamilyResult(model_type, "exact, no reuse", f"{path}; not cached: {why}", name, worst, reused)
     if reused == 0:
-        return FamilyResult(model_type, "no reuse", "exact, but the warm call reused nothing", name, worst, reused)
+        return FamilyResult(model_type, "silent miss", "the warm call reused nothing, and no reason", name, worst, 0)
     return FamilyResult(model_type, "exact", path, name, worst, reused)
 
 
@@ -289,7 +297,7 @@ def _reads_blocks(model: Any) -> bool:
     return interface.serves(model)
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException | str) -> str:
     text = " ".join(str(error).split())
     return text if len(text) <= 200 else text[:197] + "..."
 
@@ -313,7 +321,7 @@ def run(
 
 def line(result: FamilyResult) -> str:
     """One census line as text."""
-    return f"{result.family:28} {result.verdict:9} {result.detail}"
+    return f"{result.family:28} {result.verdict:15} {result.detail}"
 
 
 def counts(results: Sequence[FamilyResult]) -> dict[str, int]:

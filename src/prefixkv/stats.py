@@ -57,9 +57,12 @@ class RowStats:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Batch totals of :class:`RowStats`, and ``per_row``."""
+    """Batch totals of :class:`RowStats`, and ``per_row``. ``not_cached`` says why the call's K/V are not kept for
+    later calls, or construction's reuse was dropped (``"use_cache=False"``, ``"inputs_embeds ..."``, a model in
+    training mode, ...): ``None`` when nothing stopped it, so that a call that reuses nothing is never silent."""
 
     prompt_tokens: int
     cached_tokens: int
     computed_tokens: int
     per_row: tuple[RowStats, ...]
+    not_cached: str | None = None

@@ -105,6 +105,7 @@ class GenerateCall:
         if isinstance(decision, Drop):
             had = held.length
             held.drop_reuse()
+            held.not_cached(decision.why)
             for row in held.rows:
                 row.forget()
             warnings.warn(

@@ -79,6 +79,10 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         decode_step = cache in _DECODE_STEPS
         _DECODE_STEPS.discard(cache)
         source, built = _GENERATE_MASKS.pop(cache, (None, None))
+        if inputs.get("use_cache") is False and any(v is cache for v in kwargs.values()):
+            # use_cache=False re-feeds the whole sequence at every step: stock generate then runs without a cache
+            # (a cache passed along would hold every step's columns twice), and so does this forward
+            return args, {k: None if v is cache else v for k, v in kwargs.items()}
         if built is not None and inputs.get("attention_mask") is built:
             inputs = {**inputs, "attention_mask": source}
         begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))

@@ -18,6 +18,7 @@ proof's verdicts, publishes, crops, selects and forks rows, all through the bloc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -260,7 +261,7 @@ class RowSet:
         self.truncate(0)
         before = self.stats.per_row
         per_row = tuple(RowStats(r.prompt_tokens, 0, r.prompt_tokens) for r in before)
-        self.stats = CacheStats(self.stats.prompt_tokens, 0, self.stats.prompt_tokens, per_row)
+        self.stats = CacheStats(self.stats.prompt_tokens, 0, self.stats.prompt_tokens, per_row, self.stats.not_cached)
         # the store counted this lookup's reuse at construction: count it as the miss it has become
         prompts = [r.prompt_tokens for r in before]
         self.blocks.ledger.count_query(prompts, [r.cached_tokens for r in before], undo=True)
@@ -309,6 +310,7 @@ class RowSet:
         why = proof.unproven(forward, training=training, space=self.space_now, held_space=self.space)
         verdicts = None if why else proof.prove_rows(forward, rows, start, reused=reused)
         if verdicts is None:
+            self.not_cached(why or "positions or a mask that do not follow the ids")
             for row in rows:
                 row.forget()
             return
@@ -322,6 +324,11 @@ class RowSet:
                 continue
             row.keys.extend(verdict.keys)
             row.real += verdict.shown
+
+    def not_cached(self, why: str) -> None:
+        """Note in the stats why this cache's K/V are not kept (the first reason given). Mutates."""
+        if self.stats.not_cached is None:
+            self.stats = dataclasses.replace(self.stats, not_cached=why)
 
     def publish_full(self) -> None:
         """Publish every proven row's blocks that became full, so later calls can reuse them. Mutates."""

@@ -9,7 +9,10 @@ attention over per-token K/V of one shape. Everything else is refused with the f
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
+
+import torch
 
 from ..errors import UnsupportedModelError
 from ..memory import attention_shape
@@ -29,6 +32,9 @@ _STATE_FIELDS = ("ssm_state_size", "state_size", "mamba_d_state")
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
+REFUSAL_ADVICE = "; generate without prefixkv (with a DynamicCache) for this model"
+
+
 def family(model: Any) -> str:
     """The model's family as transformers names it (``config.model_type``). Does not mutate."""
     config = getattr(model, "config", None)
@@ -44,7 +50,7 @@ def check_supported(model: Any) -> None:
     name = family(model)
     reason = _refusal(model, config)
     if reason is not None:
-        raise UnsupportedModelError(f"{name} {reason}; generate without prefixkv (with a DynamicCache) for this model")
+        raise UnsupportedModelError(f"{name} {reason}{REFUSAL_ADVICE}")
 
 
 def _length_dependent_rope(config: Any) -> str | None:
@@ -99,6 +105,11 @@ def _refusal(model: Any, config: Any) -> str | None:
             f"uses rope_type={rope!r}, whose rotary frequencies change with the length of each call, so a prefix "
             "gets other K/V in a call of another length and cannot be reused exactly"
         )
+    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):
+        return (
+            "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
+            "sequence at every step), so there is nothing for prefixkv to keep"
+        )
     head_dim = attention_shape(text).head_dim
     for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
         other = getattr(text, field, None)
@@ -107,4 +118,32 @@ def _refusal(model: Any, config: Any) -> str | None:
                 f"has {kind} heads of size {other} ({field}) and key heads of size {head_dim}; "
                 "prefixkv keeps K and V of one head size in every layer"
             )
+    if _sees_later_tokens(model):
+        return (
+            "attends to later tokens (its attention over a prompt is not causal, as in an encoder family's model built "
+            "without `is_decoder=True`), so a prefix's K/V depend on what follows it and cannot be reused"
+        )
     return None
+
+
+def _sees_later_tokens(model: Any) -> bool:
+    """Whether ``model``'s outputs at a position change with a later token: two forwards that differ only in the last
+    of 4 tokens, compared at the first 3 (in eval mode, without a cache, the random stream untouched). Proven on the
+    model itself, whatever its config says: the models of encoder families (BERT, RoBERTa, ...) built as causal LMs
+    attend both ways unless ``is_decoder=True``. ``False`` for a model without weights (the ``meta`` device) or
+    whose forward cannot run on bare ids. Does not mutate."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.shape[0] < 8:
+        return False
+    ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
+    training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            logits = model(input_ids=ids, use_cache=False).logits
+    except Exception:
+        return False
+    finally:
+        model.train(training)
+    return not torch.equal(logits[0, :3], logits[1, :3])

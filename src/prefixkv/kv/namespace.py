@@ -33,16 +33,23 @@ def _weights_state(model: Any) -> int:
     """A number that changes when any parameter or buffer of ``model`` is written in place (an optimizer step,
     ``load_state_dict``, a write through ``.data`` such as an EMA update) or replaced (``.data =``, a new
     ``Parameter``, ``load_state_dict(assign=True)``), or a config field that changes K/V is edited: a hash of
-    every tensor's storage address and version counter (inference tensors have none: 0), of ``_SAMPLED`` of its
-    values (``.data`` writes bump no version), and of :func:`prefixkv.kv.fingerprint.config_state`."""
+    every parameter's storage address and version counter (inference tensors have none: 0), of every buffer's shape
+    and version counter, of ``_SAMPLED`` of each tensor's values (``.data`` writes bump no version; a buffer's as
+    float64, so that a copy of it in another dtype with the same values is the same buffer), and of
+    :func:`prefixkv.kv.fingerprint.config_state`."""
     state = []
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    buffers = {id(b) for b in model.buffers()}
     for t in itertools.chain(model.parameters(), model.buffers()):
         version = 0
         with contextlib.suppress(RuntimeError):
             version = t._version
-        state.append((t.data_ptr(), version))
+        # a buffer is known by its values alone: CTRL's forward replaces its float32 positions with a float64 copy
+        # (the same values) at its first call, which must not hide what that call cached
+        state.append((tuple(t.shape), version) if id(t) in buffers else (t.data_ptr(), version))
         if t.device.type != "meta" and t.numel():
+            if id(t) in buffers and t.is_floating_point():
+                t = _few_values(t.detach()).to(torch.float64)
             samples.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():  # one copy per dtype and device, whatever the number of tensors
         values = tuple(

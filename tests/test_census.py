@@ -1,0 +1,91 @@
+"""The family census (``python -m prefixkv families``, docs/architectures.md): every causal-LM family of the installed
+transformers, a tiny float64 model of each built from its own config class, stock ``generate`` against prefixkv cold,
+warm, with beams and with a padded batch. No family may be served wrong, crash, or reuse nothing without saying why;
+the docs' table is the census's own output."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import prefixkv
+from prefixkv import census
+from prefixkv.hf import support
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
+MARKERS = ("<!-- census:start -->", "<!-- census:end -->")
+
+
+@pytest.fixture(scope="module")
+def results() -> list[census.FamilyResult]:
+    return census.run(time_limit=60)
+
+
+def test_no_family_is_served_wrong_crashes_or_misses_silently(results: list[census.FamilyResult]) -> None:
+    defects = [census.line(r) for r in results if r.defect]
+    assert not defects, "\n".join(defects)
+    exact = [r for r in results if r.verdict == "exact"]
+    # the families CI compares one by one are among the exact ones, each reusing the shared prefix
+    assert {"llama", "mistral", "gemma2", "gpt2", "bloom", "falcon", "mpt", "ctrl"} <= {r.family for r in exact}
+    assert all(r.reused == census.SHARED and r.max_diff is not None for r in exact)
+    assert all(r.max_diff <= (1e-6 if r.dtype == "float64" else 1e-4) for r in exact if r.max_diff is not None)
+
+
+def test_architectures_md_shows_this_census(results: list[census.FamilyResult]) -> None:
+    text = DOCS.read_text()
+    start, end = (text.index(m) for m in MARKERS)
+    shown = text[start + len(MARKERS[0]) : end].strip()
+    assert shown == census.markdown(results), (
+        "docs/architectures.md's census table is out of date: replace it with `python -m prefixkv families --markdown`"
+    )
+
+
+def test_the_census_tells_wrong_logits_from_exact_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the refusal of models that attend to later tokens, the census sees BERT (built as a causal LM, but
+    bidirectional) served wrong on the warm call: it compares, it does not trust."""
+    assert census.check_family("bert").verdict == "refused"
+    monkeypatch.setattr(support, "_sees_later_tokens", lambda model: False)
+    result = census.check_family("bert")
+    assert result.verdict == "wrong" and result.defect and "warm" in result.detail, result
+
+
+def test_a_family_that_reuses_nothing_must_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm call that reuses nothing is a silent miss unless the cache's stats give the reason: with blocks of 64
+    tokens the 51-token prompts fill none, so nothing is published, and the census says so; with use_cache=False the
+    cache's stats say why."""
+    monkeypatch.setattr(census, "BLOCK_SIZE", 64)
+    result = census.check_family("llama")
+    assert result.verdict == "silent miss" and result.defect, result
+    monkeypatch.setattr(census, "BLOCK_SIZE", 4)
+    monkeypatch.setattr(census, "_GENERATE", {**census._GENERATE, "use_cache": False})
+    result = census.check_family("llama")
+    assert result.verdict == "exact, no reuse" and "use_cache=False" in result.detail, result
+    assert not result.defect
+
+
+def test_models_that_attend_to_later_tokens_are_refused_and_causal_ones_kept() -> None:
+    bert = prefixkv.models.build(census.tiny_config("bert"), dtype=torch.float64)
+    with pytest.raises(prefixkv.UnsupportedModelError, match="attends to later tokens"):
+        prefixkv.PrefixStore(bert)
+    assert bert.training is False
+    config = census.tiny_config("bert")
+    config.is_decoder = True  # BERT as a decoder: causal, served
+    store = prefixkv.PrefixStore(prefixkv.models.build(config, dtype=torch.float64))
+    store.close()
+
+
+def test_models_without_a_cache_are_refused() -> None:
+    gpt = prefixkv.models.build(census.tiny_config("openai-gpt"), dtype=torch.float64)
+    with pytest.raises(prefixkv.UnsupportedModelError, match="has no KV cache"):
+        prefixkv.PrefixStore(gpt)
+
+
+def test_the_command_prints_a_line_per_family(capsys: pytest.CaptureFixture[str]) -> None:
+    from prefixkv import cli
+
+    assert cli.main(["families", "llama", "openai-gpt"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^llama\s+exact\s", out, re.M) and re.search(r"^openai-gpt\s+refused\s", out, re.M), out
