@@ -68,6 +68,26 @@ _TINY_FIELDS: dict[str, Any] = {
     "decoder_start_token_id": 1,
     "tie_word_embeddings": False,
     "experts_implementation": "eager",  # grouped_mm has no float64 kernel
+    # mixtures of experts and multi-head latent attention at the same scale
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # hybrids: an attention layer among the 2 (their default period is longer)
+    "full_attention_interval": 2,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    # vision towers of the multimodal families that are causal LMs too
+    "image_size": 32,
+    "patch_size": 8,
 }
 
 

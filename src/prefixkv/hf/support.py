@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
+from ..kv.namespace import transformers_model
 from ..memory import attention_shape
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
@@ -105,7 +106,7 @@ def _refusal(model: Any, config: Any) -> str | None:
             f"uses rope_type={rope!r}, whose rotary frequencies change with the length of each call, so a prefix "
             "gets other K/V in a call of another length and cannot be reused exactly"
         )
-    if not {"cache", "past_key_values"} & set(inspect.signature(model.forward).parameters):
+    if not {"cache", "past_key_values"} & set(inspect.signature(transformers_model(model).forward).parameters):
         return (
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"
@@ -132,6 +133,7 @@ def _sees_later_tokens(model: Any) -> bool:
     model itself, whatever its config says: the models of encoder families (BERT, RoBERTa, ...) built as causal LMs
     attend both ways unless ``is_decoder=True``. ``False`` for a model without weights (the ``meta`` device) or
     whose forward cannot run on bare ids. Does not mutate."""
+    model = transformers_model(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.shape[0] < 8:
