@@ -91,3 +91,25 @@ def test_autocast_into_a_pool_that_cannot_hold_its_dtype_is_refused_with_the_rem
     # an ordinary request afterwards is stock's
     c = compare(model, store, random_tokens(9, seed=4)[None], max_new_tokens=2)
     assert c.same_tokens and c.max_diff == 0.0
+
+
+def test_an_autocast_entered_inside_the_forward_alone_is_refused_and_the_same_outside_it_is_served() -> None:
+    """accelerate's mixed precision (TRL's bf16=True) wraps the model's forward in an autocast, which the cache does
+    not see when it is built and planned: refused with the remedy, and served with the autocast entered around
+    generate too (what prefixkv.integrations.trl does)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float32)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    inner = model.forward
+    model.forward = _autocast("cpu")(inner)  # as accelerate.prepare does
+    try:
+        with pytest.raises(CacheMisuseError, match=r"Enter the same autocast around the generate call"):
+            compare(model, store, _prompt(1, "cpu"), max_new_tokens=2)
+        for seed in (1, 2):  # cold, then warm
+            with _autocast("cpu"):
+                c = compare(model, store, _prompt(seed, "cpu"), max_new_tokens=4)
+            assert c.same_tokens and c.max_diff <= 1e-6, c.max_diff
+        assert c.cache.stats.cached_tokens == 24
+    finally:
+        del model.forward
+    plain = compare(model, store, _prompt(2, "cpu"), max_new_tokens=4)  # an ordinary request: stock's
+    assert plain.same_tokens and plain.max_diff <= 1e-5 and plain.cache.stats.cached_tokens == 0

@@ -19,7 +19,7 @@ from .. import _compat
 from ..attention import interface, reads, static
 from ..errors import CacheMisuseError
 from ..kv.blocks import BlockManager
-from ..kv.namespace import autocast_dtype
+from ..kv.namespace import autocast_dtype, autocast_in
 from . import proof
 from .parts import StoreParts
 from .rows import RowSet
@@ -87,6 +87,14 @@ def write_layer(
     layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
     check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
     device = key_states.device
+    computed, planned = autocast_dtype(device.type), autocast_in(held.space)
+    if computed != planned:
+        raise CacheMisuseError(
+            f"layer {layer_idx} computes under torch.autocast(dtype={computed}), but this PagedPrefixCache was "
+            f"built and planned under autocast={planned}: an autocast entered inside the model's forward (as "
+            "accelerate's mixed precision does) is not seen before it runs. Enter the same autocast around the "
+            "generate call too (with torch.autocast(...): or accelerator.autocast())"
+        )
     keep = None if held.keep is None else held.keep.to(device)
     store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
     held.seen[layer_idx] = held.length

@@ -120,6 +120,14 @@ def user_space(name: str | None, space: Hashable) -> Hashable:
     return UserSpace(name, space)
 
 
+def autocast_in(space: Hashable) -> torch.dtype | None:
+    """The autocast dtype of K/V cached under ``space`` (:class:`Autocast`, within a user's or changed weights'
+    namespace), or ``None``: computed without autocast. Does not mutate."""
+    while isinstance(space, (WeightsChanged, UserSpace)):
+        space = space.adapters if isinstance(space, WeightsChanged) else space.space
+    return space.dtype if isinstance(space, Autocast) else None
+
+
 class Namespace:
     """The key of a store's K/V besides the tokens, for one model: its adapters and the state of its weights
     when the store was built."""
