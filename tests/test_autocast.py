@@ -5,6 +5,7 @@ untouched copy of the model, under the same autocast."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens, stock_twin
 
 import prefixkv
-from prefixkv.errors import CacheMisuseError
+from prefixkv.errors import CacheMisuseError, PersistError
 
 SYSTEM = random_tokens(24, seed=431)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -113,3 +114,28 @@ def test_an_autocast_entered_inside_the_forward_alone_is_refused_and_the_same_ou
         del model.forward
     plain = compare(model, store, _prompt(2, "cpu"), max_new_tokens=4)  # an ordinary request: stock's
     assert plain.same_tokens and plain.max_diff <= 1e-5 and plain.cache.stats.cached_tokens == 0
+
+
+def test_files_are_saved_and_loaded_outside_autocast_only(tmp_path: Path) -> None:
+    """A prefix file keeps the model's own K/V and no mark of autocast: under it, save and load are refused, and
+    outside it the file holds and serves only K/V computed without autocast."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float32)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    with _autocast("cpu"):
+        compare(model, store, _prompt(1, "cpu"), max_new_tokens=2)
+        with pytest.raises(PersistError, match="save outside the autocast block"):
+            store.save(tmp_path / "a.safetensors")
+    assert store.save(tmp_path / "a.safetensors").tokens == 0  # autocast's K/V are not the model's own
+    compare(model, store, _prompt(1, "cpu"), max_new_tokens=2)
+    assert store.save(tmp_path / "b.safetensors").tokens == 28
+    with _autocast("cpu"), pytest.raises(PersistError, match="load outside the autocast block"):
+        store.merge(tmp_path / "b.safetensors")
+    store.close()
+    with _autocast("cpu"), pytest.raises(PersistError, match="load outside the autocast block"):
+        prefixkv.PrefixStore.load(tmp_path / "b.safetensors", model)
+    loaded = prefixkv.PrefixStore.load(tmp_path / "b.safetensors", model)
+    with _autocast("cpu"):
+        c = compare(model, loaded, _prompt(1, "cpu"), max_new_tokens=4)
+    assert c.same_tokens and c.max_diff <= 1e-6 and c.cache.stats.cached_tokens == 0
+    c = compare(model, loaded, _prompt(1, "cpu"), max_new_tokens=4)
+    assert c.same_tokens and c.max_diff <= 1e-5 and c.cache.stats.cached_tokens == 28
