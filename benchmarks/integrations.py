@@ -187,10 +187,12 @@ def grpo_run(
     batch_size: int = 8,
     completion_length: int = 8,
     out_dir: str,
+    defaults: bool = False,
 ) -> GRPORun:
     """``steps`` steps of TRL's ``GRPOTrainer`` (no vLLM, CPU, seeded sampling) on ``prompts`` with a rule reward
     (the number of letters "a"), the model from ``make_model``. ``enabled``: with
-    ``prefixkv.integrations.trl.enable(trainer)``."""
+    ``prefixkv.integrations.trl.enable(trainer)``. ``defaults``: GRPOConfig's own mixed precision and dropout
+    (``bf16=True``, an autocast; ``disable_dropout=False``), else ``bf16=False``."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
@@ -213,7 +215,7 @@ def grpo_run(
         max_steps=steps,
         learning_rate=1e-2,
         use_cpu=True,
-        bf16=False,
+        **({} if defaults else {"bf16": False}),
         seed=0,
         report_to=[],
         save_strategy="no",

@@ -231,6 +231,41 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "a cache that had an eager call says it is not compileable to the next call's choice: never compiled again",
     ),
+    # -- issue 43: TRL at its own defaults, and the inputs no test varied
+    Mutation(
+        "trl-router-jitter-not-random",
+        "integrations/trl.py",
+        '_RANDOM_WORDS = ("drop", "jitter")',
+        '_RANDOM_WORDS = ("drop",)',
+        ("tests/test_integrations.py::test_trl_generates_as_trl_does_where_training_mode_is_random",),
+        "a Mixtral with router_jitter_noise generates under TRL as the eval-mode model: one logit set for every seed",
+    ),
+    Mutation(
+        "trl-modes-restored-only-on-return",
+        "integrations/trl.py",
+        "    try:\n        with _mixed_precision(model):\n            return original(*args, **kwargs)\n    finally:\n"
+        "        for module, mode in modes:\n            module.training = mode\n",
+        "    with _mixed_precision(model):\n        out = original(*args, **kwargs)\n"
+        "    for module, mode in modes:\n        module.training = mode\n    return out\n",
+        ("tests/test_integrations.py::test_trl_restores_every_module_mode_when_generate_raises",),
+        "after a CapacityError inside TRL's generate every module stays in eval mode: training goes on without dropout",
+    ),
+    Mutation(
+        "autocast-not-in-the-namespace",
+        "kv/namespace.py",
+        "        if autocast is not None:  # inside WeightsChanged",
+        "        if False:  # inside WeightsChanged",
+        ("tests/test_autocast.py",),
+        "K/V computed under autocast are served to calls without it and the other way round",
+    ),
+    Mutation(
+        "shared-prefill-in-training-mode",
+        "hf/runner.py",
+        "    if store.hf_model.training:\n        return []",
+        "    if False:\n        return []",
+        ("tests/test_enable.py::test_a_cache_in_training_mode_runs_no_forward_of_its_own",),
+        "a cache on a model in training mode runs a forward of its own first, drawing from dropout's random stream",
+    ),
 ]
 
 

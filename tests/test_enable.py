@@ -5,11 +5,12 @@ model back exactly as it was."""
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Any
 
 import pytest
 import torch
-from conftest import cache_kw, max_logit_diff, random_tokens, returned_cache, spelled
+from conftest import cache_kw, compare, max_logit_diff, random_tokens, returned_cache, spelled, stock_twin
 from transformers import DynamicCache, pipeline
 
 import prefixkv
@@ -170,3 +171,42 @@ def test_a_soft_prompt_call_neither_reuses_nor_publishes_the_ids_prefix(model: A
     assert store.stats.hit_tokens > 0  # the plain calls still reuse each other's prefix
     store.check_invariants()
     prefixkv.disable(model)
+
+
+def test_a_model_in_training_mode_generates_as_stock_seed_for_seed_and_says_why_once() -> None:
+    """In training mode (dropout on) nothing is reused or published, and no forward of prefixkv's own (the
+    in-batch prefill of a prefix the rows share) may draw from the random stream before generate's: the
+    enabled model runs stock, with a warning once; in eval mode again it reuses, with stock's logits."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64, attention_dropout=0.3).train()
+    store = prefixkv.enable(model, block_size=4)
+    ids = torch.cat([_prompt(seed=5), _prompt(seed=5)])  # rows that share their whole prompt
+    twin = stock_twin(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [_generate(model, ids, do_sample=True) for _ in range(2)]
+    ref = _generate(twin, ids, do_sample=True)
+    for out in outs:
+        assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) == 0.0
+    said = [str(w.message) for w in caught if "training mode" in str(w.message)]
+    assert len(said) == 1 and "run stock" in said[0], said
+    assert store.stats.queries == 0
+    model.eval()
+    twin.eval()
+    for _ in range(2):  # an ordinary request, cold then warm: stock's logits
+        out, ref = _generate(model, ids, do_sample=True), _generate(twin, ids, do_sample=True)
+        assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) <= TOL
+    assert store.stats.hit_tokens > 0
+    prefixkv.disable(model)
+
+
+def test_a_cache_in_training_mode_runs_no_forward_of_its_own() -> None:
+    """A PagedPrefixCache built on a model in training mode prefills no shared prefix first (its K/V could not
+    be published, and its dropout would draw from the random stream): seed for seed, stock's logits."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64, attention_dropout=0.3).train()
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.cat([_prompt(seed=6), _prompt(seed=6)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the cache says of training mode
+        c = compare(model, store, ids, do_sample=True)
+    assert c.same_tokens and c.max_diff == 0.0, c.max_diff
+    assert c.fed_tokens == ids.shape[1] and store.stats.hit_tokens == 0

@@ -9,12 +9,15 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from conftest import max_logit_diff, stock_twin
 from transformers import GenerationConfig
 
 import prefixkv
+from prefixkv.errors import CapacityError
 from prefixkv.integrations import trl as prefixkv_trl
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
@@ -75,6 +78,42 @@ def test_grpo_training_gives_the_same_completions_and_weights(tmp_path: Path) ->
     assert second.misses == 2 and second.hit_tokens == 2 * first.hit_tokens
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_grpo_at_its_own_defaults_gives_the_same_completions_and_weights(tmp_path: Path, dropout: float) -> None:
+    """GRPOConfig() as it comes: bf16=True (an autocast accelerate enters inside the forward) and
+    disable_dropout=False; a model without dropout reuses prompts, one with it runs stock, as TRL alone does."""
+    pytest.importorskip("trl")
+    shared = "Solve the problem and explain each step. " * 3
+    prompts = [shared + "Problem one.", shared + "Problem two."]
+
+    def model() -> torch.nn.Module:
+        config = prefixkv.models.tiny_config("llama", vocab_size=320, max_position_embeddings=8192)
+        config.attention_dropout = dropout
+        return prefixkv.models.build(config, dtype=torch.float32).train()
+
+    def run(enabled: bool) -> scenarios.GRPORun:
+        return scenarios.grpo_run(
+            model, prompts, enabled=enabled, steps=2, num_generations=4, batch_size=8,
+            out_dir=str(tmp_path / str(enabled)), defaults=True,
+        )  # fmt: skip
+
+    plain = run(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast = run(True)
+    assert fast.completions == plain.completions
+    assert all(torch.equal(fast.weights[k], plain.weights[k]) for k in plain.weights)
+    said = [str(w.message) for w in caught if "is random in training mode" in str(w.message)]
+    if dropout:
+        assert len(said) == 1 and "attention_dropout=0.1" in said[0], said
+        assert all(s.queries == 0 for s in fast.stats)  # stock: no cache was built
+    else:
+        assert not said
+        first, second = fast.stats
+        assert first.misses == 1 and first.hit_tokens > first.prompt_tokens / 2
+        assert second.hit_tokens == 2 * first.hit_tokens
+
+
 def _fake_trainer(model: torch.nn.Module, **args: object) -> types.SimpleNamespace:
     """What prefixkv.integrations.trl.enable reads of a GRPOTrainer: args, generation_config, model."""
     return types.SimpleNamespace(args=types.SimpleNamespace(**args), generation_config=GenerationConfig(), model=model)
@@ -96,19 +135,105 @@ def test_trl_generate_runs_in_eval_mode_and_restores_every_module_mode() -> None
     assert "generate" not in vars(model) and store.closed
 
 
-def test_trl_with_dropout_in_training_mode_warns_and_reuses_nothing() -> None:
-    model = prefixkv.models.tiny_model("llama", attention_dropout=0.1).train()
-    assert prefixkv_trl.random_in_training(model) == "model.layers.0.self_attn.attention_dropout=0.1"
+def _sampled(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> Any:
+    torch.manual_seed(seed)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=True, top_k=20, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+
+
+RANDOM_IN_TRAINING = {
+    "dropout": ("llama", {"attention_dropout": 0.1}, "model.layers.0.self_attn.attention_dropout=0.1"),
+    "layerdrop": ("opt", {"layerdrop": 0.5, "dropout": 0.0, "attention_dropout": 0.0}, "model.decoder.layerdrop=0.5"),
+    "router_jitter": ("mixtral", {"router_jitter_noise": 0.5}, "model.layers.0.mlp.jitter_noise=0.5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RANDOM_IN_TRAINING))
+def test_trl_generates_as_trl_does_where_training_mode_is_random(case: str) -> None:
+    """TRL generates in training mode: where that is random (dropout, LayerDrop, MoE router jitter), the adapter
+    runs TRL's generate as it is, seed for seed, and says once why nothing is reused."""
+    family, config, what = RANDOM_IN_TRAINING[case]
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64, **config).train()
+    assert prefixkv_trl.random_in_training(model) == what
     trainer = _fake_trainer(model)
     store = prefixkv_trl.enable(trainer, block_size=4)
-    ids = torch.arange(3, 30)[None].repeat(2, 1)
+    ids = torch.arange(3, 30)[None].repeat(4, 1)  # a prompt repeated num_generations times, as TRL batches it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
-    messages = [str(w.message) for w in caught]
-    assert any("attention_dropout=0.1 is random in training mode" in m for m in messages), messages
-    assert store.stats.hit_tokens == 0
+        outs = [_sampled(model, ids, seed) for seed in (0, 1)]
+    refs = [_sampled(stock_twin(model), ids, seed) for seed in (0, 1)]
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max_logit_diff(out.logits, ref.logits) == 0.0
+    assert max_logit_diff(outs[0].logits, outs[1].logits) > 1e-3  # random indeed: each seed its own logits
+    said = [str(w.message) for w in caught if "is random in training mode" in str(w.message)]
+    assert len(said) == 1 and what in said[0], said
+    assert model.training and store.stats.queries == 0
     prefixkv_trl.disable(trainer)
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "remedy"),
+    [
+        ("llama", {"attention_dropout": 0.1}, "leaves it as it is (it zeroes torch.nn.Dropout modules only): load "
+         "the model with attention_dropout=0.0"),
+        ("mixtral", {"router_jitter_noise": 0.5}, "load the model with router_jitter_noise=0.0"),
+        ("gpt2", {}, "build the trainer with disable_dropout=True"),
+    ],
+)  # fmt: skip
+def test_trl_warning_gives_a_remedy_that_works(family: str, config: dict, remedy: str) -> None:
+    """TRL's disable_dropout=True zeroes nn.Dropout modules only: the warning says so where the randomness is a
+    float attribute (Llama's attention_dropout), and following its remedy gives reuse, with stock's logits."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64, **config).train()
+    trl_utils.disable_dropout_in_model(model)  # what disable_dropout=True does
+    trainer = _fake_trainer(model)
+    prefixkv_trl.enable(trainer, block_size=4)
+    ids = torch.arange(3, 30)[None].repeat(4, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _sampled(model, ids, 0)
+    said = [str(w.message) for w in caught if "is random in training mode" in str(w.message)]
+    if family == "gpt2":  # its dropout is nn.Dropout modules, which disable_dropout=True zeroed
+        assert not said
+    else:
+        assert len(said) == 1 and remedy in said[0], said
+    prefixkv_trl.disable(trainer)
+    # the remedy followed: built with the field at 0.0 (GPT-2: dropout modules zeroed, as above)
+    fixed = {k: 0.0 for k in config}
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64, **fixed).train()
+    if family == "gpt2":
+        assert prefixkv_trl.random_in_training(model) is not None
+        assert remedy in prefixkv_trl._randomness(model).remedy
+        trl_utils.disable_dropout_in_model(model)
+    assert prefixkv_trl.random_in_training(model) is None
+    trainer = _fake_trainer(model)
+    store = prefixkv_trl.enable(trainer, block_size=4)
+    out, ref = _sampled(model, ids, 0), _sampled(stock_twin(model), ids, 0)
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) <= 1e-6
+    assert store.stats.hit_tokens == 3 * 24
+    prefixkv_trl.disable(trainer)
+
+
+def test_trl_restores_every_module_mode_when_generate_raises() -> None:
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64).train()
+    model.model.layers[1].eval()
+    trainer = _fake_trainer(model)
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=12)
+    prefixkv_trl.enable(trainer, store)
+    ids = torch.arange(3, 30)[None].repeat(2, 1)  # 7 blocks, then one more per row every 4 tokens
+    modes = [m.training for m in model.modules()]
+    with pytest.raises(CapacityError):
+        model.generate(ids, attention_mask=torch.ones_like(ids), min_new_tokens=24, max_new_tokens=24, do_sample=False)
+    assert [m.training for m in model.modules()] == modes
+    # a later ordinary call: stock's logits
+    out, ref = _sampled(model, ids[:, :20], 3), _sampled(stock_twin(model), ids[:, :20], 3)
+    assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) <= 1e-6
+    assert [m.training for m in model.modules()] == modes
+    prefixkv_trl.disable(trainer)
+    store.close()
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +29,19 @@ class _Enabled:
     owns_store: bool
     patch: MethodPatch
     namespace: str | None
+    warned: set[str] = field(default_factory=set)  # what a warning said once already (mutated)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Enabled:
         """What a ``copy.deepcopy`` of the enabled model holds: the same store, not a copy (its lock and pool are
         not the copy's to share; :func:`_enabled_generate` runs the copy stock), and the patch of the copy."""
         return _Enabled(self.store, False, copy.deepcopy(self.patch, memo), self.namespace)
+
+
+TRAINING = (
+    "prefixkv: this model is in training mode, where prefixkv reuses and publishes no K/V (dropout and other "
+    "randomness make them differ from call to call, docs/correctness.md), so its generate calls run stock, "
+    "without a prefixkv cache, until model.eval(); said once per enable()"
+)
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,8 @@ def enable(
     ``pipeline("text-generation")``, reuses cached prefixes. Arguments are read as ``generate`` reads them
     (positional ``inputs`` and ``generation_config`` too). Calls that pass ``cache=``/``past_key_values=``,
     ``use_cache=False`` or a ``cache_implementation`` of their own are left alone; one that only the
-    checkpoint's ``generation_config`` names gives way to prefixkv's cache. Without ``store`` one is built
+    checkpoint's ``generation_config`` names gives way to prefixkv's cache. A model in training mode runs stock
+    (a warning says so once), as prefixkv reuses nothing there. Without ``store`` one is built
     with ``store_kwargs`` (see :class:`PrefixStore`). Every call's cache is built with ``namespace``
     (:class:`PagedPrefixCache`; ``None``: the one shared namespace). Returns the store.
     Mutates the model (an instance attribute ``generate``); :func:`disable` undoes it.
@@ -177,6 +186,12 @@ def _enabled_generate(model: Any, original: Callable[..., Any], *args: Any, **kw
     :func:`_plan_enabled_call` plans. A ``copy.deepcopy`` of the model runs stock: the store is the original's."""
     state: _Enabled | None = model.__dict__.get(_ENABLED)
     if state is None or state.store.model is not model:
+        return original(*args, **kwargs)
+    if transformers_model(model).training:
+        # nothing could be reused or published, and a cache's in-batch prefill would draw from the random stream
+        if TRAINING not in state.warned:
+            state.warned.add(TRAINING)
+            warnings.warn(TRAINING, stacklevel=3)
         return original(*args, **kwargs)
     plan = _plan_enabled_call(model, state.store, args, kwargs, state.namespace)
     if plan.cache is None:

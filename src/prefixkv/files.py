@@ -15,6 +15,7 @@ from .hf.parts import StoreSettings
 from .kv import persist, prefix_file
 from .kv.blocks import BlockManager
 from .kv.fingerprint import fingerprint
+from .kv.namespace import autocast_in
 from .kv.pool import LayerSpec
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import parse_bytes
@@ -67,6 +68,7 @@ def save(
             f"the model now computes in {now} but the store's K/V were computed in "
             f"{settings.model_dtype}: the model was cast after the PrefixStore was built; cast it back to save"
         )
+    _outside_autocast(blocks, "save")
     model_print = fingerprint(model)
     nodes, tensors, saved = blocks.room.export(wanted, blocks.space())
     return persist.write(path, tensors, file_meta(settings, blocks.pool.specs, model, model_print), nodes, saved)
@@ -99,7 +101,19 @@ def add_file(
     budget, after refusing a file computed in another prefill schedule than ``chunk_size``'s. Mutates ``blocks``
     only once the file is known to fit (:meth:`prefixkv.kv.room.Room.add_file`)."""
     _check_schedule(chunk_size, file, path)
+    _outside_autocast(blocks, "load")
     return blocks.room.add_file(file, blocks.space())
+
+
+def _outside_autocast(blocks: BlockManager, what: str) -> None:
+    """Raise :class:`PersistError` under ``torch.autocast``: a file holds K/V of the model's own dtype and says
+    nothing of autocast, whose K/V are others (docs/correctness.md, "Autocast")."""
+    dtype = autocast_in(blocks.space())
+    if dtype is not None:
+        raise PersistError(
+            f"{what} runs under torch.autocast(dtype={dtype}), but a prefix file holds the K/V of the model's own "
+            f"dtype, which autocast does not compute: {what} outside the autocast block"
+        )
 
 
 def _check_schedule(chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..kv.namespace import autocast_dtype
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout
 from .registry import pool_backend
@@ -113,6 +114,11 @@ class Reader:
         the blocks"), once per forward. Mutates only what the reader keeps between forwards."""
         self._whole.begin(pads, tables, start + q)
         gather = self._gather
+        if autocast_dtype(self._pool.specs[0].device.type) is not None:
+            # under torch.autocast the model's own attention, on whole rows in the dtypes the layers handed over,
+            # computes what it computes without a cache (docs/correctness.md, "Autocast")
+            self._run = None
+            return ForwardReads(self._pool, start + q, gather, in_place=False)
         if self._invariant or not serves(self._model) or self._backend is None:
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None

@@ -19,6 +19,7 @@ from .. import _compat
 from ..attention import interface, reads, static
 from ..errors import CacheMisuseError
 from ..kv.blocks import BlockManager
+from ..kv.namespace import autocast_dtype, autocast_in
 from . import proof
 from .parts import StoreParts
 from .rows import RowSet
@@ -84,8 +85,16 @@ def write_layer(
     the cache open: write the new K/V (``[B, kv_heads, q, head_dim]``) of layer ``layer_idx`` into the slots of
     ``held``'s new columns and return what the attention reads, as ``plan`` says (the new K/V themselves, or the
     layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
-    check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length)
+    check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
     device = key_states.device
+    computed, planned = autocast_dtype(device.type), autocast_in(held.space)
+    if computed != planned:
+        raise CacheMisuseError(
+            f"layer {layer_idx} computes under torch.autocast(dtype={computed}), but this PagedPrefixCache was "
+            f"built and planned under autocast={planned}: an autocast entered inside the model's forward (as "
+            "accelerate's mixed precision does) is not seen before it runs. Enter the same autocast around the "
+            "generate call too (with torch.autocast(...): or accelerator.autocast())"
+        )
     keep = None if held.keep is None else held.keep.to(device)
     store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
     held.seen[layer_idx] = held.length
@@ -100,9 +109,16 @@ def write_layer(
     return keys, values
 
 
-def check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, seen: int, length: int) -> None:
-    """Raise :class:`CacheMisuseError` unless ``key_states`` fit the store's layer ``layer_idx`` and a forward that
-    allocated ``length - seen`` columns for it."""
+def check_layer(
+    store: StoreParts,
+    key_states: torch.Tensor,
+    layer_idx: int,
+    seen: int,
+    length: int,
+    value_states: torch.Tensor | None = None,
+) -> None:
+    """Raise :class:`CacheMisuseError` unless ``key_states`` (and ``value_states``) fit the store's layer
+    ``layer_idx`` and a forward that allocated ``length - seen`` columns for it."""
     specs = store.blocks.pool.specs
     if layer_idx >= len(specs):
         raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
@@ -112,15 +128,34 @@ def check_layer(store: StoreParts, key_states: torch.Tensor, layer_idx: int, see
             f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
             f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
         )
-    if key_states.device != spec.device or key_states.dtype != store.settings.model_dtype:
+    for t in (key_states,) if value_states is None else (key_states, value_states):
+        if t.device == spec.device and t.dtype == store.settings.model_dtype:
+            continue
+        autocast = autocast_dtype(spec.device.type)
+        if t.device == spec.device and autocast is not None:
+            if _holds_exactly(store.settings.dtype, t.dtype):
+                continue  # stored exactly, handed back in this dtype (docs/correctness.md, "Autocast")
+            raise CacheMisuseError(
+                f"layer {layer_idx} computes K/V in {t.dtype} under torch.autocast({spec.device.type!r}, "
+                f"dtype={autocast}), which the store's pool of {store.settings.dtype} cannot hold exactly: build "
+                "the store with dtype=torch.float32 (it then holds autocast's K/V exactly), or generate without "
+                "autocast"
+            )
         raise CacheMisuseError(
-            f"layer {layer_idx} now computes in {key_states.dtype} on {key_states.device}, but the store was "
+            f"layer {layer_idx} now computes in {t.dtype} on {t.device}, but the store was "
             f"built for {store.settings.model_dtype} on {spec.device}: the model was moved or cast after the "
             "PrefixStore was built; build a new store"
         )
     q = key_states.shape[-2]
     if seen + q != length:
         raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
+
+
+def _holds_exactly(pool: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a pool of ``pool`` holds every value of ``dtype`` exactly (bfloat16 and float16 in float32, anything
+    narrower in float64), so that reading it back as ``dtype`` gives what was written. Does not mutate."""
+    wider = pool in (torch.float32, torch.float64) and dtype.is_floating_point and dtype.itemsize < pool.itemsize
+    return dtype == pool or wider
 
 
 def hand_out(plan: reads.ForwardReads, layer: int, key: torch.Tensor) -> None:

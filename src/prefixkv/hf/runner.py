@@ -132,7 +132,9 @@ def prefill_shared(store: StoreParts, rows: list[list[int]], namespace: str | No
     """In-batch sharing: compute once, with a one-row cache, each whole-block prefix that several rows share
     beyond what the store holds, and publish it, so every row then reuses it instead of computing it once per
     row, in the rows' user ``namespace``. Returns, per prefix computed, the tokens computed and the rows sharing
-    it. Mutates the store."""
+    it; none in training mode. Mutates the store."""
+    if store.hf_model.training:
+        return []  # nothing computed in training mode is published (its dropout would draw from the random stream)
     computed = []
     space = store.blocks.space()
     for prefix, members in _shared_prefixes(rows, store.settings.block_size):

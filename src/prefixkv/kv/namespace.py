@@ -51,12 +51,15 @@ def _weights_state(model: Any) -> int:
             if id(t) in buffers and t.is_floating_point():
                 t = _few_values(t.detach()).to(torch.float64)
             samples.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():  # one copy per dtype and device, whatever the number of tensors
-        values = tuple(
-            torch.cat([_few_values(t) for t in group]).cpu().view(torch.uint8).numpy().tobytes()
-            for group in samples.values()
-        )
+    values = tuple(_sampled_bytes(device, group) for (_, device), group in samples.items())
     return hash((tuple(state), values, config_state(model.config)))
+
+
+def _sampled_bytes(device: torch.device, tensors: list[torch.Tensor]) -> bytes:
+    """The bytes of :func:`_few_values` of every one of ``tensors`` (one dtype, on ``device``): one copy, whatever
+    their number, and none of autocast's casts (its ``cat`` refuses some mixes of dtypes). Does not mutate."""
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        return torch.cat([_few_values(t) for t in tensors]).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _few_values(t: torch.Tensor) -> torch.Tensor:
@@ -76,6 +79,23 @@ class WeightsChanged:
 
     adapters: Hashable
     state: int
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The namespace of K/V computed under ``torch.autocast`` of ``dtype`` on the model's ``device_type``, over
+    ``space``, the adapters' namespace (:func:`prefixkv.kv.fingerprint.adapter_space`): autocast computes other
+    K/V than the model's own dtype (docs/correctness.md, "Autocast"), so neither is ever served to the other."""
+
+    device_type: str
+    dtype: torch.dtype
+    space: Hashable
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes in on ``device_type`` in this thread now, or ``None`` outside autocast.
+    Does not mutate."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 @dataclass(frozen=True)
@@ -107,6 +127,14 @@ def user_space(name: str | None, space: Hashable) -> Hashable:
     return UserSpace(name, space)
 
 
+def autocast_in(space: Hashable) -> torch.dtype | None:
+    """The autocast dtype of K/V cached under ``space`` (:class:`Autocast`, within a user's or changed weights'
+    namespace), or ``None``: computed without autocast. Does not mutate."""
+    while isinstance(space, (WeightsChanged, UserSpace)):
+        space = space.adapters if isinstance(space, WeightsChanged) else space.space
+    return space.dtype if isinstance(space, Autocast) else None
+
+
 class Namespace:
     """The key of a store's K/V besides the tokens, for one model: its adapters and the state of its weights
     when the store was built."""
@@ -115,6 +143,7 @@ class Namespace:
         self.model = model
         self._tuners = tuner_layers(model)
         self._weights_at_start = _weights_state(model)
+        self._device_type = (_execution_device(model) or torch.device("cpu")).type  # where autocast would apply
         self._steady = threading.local()  # this thread's memo of space() inside steady(): [] or [space]
 
     @contextlib.contextmanager
@@ -137,15 +166,19 @@ class Namespace:
         disabled and merged adapters, so that a prefix cached with one adapter is never reused with another
         (or with the adapter disabled); and, once a weight or buffer was written or replaced since the store was
         built (a training step, ``load_state_dict``), :class:`WeightsChanged`, so that K/V of the old weights are
-        never reused (they wait for eviction or ``store.clear()``). Walks the model's tensors (once per call,
-        not per decode step; once inside :meth:`steady`). Mutates only the list of adapter layers, when adapters
-        were added since, and the memo of :meth:`steady`."""
+        never reused (they wait for eviction or ``store.clear()``); under ``torch.autocast`` on the model's device,
+        within :class:`Autocast`, so that K/V computed with and without it never meet. Walks the model's tensors
+        (once per call, not per decode step; once inside :meth:`steady`). Mutates only the list of adapter layers,
+        when adapters were added since, and the memo of :meth:`steady`."""
         memo: list[Hashable] | None = getattr(self._steady, "memo", None)
         if memo:
             return memo[0]
         if not self._tuners and hasattr(self.model, "peft_config"):
             self._tuners = tuner_layers(self.model)  # adapters added after the store was built
-        adapters = adapter_space(self._tuners)
+        adapters: Hashable = adapter_space(self._tuners)
+        autocast = autocast_dtype(self._device_type)
+        if autocast is not None:  # inside WeightsChanged, if any: the second tier keeps no blocks of changed weights
+            adapters = Autocast(self._device_type, autocast, adapters)
         state = _weights_state(self.model)
         space = adapters if state == self._weights_at_start else WeightsChanged(adapters, state)
         if memo is not None:
