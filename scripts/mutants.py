@@ -231,6 +231,23 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "a cache that had an eager call says it is not compileable to the next call's choice: never compiled again",
     ),
+    # -- issue 43, finding 9: generate_many's processors that read the prompt
+    Mutation(
+        "refill-reads-a-carried-rows-tokens-as-its-prompt",
+        "scheduler.py",
+        "            sources=[r.prompt for r in rows],\n",
+        "            sources=prompts,\n",
+        ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
+        "encoder_no_repeat_ngram_size bans a carried-on row's own new tokens: other tokens than its own call",
+    ),
+    Mutation(
+        "encoder-penalty-reads-the-batchs-padding",
+        "many.py",
+        "s + s[:1] * (width - len(s))",
+        "[0] * (width - len(s)) + s",
+        ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
+        "encoder_repetition_penalty favours token 0 in a row shorter than its batch: other scores than its own call",
+    ),
 ]
 
 
