@@ -248,6 +248,15 @@ MUTATIONS = [
         ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
         "encoder_repetition_penalty favours token 0 in a row shorter than its batch: other scores than its own call",
     ),
+    # -- issue 43, finding 11: the cache= alias of transformers 4.57-5.23
+    Mutation(
+        "alias-takes-cache-none-for-a-cache",
+        "_compat.py",
+        'if kwargs.get("cache") is not None and "cache" not in',
+        'if "cache" in kwargs and "cache" not in',
+        ("tests/test_compat.py::test_the_cache_alias_renames_only_what_would_fail",),
+        "generate(cache=None, past_key_values=DynamicCache(...)) raises 'got a cache twice' where stock runs it",
+    ),
 ]
 
 
