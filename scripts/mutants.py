@@ -248,6 +248,16 @@ MUTATIONS = [
         ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
         "encoder_repetition_penalty favours token 0 in a row shorter than its batch: other scores than its own call",
     ),
+    Mutation(
+        "forced-bos-beside-longer-prompts-accepted",
+        "many.py",
+        "    refused = prompts_refusal(model, generate_kwargs, rows)\n",
+        "    refused = None\n",
+        (
+            "tests/test_many_arguments.py::test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones",
+        ),
+        "forced_bos_token_id: a one-token prompt padded beside longer ones is not forced, where its own call is",
+    ),
     # -- issue 43, finding 11: the cache= alias of transformers 4.57-5.23
     Mutation(
         "alias-takes-cache-none-for-a-cache",

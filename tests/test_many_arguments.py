@@ -11,6 +11,9 @@ Promise by input (docs/generate.md, "Many prompts at once"), and the test that v
 - ... whatever the processors read of the prompt (``encoder_no_repeat_ngram_size``, ``encoder_repetition_penalty``):
   each row's own prompt, not the batch's padding nor a carried-on row's tokens so far, in whole batches and
   refilling: ``test_processors_that_read_the_prompt_read_each_rows_own``;
+- ``forced_bos_token_id``, which ``generate`` applies where the prompt is one token wide: a one-token prompt beside
+  longer ones is refused, prompts of one width run as their own calls:
+  ``test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones``;
 - malformed prompts (float or bool tensors, floats, bools, strings or lists inside a list, negative ids, a
   dict) are refused before anything runs, the store untouched: ``test_malformed_prompts_are_refused_not_truncated``;
 - ``use_cache=False`` and assisted decoding (an assistant model, prompt lookup), as keywords or in a
@@ -171,6 +174,26 @@ def test_processors_that_read_the_prompt_read_each_rows_own(
     ref = stock(llama64, later, output_logits=True, return_dict_in_generate=True, **kw)
     assert cache.stats.cached_tokens >= 12 and torch.equal(mine.sequences, ref.sequences)
     assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits, strict=True)) <= 1e-6
+    store.check_invariants()
+    store.close()
+
+
+def test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones(llama64: Any) -> None:
+    """``forced_bos_token_id`` forces the first new token only where the call's prompt is one token wide:
+    ``generate`` on a one-token prompt alone forces it, a padded batch of longer prompts does not. That mix is
+    refused before anything runs, naming the prompt; prompts of one token only, and of more only, give what their
+    own calls give."""
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, forced_bos_token_id=9)
+    with pytest.raises(ValueError, match=r"forced_bos_token_id=9 .* prompt 1 has one token"):
+        prefixkv.generate_many(llama64, [[17, 30, 31, 32], [17], [18]], store=store, progress=False, **kw)
+    assert store.stats.queries == 0 and store.stats.blocks_used == 0  # nothing ran
+    for prompts in ([[17], [18]], [[17, 30, 31, 32], [17, 30, 33]]):
+        out = prefixkv.generate_many(
+            llama64, prompts, store=store, batch_size=2, output_logits=True, progress=False, **kw
+        )
+        assert_rows_equal_stock(out, llama64, **kw)
+    assert [g.tokens[0] for g in out] != [9, 9]  # forced for one-token prompts only
     store.check_invariants()
     store.close()
 

@@ -38,7 +38,14 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
-from .arguments import Prompt, check_generate_kwargs, generation_settings, prompt_ids, refill_refusal
+from .arguments import (
+    Prompt,
+    check_generate_kwargs,
+    generation_settings,
+    prompt_ids,
+    prompts_refusal,
+    refill_refusal,
+)
 from .batches import plan, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
@@ -155,6 +162,9 @@ def generate_many(
     if refill and refusal is not None:
         raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
     rows = [prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
+    refused = prompts_refusal(model, generate_kwargs, rows)
+    if refused is not None:
+        raise ValueError(f"generate_many() cannot run {refused}")
     user_space(namespace, None)  # a wrong name fails before anything runs
     results = _generate(
         model,
