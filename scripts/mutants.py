@@ -258,6 +258,14 @@ MUTATIONS = [
         ),
         "forced_bos_token_id: a one-token prompt padded beside longer ones is not forced, where its own call is",
     ),
+    Mutation(
+        "refill-carries-a-prompt-ending-in-the-pad-token",
+        "many.py",
+        "    refusal = refill_refusal(model, generate_kwargs, store) or _carry_refusal(",
+        "    refusal = refill_refusal(model, generate_kwargs, store) or None and _carry_refusal(",
+        ("tests/test_many_arguments.py::test_a_prompt_ending_in_the_pad_token_is_not_carried_on",),
+        "a row after a trailing masked pad token is carried on with other positions than its own call: 2.9e-3 off",
+    ),
     # -- issue 43, finding 11: the cache= alias of transformers 4.57-5.23
     Mutation(
         "alias-takes-cache-none-for-a-cache",

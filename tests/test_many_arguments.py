@@ -14,6 +14,8 @@ Promise by input (docs/generate.md, "Many prompts at once"), and the test that v
 - ``forced_bos_token_id``, which ``generate`` applies where the prompt is one token wide: a one-token prompt beside
   longer ones is refused, prompts of one width run as their own calls:
   ``test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones``;
+- a prompt ending in the pad token, whose own call numbers the new tokens from 1: never carried on by refilling
+  (whole batches by default, ``refill=True`` refused): ``test_a_prompt_ending_in_the_pad_token_is_not_carried_on``;
 - malformed prompts (float or bool tensors, floats, bools, strings or lists inside a list, negative ids, a
   dict) are refused before anything runs, the store untouched: ``test_malformed_prompts_are_refused_not_truncated``;
 - ``use_cache=False`` and assisted decoding (an assistant model, prompt lookup), as keywords or in a
@@ -194,6 +196,29 @@ def test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_one
         )
         assert_rows_equal_stock(out, llama64, **kw)
     assert [g.tokens[0] for g in out] != [9, 9]  # forced for one-token prompts only
+    store.check_invariants()
+    store.close()
+
+
+def test_a_prompt_ending_in_the_pad_token_is_not_carried_on(llama64: Any) -> None:
+    """A prompt that ends in the pad token (not an end-of-sequence token here): ``generate`` on it alone masks that
+    last token and numbers the tokens after it from 1 (its positions continue from the masked token's 0), which a
+    later call carrying the row on would number from its length. By default such a job runs in whole batches, each
+    row equal to its own call; ``refill=True`` says why it cannot refill, before anything runs."""
+    pad = llama64.generation_config.pad_token_id
+    prompts = prompts_on(12, 6, seed=5)
+    prompts[4] = [*prompts[4], pad]
+    answers = [stock(llama64, p, max_new_tokens=12, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    ends = {t: [a.index(t) + 1 if t in a else 12 for a in answers] for a in answers for t in a[:2]}
+    eos = max(ends, key=lambda t: (ends[t][4] == 12, sum(n <= 3 for n in ends[t])))  # rows end early, not row 4
+    kw: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    with pytest.raises(ValueError, match="prompt 4: it ends in the pad token"):
+        prefixkv.generate_many(llama64, prompts, store=store, refill=True, progress=False, **kw)
+    assert store.stats.queries == 0  # nothing ran
+    out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, output_logits=True, progress=False, **kw)
+    assert min(len(g.tokens) for g in out) <= 3 and len(out[4].tokens) == 12
+    assert_rows_equal_stock(out, llama64, **kw)
     store.check_invariants()
     store.close()
 

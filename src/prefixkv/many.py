@@ -158,13 +158,15 @@ def generate_many(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
         raise ValueError("generate_many() needs the PrefixStore built for this model: PrefixStore(model)")
-    refusal = refill_refusal(model, generate_kwargs, store)
-    if refill and refusal is not None:
-        raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
     rows = [prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
     refused = prompts_refusal(model, generate_kwargs, rows)
     if refused is not None:
         raise ValueError(f"generate_many() cannot run {refused}")
+    refusal = refill_refusal(model, generate_kwargs, store) or _carry_refusal(
+        rows, generation_settings(model, generate_kwargs)
+    )
+    if refill and refusal is not None:
+        raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
     user_space(namespace, None)  # a wrong name fails before anything runs
     results = _generate(
         model,
@@ -188,6 +190,21 @@ def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
     mutate."""
     inferred = inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
     return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()
+
+
+def _carry_refusal(rows: list[list[int]], settings: GenerationConfig) -> str | None:
+    """Why a row of these prompts could not be carried on into a later call as its own call goes on, or ``None``:
+    ``generate`` numbers the positions of a prompt's tokens by its attention mask and those of the new tokens on
+    from the last one, which for a prompt that ends in a masked pad token is that token's 0: its own call numbers
+    the new tokens from 1, where a call given its tokens so far as its prompt would number them from its length.
+    Does not mutate."""
+    ended = next((i for i, r in enumerate(rows) if _attended(r, settings)[-1] == 0), None)
+    if ended is None:
+        return None
+    return (
+        f"prompt {ended}: it ends in the pad token, which generate masks, and numbers the new tokens after it from "
+        "1 (on from the masked token's position), where a later call carrying the row on would not"
+    )
 
 
 def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
