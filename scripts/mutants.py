@@ -266,6 +266,50 @@ MUTATIONS = [
         ("tests/test_enable.py::test_a_cache_in_training_mode_runs_no_forward_of_its_own",),
         "a cache on a model in training mode runs a forward of its own first, drawing from dropout's random stream",
     ),
+    # -- issue 43, finding 9: generate_many's processors that read the prompt
+    Mutation(
+        "refill-reads-a-carried-rows-tokens-as-its-prompt",
+        "scheduler.py",
+        "            sources=[r.prompt for r in rows],\n",
+        "            sources=prompts,\n",
+        ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
+        "encoder_no_repeat_ngram_size bans a carried-on row's own new tokens: other tokens than its own call",
+    ),
+    Mutation(
+        "encoder-penalty-reads-the-batchs-padding",
+        "many.py",
+        "s + s[:1] * (width - len(s))",
+        "[0] * (width - len(s)) + s",
+        ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
+        "encoder_repetition_penalty favours token 0 in a row shorter than its batch: other scores than its own call",
+    ),
+    Mutation(
+        "forced-bos-beside-longer-prompts-accepted",
+        "many.py",
+        "    refused = prompts_refusal(model, generate_kwargs, rows)\n",
+        "    refused = None\n",
+        (
+            "tests/test_many_arguments.py::test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones",
+        ),
+        "forced_bos_token_id: a one-token prompt padded beside longer ones is not forced, where its own call is",
+    ),
+    Mutation(
+        "refill-carries-a-prompt-ending-in-the-pad-token",
+        "many.py",
+        "    refusal = refill_refusal(model, generate_kwargs, store) or _carry_refusal(",
+        "    refusal = refill_refusal(model, generate_kwargs, store) or None and _carry_refusal(",
+        ("tests/test_many_arguments.py::test_a_prompt_ending_in_the_pad_token_is_not_carried_on",),
+        "a row after a trailing masked pad token is carried on with other positions than its own call: 2.9e-3 off",
+    ),
+    # -- issue 43, finding 11: the cache= alias of transformers 4.57-5.23
+    Mutation(
+        "alias-takes-cache-none-for-a-cache",
+        "_compat.py",
+        'if kwargs.get("cache") is not None and "cache" not in',
+        'if "cache" in kwargs and "cache" not in',
+        ("tests/test_compat.py::test_the_cache_alias_renames_only_what_would_fail",),
+        "generate(cache=None, past_key_values=DynamicCache(...)) raises 'got a cache twice' where stock runs it",
+    ),
 ]
 
 

@@ -26,6 +26,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 import prefixkv
 from prefixkv import _compat, _compat_generate
+from prefixkv._compat import GENERATE_CACHE_KWARG
 
 TOL = 1e-6  # float64
 PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
@@ -228,21 +229,89 @@ class _PlainModel:
 
 def test_the_cache_alias_renames_only_what_would_fail() -> None:
     """The alias gives 4.57-5.23's ``generate`` a ``cache=`` as ``past_key_values=``, leaves a model's own
-    ``cache`` argument alone, and refuses a cache given both ways."""
+    ``cache`` argument and ``cache=None`` (which stock ``generate`` ignores, beside a ``past_key_values=`` too)
+    alone, and refuses a cache given both ways."""
     seen: list[dict[str, Any]] = []
     generate = _compat._taking_cache(lambda self, *args, **kwargs: seen.append(kwargs))
     generate(_PlainModel(), "ids", cache="c", max_new_tokens=1)
     generate(_OwnCacheModel(), "ids", cache="c")
     generate(_PlainModel(), "ids", past_key_values="p")
     generate(_PlainModel(), "ids", cache="c", past_key_values=None)
+    generate(_PlainModel(), "ids", cache=None, past_key_values="p")
+    generate(_PlainModel(), "ids", cache=None)
     assert seen == [
         {"past_key_values": "c", "max_new_tokens": 1},
         {"cache": "c"},
         {"past_key_values": "p"},
         {"past_key_values": "c"},
+        {"cache": None, "past_key_values": "p"},
+        {"cache": None},
     ]
     with pytest.raises(TypeError, match="cache twice"):
         generate(_PlainModel(), "ids", cache="c", past_key_values="p")
+
+
+_BOTH_KEYWORDS = r"""
+import itertools, sys, warnings
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+
+def outcomes(path):
+    # for cache= and past_key_values= each absent, None or a DynamicCache: the error's type, or which cache the
+    # call filled, its tokens and its logits
+    warnings.simplefilter("ignore")  # past_key_values= is deprecated from 5.24
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    found = {}
+    for spelled in itertools.product(("absent", "None", "cache"), repeat=2):
+        kw = {name: None if v == "None" else DynamicCache(config=model.config) for name, v in
+              zip(("cache", "past_key_values"), spelled) if v != "absent"}
+        try:
+            out = model.generate(torch.arange(3, 20)[None], max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True, **kw)
+        except Exception as e:  # the outcome compared is the error's type
+            found[spelled] = type(e).__name__
+        else:
+            filled = [name for name, c in kw.items() if c is not None and c.get_seq_length() > 0]
+            found[spelled] = (filled, out.sequences, torch.stack(out.logits))
+    return found
+
+
+if __name__ == "__main__":
+    torch.save(outcomes(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_generate_takes_both_keywords_as_stock_does(tmp_path: pathlib.Path) -> None:
+    """With prefixkv loaded, ``generate`` with ``cache=`` and ``past_key_values=`` each absent, ``None`` or a
+    ``DynamicCache`` does what stock ``generate`` of the installed release does (in a process that never loads
+    prefixkv): where stock runs, the same cache is filled and the same logits come out; where stock fails,
+    prefixkv fails too, but for ``cache=`` a cache (and no other) on a release whose ``generate`` does not take
+    it, which prefixkv's alias runs as stock runs ``past_key_values=`` that cache."""
+    prefixkv.models.tiny_model("llama", dtype=torch.float64).save_pretrained(tmp_path / "model")
+    script = tmp_path / "both_keywords.py"
+    script.write_text(_BOTH_KEYWORDS)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "model"), str(tmp_path / "stock.pt")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    stock = torch.load(tmp_path / "stock.pt", weights_only=False)
+    namespace: dict[str, Any] = {}
+    exec(compile(_BOTH_KEYWORDS, str(script), "exec"), namespace)  # here, with prefixkv loaded
+    mine = namespace["outcomes"](str(tmp_path / "model"))
+    assert len(stock) == len(mine) == 9
+    for spelled, ref in stock.items():
+        got = mine[spelled]
+        if GENERATE_CACHE_KWARG != "cache" and spelled[0] == "cache" and spelled[1] != "cache":  # the alias
+            assert isinstance(ref, str), (spelled, ref)
+            ref = (["cache"], *stock[("absent", "cache")][1:])
+        if isinstance(ref, str):
+            assert isinstance(got, str), (spelled, ref, "stock fails; prefixkv runs")
+            continue
+        assert not isinstance(got, str), (spelled, got, "stock runs; prefixkv fails")
+        assert got[0] == ref[0], (spelled, "filled", got[0], ref[0])
+        assert torch.equal(got[1], ref[1]) and (got[2] - ref[2]).abs().max() <= TOL, spelled
 
 
 def test_enable_uses_the_preferred_keyword(models: tuple[Any, Any]) -> None:

@@ -8,6 +8,14 @@ Promise by input (docs/generate.md, "Many prompts at once"), and the test that v
 - ... whatever the prompt holds: the pad token inside a prompt (``generate`` infers a mask with holes from it),
   with rows carried on by refilling and in whole batches:
   ``test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it``;
+- ... whatever the processors read of the prompt (``encoder_no_repeat_ngram_size``, ``encoder_repetition_penalty``):
+  each row's own prompt, not the batch's padding nor a carried-on row's tokens so far, in whole batches and
+  refilling: ``test_processors_that_read_the_prompt_read_each_rows_own``;
+- ``forced_bos_token_id``, which ``generate`` applies where the prompt is one token wide: a one-token prompt beside
+  longer ones is refused, prompts of one width run as their own calls:
+  ``test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones``;
+- a prompt ending in the pad token, whose own call numbers the new tokens from 1: never carried on by refilling
+  (whole batches by default, ``refill=True`` refused): ``test_a_prompt_ending_in_the_pad_token_is_not_carried_on``;
 - malformed prompts (float or bool tensors, floats, bools, strings or lists inside a list, negative ids, a
   dict) are refused before anything runs, the store untouched: ``test_malformed_prompts_are_refused_not_truncated``;
 - ``use_cache=False`` and assisted decoding (an assistant model, prompt lookup), as keywords or in a
@@ -117,6 +125,100 @@ def test_a_prompt_holding_the_pad_token_is_masked_as_generate_masks_it(llama64: 
     assert 16 <= cache.stats.cached_tokens <= 17  # the 17 tokens before the hole, in whole blocks
     assert torch.equal(mine.sequences, ref.sequences)
     assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits, strict=True)) <= 1e-6
+    store.check_invariants()
+    store.close()
+
+
+@pytest.mark.parametrize(
+    "readers",
+    [{"encoder_no_repeat_ngram_size": 1}, {"encoder_no_repeat_ngram_size": 3, "encoder_repetition_penalty": 3.0}],
+)
+def test_processors_that_read_the_prompt_read_each_rows_own(
+    llama64: Any, readers: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``encoder_no_repeat_ngram_size`` and ``encoder_repetition_penalty`` read the prompt ``generate`` was given:
+    in a padded batch that holds the padding, and in a refilled call a carried-on row's tokens so far. Each row
+    still has the tokens, logits and processed scores of ``generate`` on its own prompt (one holding the pad token
+    too), in whole batches and refilling (rows carried on, checked); a later ordinary call matches stock."""
+    pad = llama64.generation_config.pad_token_id
+    prompts = prompts_on(12, 6, seed=5)
+    prompts = [*prompts[:5], [*prompts[5][:6], pad, *prompts[5][6:]]]
+    base: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, **readers)
+    answers = [stock(llama64, p, **base)[0, len(p) :].tolist() for p in prompts]
+    ends = {t: [a.index(t) + 1 if t in a else 12 for a in answers] for a in answers for t in a[:2]}
+    eos = max(ends, key=lambda t: (max(ends[t]) == 12, sum(n <= 3 for n in ends[t])))  # rows end far apart
+    kw: dict[str, Any] = dict(base, eos_token_id=eos)
+    calls: list[list[list[int]]] = []
+    call = prefixkv.many._Run.call
+    monkeypatch.setattr(
+        prefixkv.many._Run, "call", lambda self, prompts, **more: calls.append(prompts) or call(self, prompts, **more)
+    )
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    for refill in (False, True):
+        calls.clear()
+        out = prefixkv.generate_many(
+            llama64, prompts, store=store, batch_size=3, refill=refill, output_logits=True, output_scores=True,
+            progress=False, **kw,
+        )  # fmt: skip
+        assert min(len(g.tokens) for g in out) <= 2 and max(len(g.tokens) for g in out) == 12
+        assert refill == any(p not in prompts for batch in calls for p in batch)  # refill carried rows on
+        assert_rows_equal_stock(out, llama64, **kw)
+        for g in out:
+            ref = stock(llama64, g.prompt, return_dict_in_generate=True, output_scores=True, **kw)
+            scores = torch.stack(ref.scores)[:, 0]  # the processors' output: -inf where they ban a token
+            assert g.scores is not None and torch.equal(g.scores.isinf(), scores.isinf()), (refill, g.index)
+            assert (g.scores - scores).nan_to_num(0.0).abs().max() <= 1e-6, (refill, g.index)
+    later = prompts[1] + [7, 8]
+    with prefixkv.PagedPrefixCache(store, torch.tensor([later])) as cache:
+        mine = llama64.generate(
+            torch.tensor([later]), cache=cache, output_logits=True, return_dict_in_generate=True, **kw
+        )
+    ref = stock(llama64, later, output_logits=True, return_dict_in_generate=True, **kw)
+    assert cache.stats.cached_tokens >= 12 and torch.equal(mine.sequences, ref.sequences)
+    assert max((a - b).abs().max() for a, b in zip(mine.logits, ref.logits, strict=True)) <= 1e-6
+    store.check_invariants()
+    store.close()
+
+
+def test_a_forced_first_token_is_refused_for_a_one_token_prompt_among_longer_ones(llama64: Any) -> None:
+    """``forced_bos_token_id`` forces the first new token only where the call's prompt is one token wide:
+    ``generate`` on a one-token prompt alone forces it, a padded batch of longer prompts does not. That mix is
+    refused before anything runs, naming the prompt; prompts of one token only, and of more only, give what their
+    own calls give."""
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, forced_bos_token_id=9)
+    with pytest.raises(ValueError, match=r"forced_bos_token_id=9 .* prompt 1 has one token"):
+        prefixkv.generate_many(llama64, [[17, 30, 31, 32], [17], [18]], store=store, progress=False, **kw)
+    assert store.stats.queries == 0 and store.stats.blocks_used == 0  # nothing ran
+    for prompts in ([[17], [18]], [[17, 30, 31, 32], [17, 30, 33]]):
+        out = prefixkv.generate_many(
+            llama64, prompts, store=store, batch_size=2, output_logits=True, progress=False, **kw
+        )
+        assert_rows_equal_stock(out, llama64, **kw)
+    assert [g.tokens[0] for g in out] != [9, 9]  # forced for one-token prompts only
+    store.check_invariants()
+    store.close()
+
+
+def test_a_prompt_ending_in_the_pad_token_is_not_carried_on(llama64: Any) -> None:
+    """A prompt that ends in the pad token (not an end-of-sequence token here): ``generate`` on it alone masks that
+    last token and numbers the tokens after it from 1 (its positions continue from the masked token's 0), which a
+    later call carrying the row on would number from its length. By default such a job runs in whole batches, each
+    row equal to its own call; ``refill=True`` says why it cannot refill, before anything runs."""
+    pad = llama64.generation_config.pad_token_id
+    prompts = prompts_on(12, 6, seed=5)
+    prompts[4] = [*prompts[4], pad]
+    answers = [stock(llama64, p, max_new_tokens=12, do_sample=False)[0, len(p) :].tolist() for p in prompts]
+    ends = {t: [a.index(t) + 1 if t in a else 12 for a in answers] for a in answers for t in a[:2]}
+    eos = max(ends, key=lambda t: (ends[t][4] == 12, sum(n <= 3 for n in ends[t])))  # rows end early, not row 4
+    kw: dict[str, Any] = dict(max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    store = prefixkv.PrefixStore(llama64, block_size=4)
+    with pytest.raises(ValueError, match="prompt 4: it ends in the pad token"):
+        prefixkv.generate_many(llama64, prompts, store=store, refill=True, progress=False, **kw)
+    assert store.stats.queries == 0  # nothing ran
+    out = prefixkv.generate_many(llama64, prompts, store=store, batch_size=3, output_logits=True, progress=False, **kw)
+    assert min(len(g.tokens) for g in out) <= 3 and len(out[4].tokens) == 12
+    assert_rows_equal_stock(out, llama64, **kw)
     store.check_invariants()
     store.close()
 

@@ -118,13 +118,14 @@ GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "p
 def _taking_cache(generate: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin.generate`` of transformers 4.57-5.23, which take the cache only as ``past_key_values=``
     (and refuse ``cache=`` as a keyword the model does not use): also takes it as ``cache=``, the spelling of 5.24
-    and later, which deprecate ``past_key_values=``. A model whose own forward takes a ``cache`` (XLM's and
-    Flaubert's dict of tensors) is given it as before. Delete when the oldest supported transformers is 5.24 or
-    newer (its ``generate`` takes ``cache=`` itself)."""
+    and later, which deprecate ``past_key_values=``. Only a call that would fail changes: ``cache=None`` is left
+    to ``generate``, which ignores a keyword set to ``None`` (beside a ``past_key_values=`` too), and a model whose
+    own forward takes a ``cache`` (XLM's and Flaubert's dict of tensors) is given it as before. Delete when the
+    oldest supported transformers is 5.24 or newer (its ``generate`` takes ``cache=`` itself)."""
 
     @functools.wraps(generate)
     def taking_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if "cache" in kwargs and "cache" not in inspect.signature(self.forward).parameters:
+        if kwargs.get("cache") is not None and "cache" not in inspect.signature(self.forward).parameters:
             if kwargs.get("past_key_values") is not None:
                 raise TypeError("generate() got a cache twice, as cache= and as past_key_values=; pass it once")
             kwargs["past_key_values"] = kwargs.pop("cache")

@@ -1,7 +1,8 @@
 """What ``generate_many`` (:mod:`prefixkv.many`) takes: the prompts as token ids (:func:`prompt_ids`), the
 ``generate`` settings they run with (:func:`generation_settings`) and those a padded batch of several prompts
-cannot keep (:func:`check_generate_kwargs`), and those with which a row cannot be carried on into a refilled call
-(:func:`refill_refusal`). Every check runs before anything is computed; none mutates.
+cannot keep (:func:`check_generate_kwargs`; with the prompts, :func:`prompts_refusal`), and those with which a row
+cannot be carried on into a refilled call (:func:`refill_refusal`). Every check runs before anything is computed;
+none mutates.
 """
 
 from __future__ import annotations
@@ -80,6 +81,23 @@ def _refused_setting(settings: GenerationConfig) -> str | None:
             "prompt a call; call model.generate per prompt"
         )
     return None
+
+
+def prompts_refusal(model: Any, generate_kwargs: dict[str, Any], prompts: list[list[int]]) -> str | None:
+    """Why ``prompts`` cannot share padded batches under these ``generate`` arguments, or ``None``.
+    ``forced_bos_token_id`` forces the first new token only where the call's prompt is one token wide (transformers'
+    ``ForcedBOSTokenLogitsProcessor`` reads the width of its inputs, as ``begin_suppress_tokens`` does with it): a
+    one-token prompt's own call forces it, a batch padded to a longer prompt's width would not. Does not
+    mutate."""
+    forced = generation_settings(model, generate_kwargs).forced_bos_token_id
+    one = next((i for i, p in enumerate(prompts) if len(p) == 1), None)
+    if forced is None or one is None or all(len(p) == 1 for p in prompts):
+        return None
+    return (
+        f"forced_bos_token_id={forced} beside prompts of other lengths: prompt {one} has one token, and generate "
+        "forces the first new token only where the call's prompt is one token wide (a padded batch's is not); run "
+        "the one-token prompts in a generate_many call of their own"
+    )
 
 
 def prompt_ids(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:

@@ -18,18 +18,34 @@ refill is :class:`prefixkv.scheduler.Scheduler`: waiting prompts, running rows; 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
-from transformers import GenerationConfig, StopStringCriteria
+from transformers import (
+    EncoderNoRepeatNGramLogitsProcessor,
+    EncoderRepetitionPenaltyLogitsProcessor,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StopStringCriteria,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from ._compat import GENERATE_CACHE_KWARG
-from .arguments import Prompt, check_generate_kwargs, generation_settings, prompt_ids, refill_refusal
+from .arguments import (
+    Prompt,
+    check_generate_kwargs,
+    generation_settings,
+    prompt_ids,
+    prompts_refusal,
+    refill_refusal,
+)
 from .batches import plan, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
@@ -142,10 +158,15 @@ def generate_many(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if store is not None and (not isinstance(store, PrefixStore) or store.model is not model):
         raise ValueError("generate_many() needs the PrefixStore built for this model: PrefixStore(model)")
-    refusal = refill_refusal(model, generate_kwargs, store)
+    rows = [prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
+    refused = prompts_refusal(model, generate_kwargs, rows)
+    if refused is not None:
+        raise ValueError(f"generate_many() cannot run {refused}")
+    refusal = refill_refusal(model, generate_kwargs, store) or _carry_refusal(
+        rows, generation_settings(model, generate_kwargs)
+    )
     if refill and refusal is not None:
         raise ValueError(f"generate_many(refill=True) cannot refill a batch with {refusal}; pass refill=False")
-    rows = [prompt_ids(p, tokenizer, i) for i, p in enumerate(prompts)]
     user_space(namespace, None)  # a wrong name fails before anything runs
     results = _generate(
         model,
@@ -169,6 +190,21 @@ def _attended(prompt: list[int], settings: GenerationConfig) -> list[int]:
     mutate."""
     inferred = inferred_mask(torch.tensor([prompt]), lambda name: getattr(settings, name, None))
     return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()
+
+
+def _carry_refusal(rows: list[list[int]], settings: GenerationConfig) -> str | None:
+    """Why a row of these prompts could not be carried on into a later call as its own call goes on, or ``None``:
+    ``generate`` numbers the positions of a prompt's tokens by its attention mask and those of the new tokens on
+    from the last one, which for a prompt that ends in a masked pad token is that token's 0: its own call numbers
+    the new tokens from 1, where a call given its tokens so far as its prompt would number them from its length.
+    Does not mutate."""
+    ended = next((i for i, r in enumerate(rows) if _attended(r, settings)[-1] == 0), None)
+    if ended is None:
+        return None
+    return (
+        f"prompt {ended}: it ends in the pad token, which generate masks, and numbers the new tokens after it from "
+        "1 (on from the masked token's position), where a later call carrying the row on would not"
+    )
 
 
 def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,7 +267,7 @@ def _generate(
         stop = StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else stop_strings)
     built = PrefixStore(model) if store is None else store
     masks = [_attended(r, settings) for r in rows]
-    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad, masks)
+    run = _Run(model, rows, built, kwargs, eos, stop, tokenizer, namespace, pad, masks, settings)
     try:
         with tqdm(total=len(rows), desc="prefixkv generate_many", unit="prompt", disable=not progress) as bar:
             ended = _EndedRows(bar, eos)
@@ -256,6 +292,56 @@ def _generate(
     finally:
         if store is None:
             run.store.close()
+
+
+def _prompt_readers(
+    settings: GenerationConfig, sources: list[list[int]], device: torch.device
+) -> list[LogitsProcessor]:
+    """The logits processors of ``settings`` that read the prompt (``encoder_repetition_penalty``,
+    ``encoder_no_repeat_ngram_size``), built from each row's own prompt ``sources``, on ``device``. Passed to
+    ``generate`` as ``logits_processor``, each takes the place of the one ``generate`` builds of the same type (the
+    same place in the order) from the ids it is given, in which the padding of a batch and, in a refilled call, a
+    row's tokens so far would count as its prompt. Does not mutate."""
+    readers: list[LogitsProcessor] = []
+    penalty = settings.encoder_repetition_penalty
+    if penalty is not None and penalty != 1.0:
+        width = max(len(s) for s in sources)
+        # the penalty goes to each token id of the prompt once: a row's own first token as padding adds none
+        ids = torch.tensor([s + s[:1] * (width - len(s)) for s in sources], device=device)
+        readers.append(EncoderRepetitionPenaltyLogitsProcessor(penalty, cast(torch.LongTensor, ids)))
+    size = settings.encoder_no_repeat_ngram_size
+    if size is not None and size > 0:
+        # the n-grams of each row's own prompt, as the processor collects them from a batch of that row alone
+        rows = [EncoderNoRepeatNGramLogitsProcessor(size, cast(torch.LongTensor, torch.tensor([s]))) for s in sources]
+        reader = rows[0]
+        reader.batch_size, reader.generated_ngrams = len(rows), [r.generated_ngrams[0] for r in rows]
+        readers.append(reader)
+    return readers
+
+
+class _OwnReaders(logging.Filter):
+    """Drops transformers' warning that a custom logits processor takes the place of the one ``generate`` builds,
+    for the processors that read the prompt, which ``generate_many`` passes itself (:func:`_prompt_readers`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        readers = (EncoderNoRepeatNGramLogitsProcessor.__name__, EncoderRepetitionPenaltyLogitsProcessor.__name__)
+        return "has been passed to `.generate()`" not in message or not any(r in message for r in readers)
+
+
+@contextlib.contextmanager
+def _quiet_readers(readers: list[LogitsProcessor]) -> Iterator[None]:
+    """Around a ``generate`` call given ``readers``: transformers' warning that they replace its own is not the
+    user's doing, and is dropped (:class:`_OwnReaders`)."""
+    if not readers:
+        yield
+        return
+    logger, own = logging.getLogger("transformers.generation.utils"), _OwnReaders()
+    logger.addFilter(own)
+    try:
+        yield
+    finally:
+        logger.removeFilter(own)
 
 
 def _setting(generate_kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
@@ -304,12 +390,21 @@ class _Run:
     namespace: str | None
     pad: int
     masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
+    settings: GenerationConfig  # what generate reads of kwargs (:func:`prefixkv.arguments.generation_settings`)
 
-    def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
-        """One left-padded ``generate`` call on ``prompts`` (with their ``masks``): its output, the padded width
-        and each row's cached prompt tokens. Mutates the store."""
+    def call(
+        self, prompts: list[list[int]], masks: list[list[int]], sources: list[list[int]], **more: Any
+    ) -> tuple[Any, int, list[int]]:
+        """One left-padded ``generate`` call on ``prompts`` (with their ``masks``; ``sources``, each row's prompt
+        in the input, for the processors that read it: :func:`_prompt_readers`): its output, the padded width and
+        each row's cached prompt tokens. Mutates the store."""
         ids, mask = _left_pad(prompts, masks, self.pad)
-        with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache:
+        given = list(self.kwargs.get("logits_processor") or [])
+        readers = _prompt_readers(self.settings, sources, self.model.device)
+        readers = [r for r in readers if not any(type(p) is type(r) for p in given)]  # generate uses the user's
+        if readers:
+            more["logits_processor"] = LogitsProcessorList([*given, *readers])
+        with PagedPrefixCache(self.store, ids, mask, namespace=self.namespace) as cache, _quiet_readers(readers):
             out = self.model.generate(
                 ids,
                 attention_mask=mask,
@@ -338,7 +433,8 @@ class _Run:
         """Each batch of ``order`` in one ``generate`` call, to its longest row's end."""
         for batch in order:
             running = [Row(i, self.rows[i]) for i in batch]
-            out, width, cached = self.call([r.prompt for r in running], masks=[self.masks[i] for i in batch])
+            prompts = [r.prompt for r in running]
+            out, width, cached = self.call(prompts, masks=[self.masks[i] for i in batch], sources=prompts)
             for j, row in enumerate(running):
                 row.cached = cached[j]
                 self.take(row, out, j, width, len(out.sequences[j]) - width)

@@ -50,8 +50,11 @@ class Calls(Protocol):
     """What the scheduler runs on: one left-padded ``generate`` call and the taking of a row's new tokens from its
     output (``generate_many``'s run)."""
 
-    def call(self, prompts: list[list[int]], masks: list[list[int]], **more: Any) -> tuple[Any, int, list[int]]:
-        """The call's output, its padded width and each row's cached prompt tokens. Mutates the store."""
+    def call(
+        self, prompts: list[list[int]], masks: list[list[int]], sources: list[list[int]], **more: Any
+    ) -> tuple[Any, int, list[int]]:
+        """The call's output, its padded width and each row's cached prompt tokens (``sources``: each row's prompt
+        in the input, for the processors that read it). Mutates the store."""
         ...
 
     def take(self, row: Row, out: Any, j: int, width: int, budget: int) -> bool:
@@ -182,6 +185,7 @@ class Scheduler:
         out, width, cached = self.calls.call(
             prompts,
             masks=[self.masks[r.index] + [1] * len(r.tokens) for r in rows],
+            sources=[r.prompt for r in rows],
             max_new_tokens=max(budgets),
             stopping_criteria=StoppingCriteriaList([end]),
         )
