@@ -310,6 +310,56 @@ MUTATIONS = [
         ("tests/test_compat.py::test_the_cache_alias_renames_only_what_would_fail",),
         "generate(cache=None, past_key_values=DynamicCache(...)) raises 'got a cache twice' where stock runs it",
     ),
+    # -- issue 43: the compiled step and torch.compile
+    Mutation(
+        "compiled-step-writes-lost-in-a-growth",
+        "hf/layers.py",
+        "            step.carry_over(blocks.pool)\n",
+        "            pass\n",
+        ("tests/test_compiled.py::test_a_step_carries_its_writes_over_a_growth_of_the_pool",),
+        "a growth of the pool during a compiled step (another thread's request) loses the step's K/V: wrong logits",
+    ),
+    Mutation(
+        "compiled-step-writes-join-autograd",
+        "attention/static.py",
+        "        k.index_copy_(1, self.slots, key.detach().transpose(0, 1)",
+        "        k.index_copy_(1, self.slots, key.transpose(0, 1)",
+        ("tests/test_compiled.py::test_a_step_with_gradients_on_keeps_the_pool_out_of_autograd",),
+        "the shared pool joins a request's autograd graph: another request's backward runs through it, and fails",
+    ),
+    Mutation(
+        "compiled-steps-not-compileable-when-eager",
+        "hf/cache.py",
+        "(self._compiled_call is not False or takes_steps(self))",
+        "(self._asked is True or self._compiled_call is not False)",
+        ("tests/test_compiled.py::test_a_compiled_forward_run_eagerly_by_torch_gets_the_mask_of_its_steps",),
+        "a compiled forward that torch runs eagerly takes bucket-wide steps without a mask: wrong K/V published",
+    ),
+    Mutation(
+        "stock-calls-through-paged-attention",
+        "attention/interface.py",
+        " or getattr(key, reads.TAG, None) is None:",
+        ":",
+        ("tests/test_compiled.py::test_a_store_leaves_stock_compiled_calls_alone",),
+        "with a store on a model, a stock StaticCache call breaks the graph at every layer, and fullgraph refuses it",
+    ),
+    Mutation(
+        "paged-forwards-in-generates-compiled-call",
+        "_compat_generate.py",
+        "            return (plain if runs_eagerly(self, k) else compiled)(*a, **k)\n",
+        "            return compiled(*a, **k)\n",
+        ("tests/test_compiled.py::test_generates_fullgraph_compile_runs_only_the_steps_compiled",),
+        "a fullgraph compile with prefill_chunk_size= or assistant_model= raises Unsupported at the first chunk",
+    ),
+    Mutation(
+        "paged-forwards-in-model-compile",
+        "hf/hooks.py",
+        "        _StepsOnly.wrap(model)\n",
+        "        pass\n",
+        ("tests/test_compiled.py::test_a_compiled_model_call_compiles_only_the_steps",),
+        "after a store, model.compile() traces prefixkv's Python at every layer: graph breaks and a spent recompile "
+        "budget on transformers' shared decorators",
+    ),
 ]
 
 

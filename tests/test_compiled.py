@@ -470,3 +470,211 @@ def test_threads_on_one_store_with_compiled_steps_and_a_growing_pool() -> None:
             assert torch.equal(results[i].sequences, ref.sequences)
             assert max_diff(results[i], ref) <= 1e-10
         store.check_invariants()
+
+
+def later_request_matches_stock(model: Any, store: Any, prompt: torch.Tensor) -> None:
+    """An ordinary request that reuses what ``store`` cached of ``prompt`` (plus new tokens) gives stock's tokens and
+    logits (float64)."""
+    twin = stock_twin(model)
+    longer = torch.cat([prompt, random_tokens(5, seed=77)[None]], 1)
+    ref = generate(twin, longer, None, DynamicCache(config=twin.config), max_new_tokens=4)
+    with prefixkv.PagedPrefixCache(store, longer) as cache:
+        out = generate(model, longer, None, cache, max_new_tokens=4)
+        assert cache.stats.cached_tokens >= 8
+    assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+
+
+@pytest.mark.parametrize("how", ["compileable", "generate's compile"])
+def test_an_exception_in_a_compiled_step_leaves_the_store_open_to_every_thread(how: str) -> None:
+    """Ctrl-C (``KeyboardInterrupt``, which torch's end hooks do not see) in the middle of a compiled step, run
+    eagerly (``compileable=True``) or in ``generate``'s compile: another thread's ``store.pin`` does not wait for the
+    step's end (the step holds no lock across its forward), the store's books are exact, and a later ordinary
+    request that reuses the prefix equals stock ``generate``."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    prompt = random_tokens(17, seed=8)[None]
+
+    @torch.compiler.disable
+    def interrupt(module: Any, args: tuple[Any, ...]) -> None:
+        if args[0].shape[1] == 1:  # a one-token forward: a compiled step
+            raise KeyboardInterrupt
+
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        hook = model.model.layers[1].register_forward_pre_hook(interrupt)
+        kwargs = {"compile_config": compile_config("eager")} if how != "compileable" else {}
+        cache = prefixkv.PagedPrefixCache(store, prompt, compileable=True if how == "compileable" else None)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                generate(model, prompt, None, cache, max_new_tokens=4, **kwargs)
+        finally:
+            hook.remove()
+        pinner = threading.Thread(target=store.pin, args=(prompt[:, :9],), daemon=True)
+        pinner.start()
+        pinner.join(timeout=30)
+        assert not pinner.is_alive(), "store.pin waits for a compiled step that ended long ago"
+        store.check_invariants()
+        cache.close()
+        store.check_invariants()
+        later_request_matches_stock(model, store, prompt)
+
+
+def test_a_step_carries_its_writes_over_a_growth_of_the_pool() -> None:
+    """A growth of the pool during a compiled step (another thread's request, here made from inside the step's
+    forward, between its first and last layer) copies every layer into new tensors: the step's writes into the
+    tensors it was given reach the new ones, so the call and a later request that reuses its tokens equal stock."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(13, seed=9)[None]
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        grown: list[int] = []
+
+        def grow(module: Any, args: tuple[Any, ...]) -> None:
+            if args[0].shape[1] == 1 and len(grown) < 2:
+                pool = store.blocks.pool
+                with store.blocks.lock:  # as the store's room grows it (kv/room.py)
+                    grown.append(pool.capacity)
+                    pool.grow(pool.capacity + 4)
+                    store.blocks._allocator.grow(pool.capacity)
+
+        hook = model.model.layers[1].register_forward_pre_hook(grow)
+        try:
+            with prefixkv.PagedPrefixCache(store, prompt, compileable=True) as cache:
+                out = generate(model, prompt, None, cache, max_new_tokens=8)
+        finally:
+            hook.remove()
+        assert len(grown) == 2
+        assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        store.check_invariants()
+        later_request_matches_stock(model, store, out.sequences[:, :-1])
+
+
+@pytest.mark.parametrize("stance", ["force_eager", "eager_on_recompile"])
+def test_a_compiled_forward_run_eagerly_by_torch_gets_the_mask_of_its_steps(stance: str) -> None:
+    """``model.forward = torch.compile(model.forward)`` (the FAQ's recipe), and torch runs that forward eagerly
+    (its stance): the cache says it is compileable whenever it takes bucket-wide steps, so transformers keeps the
+    causal mask that hides the bucket's columns past the row, and the call, and a later request that reuses what
+    it published, equal stock (float64)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(21, seed=10)[None]
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        model.forward = torch.compile(model.forward, backend="eager")
+        try:
+            with torch.compiler.set_stance(stance), prefixkv.PagedPrefixCache(store, prompt) as cache:
+                out = generate(model, prompt, None, cache, max_new_tokens=8)
+        finally:
+            del model.forward
+        assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        later_request_matches_stock(model, store, out.sequences[:, :-1])
+
+
+@pytest.mark.parametrize("how", ["compileable", "compiled forward"])
+def test_a_step_with_gradients_on_keeps_the_pool_out_of_autograd(how: str) -> None:
+    """A one-token forward with gradients enabled that is a compiled step (``compileable=True``, or a forward
+    ``torch.compile`` returned): the pool joins no autograd graph, so another request's backward runs (no "backward
+    through the graph a second time"), and a later request equals stock."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        if how == "compiled forward":
+            model.forward = torch.compile(model.forward, backend="eager")
+        try:
+            for seed in (11, 12):  # one request, then another's backward
+                ids = random_tokens(14, seed=seed)[None]
+                with prefixkv.PagedPrefixCache(store, compileable=True if how == "compileable" else None) as cache:
+                    with torch.no_grad():
+                        model(ids[:, :-1], **cache_kw(cache))
+                    model(ids[:, -1:], **cache_kw(cache)).logits.sum().backward()
+                pool = store.blocks.pool
+                assert not any(t.requires_grad or t.grad_fn is not None for t in (*pool.keys, *pool.values))
+        finally:
+            if how == "compiled forward":
+                del model.forward
+        model.zero_grad()
+        store.check_invariants()
+        later_request_matches_stock(model, store, ids)
+
+
+@pytest.mark.parametrize("mode", ["prefill_chunk_size", "assistant_model"])
+def test_generates_fullgraph_compile_runs_only_the_steps_compiled(mode: str) -> None:
+    """A default cache under ``CompileConfig(fullgraph=True)`` with a chunked prefill or an assistant model, whose
+    forwards of several tokens ``generate`` runs through its compiled call: those run the model's plain call (a
+    fullgraph compile refuses prefixkv's Python at every layer), the one-token ones are compiled steps, and cold and
+    warm calls equal stock (float64)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(21, seed=13)[None]
+    extra: dict[str, Any] = (
+        {"prefill_chunk_size": 8}
+        if mode == "prefill_chunk_size"
+        else {"assistant_model": prefixkv.models.tiny_model("llama", dtype=torch.float64)}
+    )
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=6, **extra)
+    config = compile_config("eager")
+    config.fullgraph = True
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        for _ in range(2):  # cold, then warm
+            with prefixkv.PagedPrefixCache(store, prompt) as cache:
+                out = generate(model, prompt, None, cache, max_new_tokens=6, compile_config=config, **extra)
+            assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        assert cache.stats.cached_tokens > 0
+        store.check_invariants()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_store_leaves_stock_compiled_calls_alone(fullgraph: bool) -> None:
+    """With a store on a model, stock ``generate(cache_implementation="static")`` under a compile config compiles
+    as it does without the store: with ``fullgraph=True`` it runs, and without, as many graphs and no graph break
+    (prefixkv's attention hands a call without a ``PagedPrefixCache`` to the model's own, in the graph)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    prompt = random_tokens(21, seed=14)[None]
+    config = compile_config("eager")
+    config.fullgraph = fullgraph
+
+    def stock() -> tuple[Any, int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        out = generate(model, prompt, None, None, max_new_tokens=5, cache_implementation="static",
+                       compile_config=config)  # fmt: skip
+        return out, graph_breaks(), counters["stats"]["unique_graphs"]
+
+    alone, breaks, graphs = stock()
+    assert breaks == 0
+    with prefixkv.PrefixStore(model, block_size=4):
+        out, breaks_with, graphs_with = stock()
+    assert (breaks_with, graphs_with) == (breaks, graphs)
+    assert torch.equal(out.sequences, alone.sequences) and max_diff(out, alone) == 0
+
+
+def test_a_compiled_model_call_compiles_only_the_steps() -> None:
+    """``model.compile()`` and calls with a default cache: the one-token forwards are compiled steps (one graph for
+    batch 1, no graph break, nothing recompiled by a warm or longer call) and the others run the plain call, so
+    prefixkv spends none of dynamo's recompile budget on the frames every model's forward shares (transformers'
+    decorators), and another model's stock ``StaticCache`` call under a fullgraph compile runs after them. Outputs
+    equal stock (float64); the store's close gives the model its compiled call back."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    prompt = random_tokens(21, seed=15)[None]
+    calls = (prompt, prompt, torch.cat([prompt, random_tokens(6, seed=16)[None]], 1))  # cold, warm, longer
+    refs = [generate(model, x, None, DynamicCache(config=model.config), max_new_tokens=8) for x in calls]
+    torch._dynamo.reset()
+    counters.clear()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        model.compile(backend="eager")
+        compiled = model._compiled_call_impl
+        for x, ref in zip(calls, refs):
+            with prefixkv.PagedPrefixCache(store, x) as cache:
+                out = generate(model, x, None, cache, max_new_tokens=8)
+            assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        assert (graph_breaks(), counters["stats"]["unique_graphs"]) == (0, 1)
+        assert model._compiled_call_impl is not compiled  # prefixkv's share of it
+    assert model._compiled_call_impl is compiled
+    other = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    config = compile_config("eager")
+    config.fullgraph = True
+    ref = generate(other, prompt, None, DynamicCache(config=other.config), max_new_tokens=5)
+    out = generate(other, prompt, None, None, max_new_tokens=5, cache_implementation="static", compile_config=config)
+    assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10

@@ -260,8 +260,22 @@ def compile_refusal(model: torch.nn.Module) -> str | None:
 
 def compiled_forward(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` is a function ``torch.compile`` returned (``model.forward =
-    torch.compile(model.forward)``), by the attribute torch 2.6 to 2.13 give it. Does not mutate."""
-    return hasattr(model.forward, "_torchdynamo_orig_callable")
+    torch.compile(model.forward)``), by the attribute torch 2.6 to 2.13 give it, or the model's call one
+    (``model.compile()``, which torch 2.6 to 2.13 keep as ``_compiled_call_impl``). Does not mutate."""
+    return hasattr(model.forward, "_torchdynamo_orig_callable") or compiled_call(model) is not None
+
+
+def compiled_call(model: torch.nn.Module) -> Any:
+    """What ``model.compile()`` made of the model's call (torch 2.6 to 2.13 keep it as ``_compiled_call_impl``,
+    which ``model(...)`` then runs instead of the plain ``_call_impl``), or ``None``. Does not mutate."""
+    return getattr(model, "_compiled_call_impl", None)
+
+
+def plain_call(model: torch.nn.Module) -> Callable[..., Any]:
+    """The model's call as ``model(...)`` runs it without ``model.compile()`` (hooks, then ``forward``): torch 2.6 to
+    2.13's ``_call_impl``. Does not mutate."""
+    call: Callable[..., Any] = getattr(model, "_call_impl")  # noqa: B009  (a name torch does not type)
+    return call
 
 
 def flex_aux_request() -> Any:

@@ -19,7 +19,7 @@ import torch
 from . import _compat, _compat_generate, display, files
 from .attention import interface
 from .errors import CacheMisuseError
-from .hf.hooks import attach_hooks, note_generate_compile, plan_chunked_prompt
+from .hf.hooks import attach_hooks, note_generate_compile, plan_chunked_prompt, runs_eagerly
 from .hf.runner import ModelRunner
 from .kv import persist, prefix_file
 from .kv.blocks import BlockManager
@@ -94,7 +94,7 @@ class PrefixStore:
             offload=offload, max_offload_memory=max_offload_memory, offload_dir=offload_dir, invariant=invariant,
             chunk_size=chunk_size, attention=attention,
         )  # fmt: skip
-        _compat_generate.install_generation_patches(plan_chunked_prompt, note_generate_compile)
+        _compat_generate.install_generation_patches(plan_chunked_prompt, note_generate_compile, runs_eagerly)
         self.model = model
         shape = attention_shape(model.config)
         self.settings = settings

@@ -62,13 +62,16 @@ def prefixkv_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``prefixkv`` attention: in a compiled decode step (the store's hook passed :data:`STEP_KWARG`; ``key``
-    and ``value`` are every row's K/V over the step's bucket, :mod:`prefixkv.attention.static`) the model's own
-    implementation, traced into the step's graph; otherwise :func:`paged_attention`, outside any graph."""
-    if kwargs.pop(STEP_KWARG, False):
+    """The ``prefixkv`` attention: :func:`paged_attention`, outside any graph, for a ``key`` that a
+    ``PagedPrefixCache``'s ``update`` handed out with its forward's read plan (:data:`prefixkv.attention.reads.TAG`);
+    otherwise the model's own implementation, traced into the graph of a compile: in a compiled decode step (the
+    store's hook passed :data:`STEP_KWARG`; ``key`` and ``value`` are every row's K/V over the step's bucket,
+    :mod:`prefixkv.attention.static`), and in every call without such a cache, which then compiles as it does
+    without a store (no graph break: dynamo reads the tensor's attribute and guards on it)."""
+    if kwargs.pop(STEP_KWARG, False) or getattr(key, reads.TAG, None) is None:
         fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
-        step: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
-        return step
+        own: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
+        return own
     return paged_attention(module, query, key, value, attention_mask, **kwargs)
 
 

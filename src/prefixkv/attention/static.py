@@ -109,16 +109,27 @@ class StaticStep:
 
     def update(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key``/``value`` ``[B, kv_heads, 1, head_dim]`` at the rows' slots and return every row's K/V
-        over the table, ``[B, kv_heads, W, head_dim]``. Mutates the pool."""
+        over the table, ``[B, kv_heads, W, head_dim]``. Mutates the pool, never its autograd state: what is written
+        is detached, as the eager write is made under ``no_grad``, or the pool, which every request shares, would
+        join this forward's autograd graph (and another request's backward run through it)."""
         k, v = _slot_view(self.keys[layer]), _slot_view(self.values[layer])
         heads, dim = k.shape[0], k.shape[2]
-        k.index_copy_(1, self.slots, key.transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
-        v.index_copy_(1, self.slots, value.transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
+        k.index_copy_(1, self.slots, key.detach().transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
+        v.index_copy_(1, self.slots, value.detach().transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
         b, w = self.table.shape
         flat = self.table.reshape(-1)
         keys = k.index_select(1, flat).view(heads, b, w, dim).transpose(0, 1)
         values = v.index_select(1, flat).view(heads, b, w, v.shape[2]).transpose(0, 1)
         return keys.to(key.dtype), values.to(value.dtype)
+
+    def carry_over(self, pool: Any) -> None:
+        """Copy what :meth:`update` wrote (every layer's slots of the new column) into ``pool``'s tensors where they
+        are no longer the ones this step was given (the pool grew meanwhile: a growth copies every layer into new
+        tensors, and the copy may predate the write). The caller holds the store's lock. Mutates the pool."""
+        for given, now in ((self.keys, pool.keys), (self.values, pool.values)):
+            for old, new in zip(given, now):
+                if old is not new:
+                    _slot_view(new).index_copy_(1, self.slots, _slot_view(old).index_select(1, self.slots))
 
 
 def _slot_view(t: torch.Tensor) -> torch.Tensor:

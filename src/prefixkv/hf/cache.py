@@ -140,10 +140,13 @@ class PagedPrefixCache(Cache):
         store whose caches can take them (:attr:`compile_reason` says why not). Then each one-token forward of a
         call that ``generate`` compiles (every one, with ``compileable=True``) is a step of fixed shapes per
         bucket whose ``update`` and attention compile to one graph (docs/generate.md, "Compiled decoding"). During
-        a call that ``generate`` chose to run eagerly it is ``False`` (unless built with ``compileable=True``), so
-        that the call's forwards build their masks as with any other cache; each call chooses anew. Does not
-        mutate."""
-        return self._compile_refusal is None and (self._asked is True or self._compiled_call is not False)
+        a call that ``generate`` chose to run eagerly it is ``False`` (unless its one-token forwards are steps all
+        the same: built with ``compileable=True``, or on a model whose forward ``torch.compile`` returned), so that
+        the call's forwards build their masks as with any other cache; each call chooses anew. It is ``True``
+        whenever a one-token forward is a step (:func:`takes_steps`): transformers drops the mask of a one-token
+        forward with a cache that is not compileable, and a step attends a whole bucket, whose columns past the
+        row only the mask hides. Does not mutate."""
+        return self._compile_refusal is None and (self._compiled_call is not False or takes_steps(self))
 
     @property
     def stats(self) -> CacheStats:
@@ -163,9 +166,7 @@ class PagedPrefixCache(Cache):
     def _begin(self, forward: proof.ForwardInputs) -> None:
         """:func:`begin_forward`. Mutates."""
         self._own()
-        if self._step is not None:  # a compiled step whose end never came (its forward hook did not run)
-            self._step = None
-            self._blocks.lock.release()
+        self._step = None  # a compiled step whose end never came (its forward raised past its end hook)
         x = forward.fed
         if x is None:
             raise CacheMisuseError("a forward with a PagedPrefixCache needs input_ids or inputs_embeds")
@@ -197,9 +198,9 @@ class PagedPrefixCache(Cache):
         if self._owner != threading.get_ident():
             return  # begin_forward refused this forward (the cache is another thread's): nothing of ours ran
         plan, self._reads = self._reads, None
-        if self._step is not None:
-            self._step = None
-            end_step(self._rowset, self._blocks, ok)
+        step, self._step = self._step, None
+        if step is not None:
+            end_step(self._rowset, self._blocks, step, ok)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:

@@ -15,12 +15,21 @@ from typing import Any
 
 import torch
 
-from .. import _compat_generate
+from .. import _compat, _compat_generate
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
-from .cache import PagedPrefixCache, begin_forward, end_forward, note_compile, plan_call, plan_prompt, static_step
+from .cache import (
+    PagedPrefixCache,
+    begin_forward,
+    end_forward,
+    note_compile,
+    plan_call,
+    plan_prompt,
+    static_step,
+    takes_steps,
+)
 from .parts import Handle, StoreParts
 from .proof import CACHE_KWARGS, ForwardInputs
 
@@ -105,6 +114,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         # always_call: a forward that raises (or is cancelled by close() from another thread) still ends
         model.register_forward_hook(after, with_kwargs=True, always_call=True),
         _PrepareUser(model),
+        _StepsOnly(model),
     ]
 
 
@@ -114,6 +124,9 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     cache = paged_cache(kwargs)
     if cache is None or args or not isinstance(input_ids, torch.Tensor):
         return original(input_ids, *args, **kwargs)
+    model = cache.store.hf_model
+    if has_open_store(model):
+        _StepsOnly.wrap(model)
     step = _compat_generate.generate_step(kwargs, cache, input_ids)
     length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
     _compat_generate.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
@@ -169,6 +182,63 @@ def note_generate_compile(model: torch.nn.Module, model_kwargs: dict[str, Any], 
     cache = paged_cache(model_kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
         note_compile(cache, compiled)
+
+
+def runs_eagerly(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether a forward of ``model`` with the keywords ``kwargs`` must run outside ``generate``'s compiled call
+    (the ``get_compiled_call`` wrapper of :func:`prefixkv._compat_generate.install_generation_patches` asks): one
+    with a ``PagedPrefixCache`` of a store on ``model`` that is not a compiled step (a step feeds one token,
+    :func:`prefixkv.hf.cache.takes_steps`). Does not mutate."""
+    cache = paged_cache(kwargs)
+    if cache is None or not has_open_store(model) or cache.store.hf_model is not model:
+        return False
+    fed = kwargs.get("input_ids")
+    if not isinstance(fed, torch.Tensor):
+        fed = kwargs.get("inputs_embeds")
+    return not (isinstance(fed, torch.Tensor) and fed.dim() >= 2 and fed.shape[1] == 1 and takes_steps(cache))
+
+
+class _CompiledCall:
+    """What ``model.compile()`` made of a model's call, but for a forward that :func:`runs_eagerly`, which runs the
+    plain call instead: a forward with a ``PagedPrefixCache`` that is not a compiled step decides in Python at every
+    layer, and traced, its graph breaks would compile the frames of the decorators every model's forward shares
+    (transformers' ``deprecate_kwarg`` wrapper) until they reach dynamo's recompile limit, after which another
+    model's compile of them fails. Holds the model by a weak reference."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Any) -> None:
+        self.compiled = compiled
+        self._model = weakref.ref(model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is not None and runs_eagerly(model, kwargs):
+            return _compat.plain_call(model)(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
+
+
+class _StepsOnly:
+    """A store's share of the model's compiled call (``model.compile()``): :meth:`wrap` makes it a
+    :class:`_CompiledCall`, at the store's construction and before each forward of ``generate`` with its cache (a
+    ``model.compile()`` may come later); the last store to leave gives the model its compiled call back."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model: torch.nn.Module | None = model
+        self.wrap(model)
+
+    @staticmethod
+    def wrap(model: torch.nn.Module) -> None:
+        """Make ``model``'s compiled call, if it has one, a :class:`_CompiledCall`. Mutates the model."""
+        compiled = _compat.compiled_call(model)
+        if compiled is not None and not isinstance(compiled, _CompiledCall):
+            model._compiled_call_impl = _CompiledCall(model, compiled)
+
+    def remove(self) -> None:
+        model, self._model = self._model, None
+        if model is None or has_open_store(model):  # the prepare wrapper leaves first: held while another store is
+            return
+        compiled = _compat.compiled_call(model)
+        if isinstance(compiled, _CompiledCall):
+            model._compiled_call_impl = compiled.compiled
 
 
 _PREPARE = "prepare_inputs_for_generation"

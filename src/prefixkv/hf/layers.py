@@ -2,7 +2,7 @@
 the per-layer face transformers calls (:class:`PagedLayer`; every call goes to the cache), whether the K/V fit the
 store (:func:`check_layer`), their write into the pool and what the attention is handed (:func:`write_layer`,
 :func:`hand_out`); and a compiled step (:mod:`prefixkv.attention.static`), which writes every layer in one graph
-while it holds the store's lock (:func:`begin_step`, :func:`end_step`), where the store allows them
+and whose writes :func:`end_step` carries over a growth of the pool (:func:`begin_step`), where the store allows them
 (:func:`compile_refusal`). The cache hands each function the parts it
 needs (its rows, the forward's read plan, the store), so none of them reaches into the cache, and this module does
 not import it: which thread's forward owns the cache, and a ``close()`` from another one, stay the cache's."""
@@ -171,7 +171,8 @@ def begin_step(
 ) -> static.StaticStep:
     """The tensors of a compiled step (:mod:`prefixkv.attention.static`) feeding column ``start`` of ``held``'s
     rows: as wide as the mask ``generate`` built from ``get_mask_sizes``, else the bucket of ``start + 1`` columns.
-    Takes the store's lock, which :func:`end_step` gives back."""
+    Holds no lock: a forward may end without its end hook (``KeyboardInterrupt``, an exception in a compiled
+    call), so nothing it takes may wait for :func:`end_step`. Does not mutate."""
     pool = blocks.pool  # its devices: a growth keeps them
     mask = forward.attention_mask
     columns = (
@@ -183,26 +184,21 @@ def begin_step(
         raise CacheMisuseError(f"the forward's mask has {columns} columns, but it feeds column {start}")
     device = pool.specs[0].device
     table = tables.table([r.pad for r in held.rows], [r.table for r in held.rows], columns, device)
-    position = torch.tensor(start, device=device)
-    # the graph writes into the pool without the block manager: its lock is held until the forward ends, so
-    # that no other thread grows the pool (a copy) meanwhile, which would lose the step's writes
-    blocks.lock.acquire()
-    try:
-        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, position)
-    except BaseException:
-        blocks.lock.release()
-        raise
+    with blocks.lock:  # the pool's tensors of now, not those of a growth half done in another thread
+        return static.StaticStep(blocks.pool, held.new.view(-1).to(device), table, torch.tensor(start, device=device))
 
 
-def end_step(held: RowSet, blocks: BlockManager, ok: bool) -> None:
-    """The end of a compiled step that :func:`begin_step` began (``ok``: its forward returned): keep the null block
-    zeros, give the store's lock back, and note that the step wrote every layer. Mutates."""
-    try:
+def end_step(held: RowSet, blocks: BlockManager, step: static.StaticStep, ok: bool) -> None:
+    """The end of a compiled step that :func:`begin_step` began (``ok``: its forward returned). Under the store's
+    lock: the step's writes carried into the pool's tensors where another thread grew the pool meanwhile (a growth
+    copies every layer into new tensors, and the graph wrote into the ones it was given), and the null block kept
+    zeros; then note that the step wrote every layer. Mutates."""
+    with blocks.lock:
+        if ok:
+            step.carry_over(blocks.pool)
         if held.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
             for t in (*blocks.pool.keys, *blocks.pool.values):
                 t[:, 0].zero_()
-    finally:
-        blocks.lock.release()  # taken by begin_step
     if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
         held.seen[:] = [held.length] * len(held.seen)
 
