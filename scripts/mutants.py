@@ -108,6 +108,25 @@ MUTATIONS = [
         "an emptied namespace's root is never dropped: memory grows with the number of users (issue 32, #5)",
     ),
     Mutation(
+        "trie-lookup-makes-a-root",
+        "kv/trie.py",
+        "root = self._roots.find(space)",
+        "root = self._roots.get(space)",
+        (
+            "tests/test_trie.py::test_a_namespace_per_request_leaves_nothing_once_its_prefixes_are_gone",
+            "tests/test_namespaces.py::test_looking_up_a_namespace_leaves_no_trace",
+        ),
+        "a lookup in a namespace that holds nothing makes its root, kept forever (issue 43, review #5)",
+    ),
+    Mutation(
+        "namespace-root-tables-never-shrink",
+        "kv/nodes.py",
+        "if 4 * len(self._roots) < self._high:",
+        "if False:",
+        ("tests/test_trie.py::test_a_namespace_per_request_leaves_nothing_once_its_prefixes_are_gone",),
+        "the tables of the namespaces' roots keep the size of their peak after clear() (issue 43, review #5)",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",
