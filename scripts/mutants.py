@@ -61,8 +61,8 @@ MUTATIONS = [
     Mutation(
         "tier-identity-without-chunk-size",
         "files.py",
-        'meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
-        'meta = persist.store_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}',
+        "meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT)",
+        "meta = persist.store_meta(settings, specs, model, model_print, BLOCK_FORMAT)",
         ("tests/test_tier.py::test_a_disk_tier_of_another_store_is_not_read",),
         "a disk tier written in one prefill schedule is restored by a store of another",
     ),
@@ -125,6 +125,14 @@ MUTATIONS = [
         "if False:",
         ("tests/test_trie.py::test_a_namespace_per_request_leaves_nothing_once_its_prefixes_are_gone",),
         "the tables of the namespaces' roots keep the size of their peak after clear() (issue 43, review #5)",
+    ),
+    Mutation(
+        "tier-file-tensors-unchecked",
+        "kv/tier.py",
+        "why = None if self._check is None else self._check(tensors)",
+        "why = None",
+        ("tests/test_tier.py::test_a_block_file_with_a_right_checksum_but_wrong_tensors_is_dropped_and_recomputed",),
+        "a tier file with a right checksum but a wider K, a missing V or NaN is served (issue 43, review #6)",
     ),
     Mutation(
         "eviction-newest-first",
