@@ -309,6 +309,48 @@ def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
         trie.check_invariants()
 
 
+def _protected_leaves(trie: RadixTrie, tokens: range) -> list[Node]:
+    """One-block leaves, each reused twice (protected)."""
+    nodes = []
+    for t in tokens:
+        nodes.append(trie.insert([t], [t]).node)
+        trie.touch(nodes[-1])
+        trie.touch(nodes[-1])
+    return nodes
+
+
+def test_priorities_come_before_the_protected_share() -> None:
+    """Priority first, then the protected share: when protected nodes hold too much, their leaves go before
+    unprotected ones of the same priority, never before a leaf of lower priority (a soft pin at 90 outlasts a one-off
+    at 35), and a protected leaf of lower priority still goes first."""
+    for protected_priority, one_off_priority, first_out in ((90, None, [50]), (None, 90, [1]), (None, 10, [50])):
+        trie = RadixTrie(block_size=1)
+        for node in _protected_leaves(trie, range(1, 6)):
+            if protected_priority is not None:
+                trie.retain(node, protected_priority)
+        one_off = trie.insert([50], [50]).node
+        if one_off_priority is not None:
+            trie.retain(one_off, one_off_priority)
+        assert trie.policy.protected_occurrences == 5 > 0.8 * trie.policy.peak  # over the share
+        assert trie.evict_one() == first_out, (protected_priority, one_off_priority)
+        trie.check_invariants()
+
+
+def test_the_protected_share_is_of_the_most_held_not_of_what_is_left() -> None:
+    """After evictions shrank what the trie holds, protected nodes that hold most of what is left but not
+    PROTECTED_SHARE of the most it held still outlast one-offs: a store that shrank does not give up its reused
+    prefixes."""
+    trie = RadixTrie(block_size=1)
+    _protected_leaves(trie, range(1, 9))  # 8 protected
+    for t in range(50, 54):  # 4 one-offs: a peak of 12
+        trie.insert([t], [t])
+    assert [trie.evict_one() for _ in range(3)] == [[50], [51], [52]]  # 8 of 12 is under the share
+    assert trie.policy.protected_occurrences == 8 and trie.policy.occurrences == 9  # 8 of 9 held, 8 of 12 at most
+    assert trie.evict_one() == [53]
+    assert trie.evict_one() == [1]
+    trie.check_invariants()
+
+
 def test_retained_priorities_order_eviction_and_keep_nothing_forever() -> None:
     trie = RadixTrie(block_size=1)
     low, _, high = (trie.insert([t], [t]).node for t in (1, 2, 3))
