@@ -159,6 +159,14 @@ MUTATIONS = [
         "the protected share is taken of what is held now: a reused prefix goes while a one-off stays",
     ),
     Mutation(
+        "weights-state-without-version",
+        "kv/namespace.py",
+        "state.append((t.data_ptr(), version))",
+        "state.append((t.data_ptr(), 0))",
+        ("tests/test_edges.py::test_a_weight_edited_in_part_in_place_starts_a_new_namespace",),
+        "an in-place edit of part of a weight (w[1, 1] += 0.5) goes unseen: stale K/V reused",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",
