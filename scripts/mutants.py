@@ -167,6 +167,14 @@ MUTATIONS = [
         "an in-place edit of part of a weight (w[1, 1] += 0.5) goes unseen: stale K/V reused",
     ),
     Mutation(
+        "options-offload-dir-alone-no-tier",
+        "options.py",
+        '    if offload_dir is not None:\n        return "disk"',
+        "    if offload_dir is not None:\n        return None",
+        ("tests/test_tier.py::test_offload_dir_alone_keeps_evicted_blocks_on_disk",),
+        "offload_dir= without offload= is taken and the store has no second tier: 0 files written",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

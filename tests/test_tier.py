@@ -69,7 +69,7 @@ def test_arguments_are_checked(llama64: Any, tmp_path: Path) -> None:
         PrefixStore(llama64, offload="gpu")
     with pytest.raises(ValueError, match="needs offload_dir"):
         PrefixStore(llama64, offload="disk")
-    with pytest.raises(ValueError, match="need offload="):
+    with pytest.raises(ValueError, match="max_offload_memory='1MiB' bounds a second tier, and none is asked for"):
         PrefixStore(llama64, max_offload_memory="1MiB")
     with pytest.raises(ValueError, match="for offload='disk'"):
         PrefixStore(llama64, offload="cpu", offload_dir=tmp_path)
@@ -98,6 +98,19 @@ def test_evicted_prefixes_come_back_from_the_tier_exactly(llama64: Any, kind: st
         o = store.stats.offload
         assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store.blocks._trie.match([]).length
         assert f"{kind} tier" in prefixkv.display.store_html(store)
+
+
+def test_offload_dir_alone_keeps_evicted_blocks_on_disk(llama64: Any, tmp_path: Path) -> None:
+    """Issue 43: ``offload_dir=`` without ``offload=`` was taken, and the store had no second tier (0 files
+    written). The directory names the one tier kept in files: it is the disk tier, which brings evicted blocks back
+    exactly."""
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload_dir=tmp_path) as store:
+        first, *_ = _fill(llama64, store, range(3))
+        o = store.stats.offload
+        assert o is not None and o.kind == "disk" and o.blocks == len(list(tmp_path.glob("*.safetensors"))) >= 9
+        again = compare(llama64, store, first, do_sample=False)
+        assert again.same_tokens and again.max_diff <= 1e-6 and again.cache.stats.cached_tokens == 36
+        store.check_invariants()
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
