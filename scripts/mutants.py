@@ -161,8 +161,8 @@ MUTATIONS = [
     Mutation(
         "weights-state-without-version",
         "kv/namespace.py",
-        "state.append((t.data_ptr(), version))",
-        "state.append((t.data_ptr(), 0))",
+        "else (t.data_ptr(), version))",
+        "else (t.data_ptr(), 0))",
         ("tests/test_edges.py::test_a_weight_edited_in_part_in_place_starts_a_new_namespace",),
         "an in-place edit of part of a weight (w[1, 1] += 0.5) goes unseen: stale K/V reused",
     ),
