@@ -314,6 +314,24 @@ def test_weights_written_through_data_start_a_new_namespace(write: Any) -> None:
     assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
 
 
+def test_a_weight_edited_in_part_in_place_starts_a_new_namespace() -> None:
+    """Issue 43: one entry of a weight changed in place (``w[1, 1] += 0.5``, as an optimizer step on a sparse
+    gradient or a hand edit does) keeps the storage and every sampled value; only the tensor's version counter
+    tells. Left out of the weights' state, 29 stale tokens were reused, 1.6e-3 off stock."""
+    model, ref, store, ids = warmed()
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    sampled = prefixkv.kv.namespace._few_values(weight).clone()
+    for target in (model, ref):
+        with torch.no_grad():
+            target.model.layers[0].self_attn.k_proj.weight[1, 1] += 0.5
+    assert torch.equal(prefixkv.kv.namespace._few_values(weight), sampled)  # the sampled values do not see it
+    out, reused = run(model, store, ids)
+    distance = diff(out, stock(ref, ids))
+    assert distance <= 1e-6 and reused == 0, (distance, reused)
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
+
+
 @pytest.mark.parametrize(
     ("family", "field", "before", "after"),
     [

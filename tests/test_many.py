@@ -270,6 +270,11 @@ def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.
         (p, c) for prompts_, cached in calls for p, c in zip(prompts_, cached, strict=True) if p not in prompts
     ]
     assert continued, "no row was carried on into a later call"
+    # a row's cached tokens are those of its own prompt, reused in its first call, also for a row carried on into
+    # later calls (which reuse its own new tokens too: not the prompt's)
+    first_call = {tuple(p): c for prompts_, cached in reversed(calls) for p, c in zip(prompts_, cached, strict=True)}
+    for g in out:
+        assert g.cached_tokens == first_call[tuple(g.prompt)] < len(g.prompt), (g.index, g.cached_tokens)
     assert all(c >= (len(p) - 1) // 4 * 4 - 4 for p, c in continued)  # what it said before came from the store
     # a prompt joins carried-on rows only with at most 4 blocks left to compute (every row computes that many)
     for prompts_, cached in calls:

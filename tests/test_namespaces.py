@@ -257,3 +257,20 @@ def test_a_namespace_per_request_costs_no_memory_once_its_prefixes_are_gone(llam
         _exact(later)
         assert later.cache.stats.cached_tokens == 0
         store.check_invariants()
+
+
+def test_looking_up_a_namespace_leaves_no_trace(llama64: Any) -> None:
+    """Issue 43, review #5: ``cached_length`` (a query) and a cache whose namespace holds nothing made that
+    namespace's root, kept forever; an ordinary request afterwards is served as stock serves it."""
+    system = random_tokens(24, seed=30)
+    with PrefixStore(llama64, block_size=BS) as store:
+        trie = store.blocks._trie
+        for i in range(1000):
+            assert store.cached_length(system.tolist(), namespace=f"request-{i}") == 0
+        prefixkv.PagedPrefixCache(store, _prompt(31, system), namespace="looked-up").close()
+        assert trie.namespaces() == [None]  # 1002 before the fix
+        out = compare(llama64, store, _prompt(32, system), do_sample=False)
+        _exact(out)
+        store.clear()
+        assert trie.namespaces() == [None] and trie.policy.queued() == 0
+        store.check_invariants()

@@ -51,6 +51,13 @@ def test_budget_and_lru(kind: str, tmp_path: Path) -> None:
     tier.check_invariants()
 
 
+def test_a_directory_the_tier_makes_is_private_to_its_owner(tmp_path: Path) -> None:
+    """Whoever can write to offload_dir chooses what the store serves (docs/memory.md): one prefixkv makes is
+    not writable, nor readable, by others."""
+    OffloadTier("disk", directory=tmp_path / "new" / "tier")
+    assert (tmp_path / "new" / "tier").stat().st_mode & 0o777 == 0o700
+
+
 def test_chunk_keys_chain_the_whole_prefix() -> None:
     a = chunk_keys([1, 2, 3, 4], 2, 2)
     assert chunk_keys([9, 2, 3, 4], 2, 2)[1] != a[1]  # same last block, another prefix: another key
@@ -62,7 +69,7 @@ def test_arguments_are_checked(llama64: Any, tmp_path: Path) -> None:
         PrefixStore(llama64, offload="gpu")
     with pytest.raises(ValueError, match="needs offload_dir"):
         PrefixStore(llama64, offload="disk")
-    with pytest.raises(ValueError, match="need offload="):
+    with pytest.raises(ValueError, match="max_offload_memory='1MiB' bounds a second tier, and none is asked for"):
         PrefixStore(llama64, max_offload_memory="1MiB")
     with pytest.raises(ValueError, match="for offload='disk'"):
         PrefixStore(llama64, offload="cpu", offload_dir=tmp_path)
@@ -91,6 +98,19 @@ def test_evicted_prefixes_come_back_from_the_tier_exactly(llama64: Any, kind: st
         o = store.stats.offload
         assert o is not None and o.restored >= 9 and o.hit_tokens >= 36 - store.blocks._trie.match([]).length
         assert f"{kind} tier" in prefixkv.display.store_html(store)
+
+
+def test_offload_dir_alone_keeps_evicted_blocks_on_disk(llama64: Any, tmp_path: Path) -> None:
+    """Issue 43: ``offload_dir=`` without ``offload=`` was taken, and the store had no second tier (0 files
+    written). The directory names the one tier kept in files: it is the disk tier, which brings evicted blocks back
+    exactly."""
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload_dir=tmp_path) as store:
+        first, *_ = _fill(llama64, store, range(3))
+        o = store.stats.offload
+        assert o is not None and o.kind == "disk" and o.blocks == len(list(tmp_path.glob("*.safetensors"))) >= 9
+        again = compare(llama64, store, first, do_sample=False)
+        assert again.same_tokens and again.max_diff <= 1e-6 and again.cache.stats.cached_tokens == 36
+        store.check_invariants()
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
@@ -168,6 +188,50 @@ def test_a_damaged_block_file_is_dropped_and_recomputed(llama64: Any, tmp_path: 
             again = compare(llama64, store, first, do_sample=False)
         assert again.cache.stats.cached_tokens < 36 and again.max_diff <= 1e-6  # the rest was recomputed
         assert not damaged.exists()
+        store.check_invariants()
+
+
+def _wider_k(t: dict[str, torch.Tensor]) -> None:
+    t["k.0"] = torch.cat([t["k.0"], t["k.0"][..., :1]], dim=-1)
+
+
+def _nan(t: dict[str, torch.Tensor]) -> None:
+    t["v.1"][0, 1, 0, 0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("plant", "why"),
+    [(_wider_k, "does not hold the K/V its metadata names"), (lambda t: t.pop("v.1"), "v.1 is missing"), (_nan, "NaN")],
+    ids=["a wider K", "a missing V", "NaN"],
+)
+def test_a_block_file_with_a_right_checksum_but_wrong_tensors_is_dropped_and_recomputed(
+    llama64: Any, tmp_path: Path, plant: Any, why: str
+) -> None:
+    """Issue 43, review #6: a file whose checksum and metadata are right but whose tensors are not what the metadata
+    names (another writer of a shared offload_dir) made every request sharing its prefix raise (``index_copy_()``,
+    ``KeyError: 'v.1'``) or be served NaN logits, and the file stayed. It is dropped with a warning and its blocks
+    recomputed, exactly; a later ordinary request reuses them, exactly."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from prefixkv.kv.prefix_file import checksum
+
+    with PrefixStore(llama64, block_size=BS, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:
+        first, *_ = _fill(llama64, store, range(3))
+        assert store.tier is not None
+        planted = store.tier.path(chunk_keys(first[0].tolist(), BS, 9)[4])
+        with safe_open(str(planted), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        plant(tensors)
+        save_file(tensors, str(planted), metadata={**meta, "checksum": checksum(tensors, meta)})
+        with pytest.warns(UserWarning, match=why):
+            again = compare(llama64, store, first, do_sample=False)
+        assert again.same_tokens and again.max_diff <= 1e-6, again.max_diff
+        assert again.cache.stats.cached_tokens == 16  # the 4 blocks before the planted one, from the tier
+        assert not planted.exists()
+        later = compare(llama64, store, first, do_sample=False)  # what the last call recomputed and published
+        assert later.same_tokens and later.max_diff <= 1e-6 and later.cache.stats.cached_tokens == 36
         store.check_invariants()
 
 

@@ -309,6 +309,48 @@ def test_protected_prefixes_cannot_keep_new_ones_out_forever() -> None:
         trie.check_invariants()
 
 
+def _protected_leaves(trie: RadixTrie, tokens: range) -> list[Node]:
+    """One-block leaves, each reused twice (protected)."""
+    nodes = []
+    for t in tokens:
+        nodes.append(trie.insert([t], [t]).node)
+        trie.touch(nodes[-1])
+        trie.touch(nodes[-1])
+    return nodes
+
+
+def test_priorities_come_before_the_protected_share() -> None:
+    """Priority first, then the protected share: when protected nodes hold too much, their leaves go before
+    unprotected ones of the same priority, never before a leaf of lower priority (a soft pin at 90 outlasts a one-off
+    at 35), and a protected leaf of lower priority still goes first."""
+    for protected_priority, one_off_priority, first_out in ((90, None, [50]), (None, 90, [1]), (None, 10, [50])):
+        trie = RadixTrie(block_size=1)
+        for node in _protected_leaves(trie, range(1, 6)):
+            if protected_priority is not None:
+                trie.retain(node, protected_priority)
+        one_off = trie.insert([50], [50]).node
+        if one_off_priority is not None:
+            trie.retain(one_off, one_off_priority)
+        assert trie.policy.protected_occurrences == 5 > 0.8 * trie.policy.peak  # over the share
+        assert trie.evict_one() == first_out, (protected_priority, one_off_priority)
+        trie.check_invariants()
+
+
+def test_the_protected_share_is_of_the_most_held_not_of_what_is_left() -> None:
+    """After evictions shrank what the trie holds, protected nodes that hold most of what is left but not
+    PROTECTED_SHARE of the most it held still outlast one-offs: a store that shrank does not give up its reused
+    prefixes."""
+    trie = RadixTrie(block_size=1)
+    _protected_leaves(trie, range(1, 9))  # 8 protected
+    for t in range(50, 54):  # 4 one-offs: a peak of 12
+        trie.insert([t], [t])
+    assert [trie.evict_one() for _ in range(3)] == [[50], [51], [52]]  # 8 of 12 is under the share
+    assert trie.policy.protected_occurrences == 8 and trie.policy.occurrences == 9  # 8 of 9 held, 8 of 12 at most
+    assert trie.evict_one() == [53]
+    assert trie.evict_one() == [1]
+    trie.check_invariants()
+
+
 def test_retained_priorities_order_eviction_and_keep_nothing_forever() -> None:
     trie = RadixTrie(block_size=1)
     low, _, high = (trie.insert([t], [t]).node for t in (1, 2, 3))
@@ -390,3 +432,86 @@ def test_nested_retains_keep_the_highest_priority_on_their_common_path() -> None
     assert sorted(order[1:3]) == [[7], [8]]  # the one-off prompts, at the default 35
     assert order[3] == [1, 2]  # the system prompt: 90 and 10 reach it, 90 counts
     assert trie.evict_one() is None
+
+
+def test_a_namespace_per_request_leaves_nothing_once_its_prefixes_are_gone() -> None:
+    """Issue 43, review #5: a lookup in a namespace made its root (``match`` is a query), and the roots, and the
+    tables that held them, stayed after ``clear()``: 635 bytes per namespace. 1000 namespaces, each looked up in,
+    published in and evicted: the roots, the policy's entries and the memory back to where they were."""
+    import gc
+    import tracemalloc
+
+    t = RadixTrie(block_size=2)
+    t.lock(t.insert([1, 2, 3], [1, 2]).node)  # the default namespace holds a locked prefix throughout
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1000):
+            assert t.match([1, 2, 3], ("lookup", i)).length == 0
+            assert len(t.namespaces()) == 1 + i  # the default and the requests before: a lookup makes no root
+            t.insert([4, 5, 6, i], [3, 4], ("request", i))
+        assert len(t.namespaces()) == 1001
+        t.clear()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert t.namespaces() == [None] and t.policy.queued() == 0
+    assert grown < 4096, grown  # 635 kB before the fix: roots of lookups, and the tables of every root
+    assert t.match([1, 2, 3]).length == 3
+    t.check_invariants()
+
+
+def test_a_namespace_loses_its_root_when_eviction_takes_its_last_prefix() -> None:
+    """Without ``clear()``: a namespace emptied by eviction keeps its root only until the next one is emptied."""
+    t = RadixTrie(block_size=2)
+    for i in range(100):
+        t.insert([7, 8, i], [1, 2], ("request", i))
+    while t.evict_lru() is not None:
+        assert len(t.namespaces()) <= len({n.space for n in t.view()} | {None}) + 1
+    assert len(t.namespaces()) <= 2
+    t.check_invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    script=st.lists(
+        st.one_of(
+            st.tuples(st.just("insert"), st.integers(0, 3), seqs),
+            st.tuples(st.just("match"), st.integers(0, 5), seqs),
+            st.tuples(st.just("evict"), st.integers(0, 3), st.just([])),
+            st.tuples(st.just("clear"), st.just(0), st.just([])),
+        ),
+        max_size=40,
+    )
+)
+def test_namespaces_have_a_root_while_they_hold_nodes(script: list[tuple[str, int, list[int]]]) -> None:
+    """Under random inserts, lookups and evictions in several namespaces: a lookup makes no root, a namespace keeps
+    its root while it holds nodes (and at most one emptied namespace keeps it a while longer), a node just evicted
+    still names its namespace, and each namespace matches only what was inserted in it."""
+    trie = RadixTrie(2)
+    inserted: dict[object, list[list[int]]] = {}
+    for op, n, seq in script:
+        space = None if n == 0 else f"space-{n}"
+        before = trie.namespaces()
+        if op == "insert":
+            trie.insert(seq, list(range(1, len(seq) // 2 + 2)), space)
+            inserted.setdefault(space, []).append(seq)
+            assert trie.match(seq, space).length == len(seq)
+        elif op == "match":
+            m = trie.match(seq, space)
+            assert m.length <= max((lcp(s, seq) for s in inserted.get(space, [])), default=0)
+            assert trie.namespaces() == before
+        elif op == "evict":
+            for _ in range(n):
+                node = trie.evict_lru()
+                if node is None:
+                    break
+                assert trie.space_of(node) in inserted
+        else:
+            trie.clear()
+            assert trie.namespaces() == [None]
+        holding = {v.space for v in trie.view()} | {None}
+        assert holding <= set(trie.namespaces()) and len(trie.namespaces()) <= len(holding) + 1
+        trie.check_invariants()

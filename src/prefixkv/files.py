@@ -5,6 +5,7 @@ its checksum and its checks against a model are :mod:`prefixkv.kv.prefix_file`'s
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -49,8 +50,12 @@ def offload_tier(
     # the adapters are left out: a tier's keys carry the namespace (active adapters) already, so one
     # directory serves a model under each of its adapters
     model_print = fingerprint(model, adapters=False)
-    meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT) if offload == "disk" else {}
-    return OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta)
+    if offload != "disk":
+        return OffloadTier(offload, max_bytes=limit, directory=offload_dir)
+    meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT)
+    # a file's tensors are checked as a saved file's: a right checksum proves only that they were written so
+    check = functools.partial(prefix_file.block_problem, meta=meta)
+    return OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta, check=check)
 
 
 def save(

@@ -54,11 +54,28 @@ def check_options(
     check_kv_dtype(kv_dtype)
     # how attention reads the pool; it changes no K/V, so keys and files leave it out
     backend = registry.check_backend(attention)
-    if offload is None and (max_offload_memory is not None or offload_dir is not None):
-        raise ValueError("max_offload_memory and offload_dir need offload='cpu' or offload='disk'")
+    offload_kind(offload, max_offload_memory, offload_dir)
     check_supported(model)
     model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
     return StoreSettings(block_size, chunk, store_dtype or model_dtype, model_dtype, kv_dtype, backend)
+
+
+def offload_kind(
+    offload: str | None, max_offload_memory: int | str | None, offload_dir: str | os.PathLike[str] | None
+) -> str | None:
+    """The second tier a store builds: ``offload``, or ``"disk"`` where only ``offload_dir`` is given (the one tier
+    kept in a directory: a directory named for nothing would be a tier silently missing). Raises ``ValueError`` for
+    ``max_offload_memory`` without a tier (it could bound either). Does not mutate."""
+    if offload is not None:
+        return offload
+    if offload_dir is not None:
+        return "disk"
+    if max_offload_memory is not None:
+        raise ValueError(
+            f"max_offload_memory={max_offload_memory!r} bounds a second tier, and none is asked for: pass "
+            "offload='cpu' (host memory) or offload='disk' with offload_dir"
+        )
+    return None
 
 
 def _check_chunk_size(invariant: Any, chunk_size: Any, block_size: int) -> int | None:

@@ -27,7 +27,7 @@ from .kv.namespace import Namespace, layer_devices, transformers_model, user_spa
 from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.tier import OffloadTier
 from .memory import attention_shape, format_bytes
-from .options import check_options, check_priority, choose_attention, max_blocks
+from .options import check_options, check_priority, choose_attention, max_blocks, offload_kind
 from .stats import CacheStats, StoreStats
 
 _INITIAL_BLOCKS = 16
@@ -43,9 +43,9 @@ class PrefixStore:
 
     ``kv_dtype="int8"`` (or ``"fp8"``) stores K/V in 8 bits with a scale per token and KV head, read
     back in ``dtype``: about half the memory of bf16 and a quarter of fp32 per token, at a small, measured
-    cost in fidelity (``docs/memory.md``). ``offload="cpu"`` or ``"disk"`` (with ``offload_dir``) moves
-    blocks evicted from the pool to host memory or files, within ``max_offload_memory``, and brings them
-    back when a later prompt starts with them.
+    cost in fidelity (``docs/memory.md``). ``offload="cpu"`` or ``"disk"`` (with ``offload_dir``; ``offload_dir``
+    alone means ``"disk"``) moves blocks evicted from the pool to host memory or files, within
+    ``max_offload_memory``, and brings them back when a later prompt starts with them.
 
     ``invariant=True`` makes every call's logits bit-identical whatever the store holds (docs/correctness.md,
     "Outputs that never depend on the cache"): prompt K/V are computed in chunks of ``chunk_size`` tokens (a
@@ -105,7 +105,8 @@ class PrefixStore:
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         self.max_blocks = max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
-        tier = files.offload_tier(offload, max_offload_memory, offload_dir, settings, specs, model)
+        kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
+        tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model)
         self.blocks = BlockManager(
             BlockPool(specs, block_size, first + 1, kv_dtype),
             chunk_size=settings.chunk_size,

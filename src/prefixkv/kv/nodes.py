@@ -49,14 +49,16 @@ def path_tokens(node: Node) -> list[int]:
 
 
 class Roots:
-    """The root of each namespace of a trie. A root is made on first use; the root of a namespace (but the
-    default one) that lost its last node is forgotten at the next new root or :meth:`drop_empty`, not at once, so
-    that :meth:`space_of` still names a node just evicted: a namespace per user must not cost memory forever."""
+    """The root of each namespace of a trie. A root is made on first use by an insert (a lookup makes none); the root
+    of a namespace (but the default one) that lost its last node is dropped when the next one is emptied, at the next
+    new root or at :meth:`drop_empty`, not at once, so that :meth:`space_of` still names a node just evicted: a
+    namespace per user or per request costs no memory once its prefixes are gone (the tables shrink too)."""
 
     def __init__(self) -> None:
         self._roots: dict[Hashable, Node] = {}
         self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
         self._emptied: set[Hashable] = set()
+        self._high = 0  # the most roots since the tables were last rebuilt (a dict never shrinks as keys go)
 
     def get(self, space: Hashable) -> Node:
         """The root of ``space``, made (locked forever) if it has none. Mutates on first use."""
@@ -66,7 +68,12 @@ class Roots:
             root = self._roots[space] = Node([], 0, [], None)
             root.lock = 1
             self._spaces[id(root)] = space
+            self._high = max(self._high, len(self._roots))
         return root
+
+    def find(self, space: Hashable) -> Node | None:
+        """The root of ``space``, or ``None`` if it has none. Does not mutate."""
+        return self._roots.get(space)
 
     def space_of(self, node: Node) -> Hashable:
         """The namespace ``node`` is in. Does not mutate."""
@@ -75,17 +82,24 @@ class Roots:
         return self._spaces[id(node)]
 
     def emptied(self, root: Node) -> None:
-        """Note that ``root`` lost its last node. Mutates."""
-        self._emptied.add(self._spaces[id(root)])
+        """Note that ``root`` lost its last node, dropping those emptied before it that are still empty. Mutates."""
+        space = self._spaces[id(root)]
+        self._emptied.discard(space)  # emptied before, filled again since: kept for now all the same
+        self.drop_empty()
+        self._emptied.add(space)
 
-    def drop_empty(self) -> None:
-        """Forget the roots of namespaces (but the default one) that hold no node and no lock. Mutates."""
-        for space in self._emptied:
+    def drop_empty(self, *, every: bool = False) -> None:
+        """Drop the roots of namespaces (but the default one) that were emptied and hold no node and no lock (with
+        ``every``, of all namespaces: ``clear()``). Mutates."""
+        for space in list(self._roots) if every else self._emptied:
             root = self._roots.get(space)
             if root is not None and space is not None and not root.children and root.lock == 1:
                 del self._roots[space]
                 del self._spaces[id(root)]
         self._emptied.clear()
+        if 4 * len(self._roots) < self._high:  # rebuilt at a quarter of the most: O(1) amortised per root
+            self._roots, self._spaces = dict(self._roots), dict(self._spaces)
+            self._high = len(self._roots)
 
     def __contains__(self, space: Hashable) -> bool:
         return space in self._roots

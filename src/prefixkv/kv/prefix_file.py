@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -97,56 +98,30 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         return PersistError(f"{path} is malformed: {what}; it was not written by prefixkv.save")
 
     bs = _int(meta, "block_size", path)
-    num_layers = _int(meta, "num_layers", path)
-    if bs < 1 or num_layers < 1:
-        raise bad(f"block_size {bs}, num_layers {num_layers}")
-    for name in (*TRIE_KEYS, *(f"{kv}.{i}" for i in range(num_layers) for kv in "kv")):
+    for name in TRIE_KEYS:
         if name not in tensors:
             raise bad(f"tensor {name} is missing")
     parent, length, tokens, num_blocks, blocks = (_long_list(tensors[k], k, bad) for k in TRIE_KEYS)
-    keys = [tensors[f"k.{i}"] for i in range(num_layers)]
-    values = [tensors[f"v.{i}"] for i in range(num_layers)]
-    shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
-    dtype = _dtype(meta, "dtype", path)
-    kv_dtype = meta.get("kv_dtype")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
-    stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
-    count = keys[0].shape[0] if keys[0].dim() == 4 else -1
-    for t in (*keys, *values):
-        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
-            raise bad(
-                f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
-                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
-            )
     version = _int(meta, "format_version", path)
-    if kv_dtype is not None and version < FORMAT_VERSION:
+    if meta.get("kv_dtype") is not None and version < FORMAT_VERSION:  # before the scales, whose shape it changed
         layout = "one scale per block" if version == 1 else "codes of head vectors turned by another transform"
         raise PersistError(
-            f"{path} holds {kv_dtype} K/V with {layout} (format version {version}, an older prefixkv); this "
+            f"{path} holds {meta['kv_dtype']} K/V with {layout} (format version {version}, an older prefixkv); this "
             f"prefixkv (format version {FORMAT_VERSION}) cannot read them. Save the prefixes again from an "
             "unquantized store or with this prefixkv"
         )
-    scales = {}
-    if kv_dtype is not None:
-        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
-            scale = tensors.get(name)
-            if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, *shape[:2]):
-                raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {shape[1]}]")
-            scales[name] = scale
+    kv = kv_tensors(tensors, meta, path, bad)
     nodes = len(parent)
     if not (len(length) == len(num_blocks) == nodes and sum(length) == len(tokens) and sum(num_blocks) == len(blocks)):
         raise bad("the trie tensors disagree in length")
-    if any(not 0 <= b < count for b in blocks):
+    if any(not 0 <= b < kv.blocks for b in blocks):
         raise bad("a block index is out of range")  # token keys may be negative: tokens a mask hid
-    for name, per_layer in zip(("K", "V"), (keys, values)):
-        for layer, block in enumerate(per_layer):
-            if not torch.isfinite(block).all():
-                raise PersistError(
-                    f"{path} holds non-finite {name} values (NaN or inf) in layer {layer}: every later request "
-                    "reusing them would compute NaN logits. The file was not written from a sane store; save the "
-                    "prefixes again"
-                )
+    why = non_finite(kv)
+    if why is not None:
+        raise PersistError(
+            f"{path} holds {why}: every later request reusing them would compute NaN logits. The file was not "
+            "written from a sane store; save the prefixes again"
+        )
     starts: list[int] = []  # position of each node's first token
     token_at: list[int] = []  # where each node's edge starts in ``tokens``, its blocks in ``blocks``
     block_at: list[int] = []
@@ -184,14 +159,92 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
     return PrefixFile(
         meta,
         bs,
-        dtype,
+        kv.dtype,
         _dtype(meta, "model_dtype", path),
         paths,
-        keys,
-        values,
-        kv_dtype,
-        scales,
+        kv.keys,
+        kv.values,
+        kv.kv_dtype,
+        kv.scales,
     )
+
+
+class KV(NamedTuple):
+    """The K/V tensors of a file, as :func:`kv_tensors` checked them: per layer ``[blocks, block_size, kv_heads,
+    head_dim]`` K and V (codes when quantized), the scales by name, the dtype K/V are read back in."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    scales: dict[str, torch.Tensor]
+    blocks: int
+    dtype: torch.dtype
+    kv_dtype: str | None
+
+
+def kv_tensors(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str], path: PathLike, bad: Callable[[str], Exception]
+) -> KV:
+    """The K/V tensors (and scales) of a file of saved prefixes or of a tier's block, checked against the shapes and
+    dtypes its metadata ``meta`` names: each present, of its dtype and shape, as many blocks in each. Raises
+    ``bad(what is wrong)``, or :class:`PersistError` for metadata that names no valid shape. Does not mutate."""
+    bs = _int(meta, "block_size", path)
+    num_layers = _int(meta, "num_layers", path)
+    if bs < 1 or num_layers < 1:
+        raise bad(f"block_size {bs}, num_layers {num_layers}")
+    for name in (f"{kv}.{i}" for i in range(num_layers) for kv in "kv"):
+        if name not in tensors:
+            raise bad(f"tensor {name} is missing")
+    keys = [tensors[f"k.{i}"] for i in range(num_layers)]
+    values = [tensors[f"v.{i}"] for i in range(num_layers)]
+    shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
+    dtype = _dtype(meta, "dtype", path)
+    kv_dtype = meta.get("kv_dtype")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
+    stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
+    count = keys[0].shape[0] if keys[0].dim() == 4 else -1
+    for t in (*keys, *values):
+        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
+            raise bad(
+                f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
+                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+            )
+    scales = {}
+    if kv_dtype is not None:
+        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
+            scale = tensors.get(name)
+            if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, *shape[:2]):
+                raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {shape[1]}]")
+            scales[name] = scale
+    return KV(keys, values, scales, count, dtype, kv_dtype)
+
+
+def non_finite(kv: KV) -> str | None:
+    """Where ``kv`` holds a NaN or an infinity ("non-finite V values (NaN or inf) in layer 1"), or ``None``.
+    Does not mutate."""
+    for name, per_layer in (("K", kv.keys), ("V", kv.values)):
+        for layer, block in enumerate(per_layer):
+            if not torch.isfinite(block).all():
+                return f"non-finite {name} values (NaN or inf) in layer {layer}"
+    for name, scale in kv.scales.items():
+        if not torch.isfinite(scale).all():
+            return f"non-finite scales (NaN or inf) in {name}"
+    return None
+
+
+def block_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str | None:
+    """What is wrong with the tensors of one block of a second tier whose files carry ``meta``
+    (:mod:`prefixkv.kv.tier`: a file with a right checksum and metadata may still hold other tensors, written by
+    another writer of a shared directory), checked as a saved file's (:func:`kv_tensors`, :func:`non_finite`), or
+    ``None``. Does not mutate."""
+    try:
+        kv = kv_tensors(tensors, meta, "", ValueError)
+    except (ValueError, PersistError) as e:
+        return f"does not hold the K/V its metadata names ({e})"
+    if kv.blocks != 1:
+        return f"holds {kv.blocks} blocks, not one"
+    why = non_finite(kv)
+    return None if why is None else f"holds {why}"
 
 
 # -- compatibility ----------------------------------------------------------------------------------------
@@ -269,14 +322,14 @@ def _long_list(t: torch.Tensor, name: str, bad: Any) -> list[int]:
     return values
 
 
-def _int(meta: dict[str, str], key: str, path: Path) -> int:
+def _int(meta: dict[str, str], key: str, path: PathLike) -> int:
     try:
         return int(meta[key])
     except (KeyError, ValueError):
         raise PersistError(f"{path} has no valid {key!r} in its metadata; the file is corrupted") from None
 
 
-def _dtype(meta: dict[str, str], key: str, path: Path) -> torch.dtype:
+def _dtype(meta: dict[str, str], key: str, path: PathLike) -> torch.dtype:
     value = getattr(torch, meta.get(key, ""), None)
     if not isinstance(value, torch.dtype):
         raise PersistError(f"{path} names no valid {key!r} in its metadata ({meta.get(key)!r}); it is corrupted")

@@ -20,6 +20,11 @@ dtype, quantization, block size), and every read checks the file's metadata and 
 so a store never reads another's blocks and leaves their files alone. Stores of one identity share their files:
 one may drop a file another still lists, which is then a miss for that other.
 
+A file read back is also checked as a saved file is (``check``: :func:`prefixkv.kv.prefix_file.block_problem`),
+so that a file with a right checksum and metadata but other tensors is dropped, not served. The checksum is not
+keyed: whoever can write to the directory can plant K/V that pass every check, so a directory must be private to
+stores that trust each other (docs/memory.md, "Who may write to ``offload_dir``").
+
 The tier is best-effort (docs/correctness.md, "The second tier"): a write that fails (a full disk, a removed
 directory) warns once and keeps nothing, so the request that evicted the block goes on.
 """
@@ -31,7 +36,7 @@ import json
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -69,7 +74,9 @@ class OffloadTier:
     within ``max_bytes`` (``None``: unbounded), least recently used first out.
 
     ``meta`` is the metadata (:func:`prefixkv.kv.persist.store_meta`) every disk file carries; files already in
-    ``directory`` with the same metadata are taken as this tier's, the others are left alone.
+    ``directory`` with the same metadata are taken as this tier's, the others are left alone. ``check`` says what
+    is wrong with the tensors of a file read back (``None``: nothing), for files whose checksum and metadata are
+    right but whose tensors are not what the metadata names (:func:`prefixkv.kv.prefix_file.block_problem`).
 
     >>> tier = OffloadTier("cpu", max_bytes=1000)
     >>> tier.put("a", {"k.0": torch.zeros(1, 4, 2, 8)})
@@ -85,6 +92,7 @@ class OffloadTier:
         max_bytes: int | None = None,
         directory: str | os.PathLike[str] | None = None,
         meta: dict[str, str] | None = None,
+        check: Callable[[dict[str, torch.Tensor]], str | None] | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"offload must be None, 'cpu' or 'disk', got {kind!r}")
@@ -95,6 +103,7 @@ class OffloadTier:
         self.kind = kind
         self.max_bytes = max_bytes
         self.meta = dict(meta or {})
+        self._check = check
         self.directory = None if directory is None else Path(directory)
         # file names start with a hash of the metadata: stores of another model, dtype, quantization or block size
         # sharing the directory never write or list each other's files (the same tokens give the same key)
@@ -106,7 +115,7 @@ class OffloadTier:
         self._bytes = 0
         self._offloaded = self._restored = self._hit_tokens = self._evictions = 0
         if self.directory is not None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # its writers choose what is served
             self._scan()
 
     # -- queries ---------------------------------------------------------------------------------
@@ -199,7 +208,7 @@ class OffloadTier:
     def get(self, key: str, space: str = "") -> dict[str, torch.Tensor] | None:
         """The block of namespace ``space`` under ``key`` (marked used), or ``None`` if it is not held, its file is
         gone (another store of this identity dropped it), was written for another store or namespace (then it is
-        left alone), or fails its checksum (then it is dropped, with a warning). Mutates the LRU order."""
+        left alone), or fails its checksum or ``check`` (then it is dropped, with a warning). Mutates the LRU order."""
         if key not in self._sizes:
             return None
         self._sizes.move_to_end(key)
@@ -221,6 +230,10 @@ class OffloadTier:
             return None
         if _identity(meta) != self.meta or meta.get("namespace", "") != space:
             self._bytes -= self._sizes.pop(key)  # not this store's K/V: a miss, and the file stays its writer's
+            return None
+        why = None if self._check is None else self._check(tensors)
+        if why is not None:  # this store's name and metadata, other tensors: no store would read them
+            self._refuse(key, why)
             return None
         return tensors
 

@@ -95,8 +95,14 @@ class RadixTrie:
         self.root = self.root_of(None)
 
     def root_of(self, space: Hashable) -> Node:
-        """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use."""
+        """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use. Mutates then;
+        a namespace that loses its last node loses its root too (:class:`~prefixkv.kv.nodes.Roots`)."""
         return self._roots.get(space)
+
+    def namespaces(self) -> list[Hashable]:
+        """The namespaces that have a root: the default one (``None``), those that hold nodes, and at most one
+        emptied by the latest eviction. Does not mutate."""
+        return list(self._roots)
 
     def space_of(self, node: Node) -> Hashable:
         """The namespace ``node`` is in (also for a node just evicted). Does not mutate."""
@@ -108,8 +114,8 @@ class RadixTrie:
         """Longest cached prefix of ``seq`` in namespace ``space``. Does not mutate (see :meth:`touch`)."""
         seq = seq if isinstance(seq, list) else list(seq)
         bs = self.block_size
-        root = self._roots.get(space)
-        if root is None:
+        root = self._roots.find(space)
+        if root is None:  # a namespace that holds nothing: a lookup makes no root for it
             return Match(0, [], self.root)
         node, pos, last = root, 0, root
         blocks: list[int] = []
@@ -331,11 +337,12 @@ class RadixTrie:
         return node
 
     def clear(self) -> list[int]:
-        """Drop every unlocked node (leaves first, repeatedly); return their block occurrences. Mutates."""
+        """Drop every unlocked node (leaves first, repeatedly) and the root of every namespace left empty; return their
+        block occurrences. Mutates."""
         released: list[int] = []
         while (blocks := self.evict_one()) is not None:
             released.extend(blocks)
-        self._roots.drop_empty()
+        self._roots.drop_empty(every=True)
         return released
 
     # -- checks ----------------------------------------------------------------------------------
