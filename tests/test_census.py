@@ -73,7 +73,10 @@ def test_models_that_attend_to_later_tokens_are_refused_and_causal_ones_kept() -
     assert bert.training is False
     config = census.tiny_config("bert")
     config.is_decoder = True  # BERT as a decoder: causal, served
-    store = prefixkv.PrefixStore(prefixkv.models.build(config, dtype=torch.float64))
+    decoder = prefixkv.models.build(config, dtype=torch.float64).train()
+    decoder.bert.encoder.layer[1].eval()  # the check runs the model in eval mode and gives each module its own back
+    store = prefixkv.PrefixStore(decoder)
+    assert decoder.training and decoder.bert.encoder.layer[0].training and not decoder.bert.encoder.layer[1].training
     store.close()
 
 

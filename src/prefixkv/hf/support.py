@@ -139,7 +139,7 @@ def _sees_later_tokens(model: Any) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.shape[0] < 8:
         return False
     ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own: a frozen part stays in eval mode
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model.eval()
@@ -147,5 +147,6 @@ def _sees_later_tokens(model: Any) -> bool:
     except Exception:
         return False
     finally:
-        model.train(training)
+        for module, training in modes:
+            module.training = training
     return not torch.equal(logits[0, :3], logits[1, :3])
