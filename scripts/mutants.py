@@ -231,6 +231,31 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "a cache that had an eager call says it is not compileable to the next call's choice: never compiled again",
     ),
+    # -- issue 43: what the layers hand a cache, measured (hf/shapes.py)
+    Mutation(
+        "shapes-from-the-config",
+        "store.py",
+        "shape = shapes.measure(self.hf_model, estimate, devices[0])",
+        "shape = estimate",
+        ("tests/test_family_defects.py::test_a_config_that_misnames_the_heads_is_served_from_the_tensors",),
+        "the pool sized from config fields the layers do not use: a store that crashes on its own model",
+    ),
+    Mutation(
+        "shapes-columns-unchecked",
+        "hf/shapes.py",
+        "    if columns != [fed]:",
+        "    if False:",
+        ("tests/test_family_defects.py::test_caches_that_are_not_one_column_per_id_are_refused",),
+        "a model whose cache columns are not one per id (learned prompt tokens, sliced ids) crashes mid-generate",
+    ),
+    Mutation(
+        "shapes-probe-draws-randomness",
+        "hf/shapes.py",
+        "with torch.random.fork_rng(devices=devices), torch.no_grad():",
+        "with torch.no_grad():",
+        ("tests/test_family_defects.py::test_the_measuring_forwards_leave_the_random_state_alone",),
+        "building a store on a model in training mode moves the random stream: other samples than stock",
+    ),
 ]
 
 
