@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import compare, random_tokens, stock_twin
+from conftest import cache_kw, compare, left_pad, random_tokens, stock_twin
 
 import prefixkv
 from prefixkv import census
@@ -134,3 +134,71 @@ def test_gpt_bigcode_with_one_kv_head_per_query_head_is_exact() -> None:
     assert store.pool.keys[0].shape[0] == config.num_attention_heads
     _cold_and_warm_exact(model, store)
     assert stock_twin(model) is not model
+
+
+# -- models that compute from the K/V update hands out, or .view them ---------------------------------------------
+
+
+def _exact_in_every_mode(model: Any, store: prefixkv.PrefixStore) -> None:
+    _cold_and_warm_exact(model, store)
+    system = _prompts()[0][0, :SHARED]
+    beams = torch.cat([system, random_tokens(5, seed=4, vocab=200)])[None]
+    result = compare(model, store, beams, max_new_tokens=4, num_beams=3, do_sample=False)
+    assert result.max_diff <= TOL and result.same_tokens and result.cache.stats.cached_tokens == SHARED
+    store.check_invariants()
+
+
+# DiffLlama splits V in two halves and calls the attention twice; Doge derives its mask from V: handed only the new
+# K/V (the in-place read), both computed from a part of the rows, DiffLlama wrong even cold, Doge crashed warm
+@pytest.mark.parametrize("family", ["diffllama", "doge"])
+def test_a_model_that_computes_from_the_handed_out_kv_gets_whole_rows(family: str) -> None:
+    model = _tiny(family)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert interface.serves(model)  # its attention goes through AttentionInterface ...
+    _exact_in_every_mode(model, store)
+    assert not interface.verified(model)  # ... but it was never proven to hand K/V to it untouched
+
+
+def test_a_model_that_views_the_rows_update_returns_is_exact_with_beams() -> None:
+    model = _tiny("gpt_neox_japanese")  # its own attention: key.view(batch * heads, ...) needs contiguous rows
+    _exact_in_every_mode(model, prefixkv.PrefixStore(model, block_size=4))
+
+
+def test_a_decoder_with_cross_attention_layers_is_refused() -> None:
+    model = _tiny("mllama")
+    with pytest.raises(prefixkv.UnsupportedModelError, match=r"has cross-attention layers.*DynamicCache"):
+        prefixkv.PrefixStore(model)
+    assert model.config._attn_implementation != interface.NAME and not model._forward_pre_hooks
+
+
+# -- left-padded rows of models that count positions in columns or attend pads --------------------------------------
+
+
+def _padded(store: prefixkv.PrefixStore, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    first, _ = _prompts()
+    compare(model, store, first, max_new_tokens=1, do_sample=False)  # the shared prefix cached, unpadded
+    system = first[0, :SHARED]
+    rows = [torch.cat([system, random_tokens(n, seed=seed, vocab=200)]) for n, seed in ((4, 11), (7, 12))]
+    return left_pad(rows)
+
+
+def test_a_model_that_counts_positions_in_columns_reuses_nothing_for_a_padded_batch() -> None:
+    model = _tiny("trocr")  # learned positions of the column, pads included: reused unpadded K/V sit elsewhere
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids, mask = _padded(store, model)
+    with pytest.warns(UserWarning, match="reuses K/V computed without pads gives other logits"):
+        result = compare(model, store, ids, mask, max_new_tokens=4, do_sample=False)
+    assert result.max_diff <= TOL and result.same_tokens
+    assert result.cache.stats.cached_tokens == 0
+    _cold_and_warm_exact(model, store, cached=SHARED)  # unpadded rows still reuse
+
+
+def test_a_model_that_attends_cached_pad_columns_refuses_a_padded_batch() -> None:
+    model = _tiny("git")  # widens its mask over image tokens once the cache is not empty: pads become visible
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids, mask = _padded(store, model)
+    refused = pytest.raises(prefixkv.UnsupportedModelError, match=r"attends the pad columns.*one at a time")
+    with refused, prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, **cache_kw(cache))
+    store.check_invariants()
+    _cold_and_warm_exact(model, store, cached=SHARED)  # then an ordinary request, against stock

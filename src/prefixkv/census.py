@@ -286,7 +286,7 @@ def _rows_alone(twin: Any, padded: torch.Tensor, mask: torch.Tensor, out: Any) -
 def _reads_blocks(model: Any) -> bool:
     from .attention import interface
 
-    return interface.serves(model)
+    return interface.serves(model) and interface.verified(model)
 
 
 def _one_line(error: BaseException) -> str:

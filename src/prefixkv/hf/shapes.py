@@ -8,7 +8,8 @@ pool from the config: :func:`measure` runs the model on one token, then on two m
 cache that records every ``update``, and the pool takes the shapes the layers handed over. The same two forwards
 prove what prefixkv's cache assumes of a model: each forward adds to each layer once, one column per id it is fed,
 and a forward of several ids resumes a cache. A model that does otherwise (learned prompt tokens ahead of the ids,
-the whole sequence fed every step, recurrent loops that write a layer twice) is refused with what it did.
+the whole sequence fed every step, recurrent loops that write a layer twice) is refused with what it did, and so
+is a decoder with cross-attention layers (Mllama), whose cache holds an image's K/V.
 
 The config (:func:`prefixkv.memory.attention_shape`) is only an estimate, for ``kv_bytes_per_token`` before a model
 exists and for a model that cannot run on ids alone (then the first forward's ``update`` checks the estimate and
@@ -18,6 +19,7 @@ names any difference).
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -58,6 +60,7 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
     would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
     :class:`UnsupportedModelError` when the layers do what prefixkv's cache cannot follow (the module's docstring).
     Does not mutate the model."""
+    _check_cross_attention(model)
     cache = _Recording()
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     devices = [device] if device.type == "cuda" else []
@@ -86,7 +89,100 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
             "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
         )
     (heads, dim), _ = shapes.pop()
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        _PADDED[model] = _padded_resumption(model, name, device)
     return AttentionShape(estimate.num_layers, heads, dim)
+
+
+# per model measured: why a left-padded row's reuse is not what stock computes (None: it is)
+_PADDED: weakref.WeakKeyDictionary[Any, tuple[str, bool] | None] = weakref.WeakKeyDictionary()
+# how far a resumed forward may be from the whole one in a dtype's rounding; other dtypes are not checked
+_RESUME_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def padded_refusal(model: Any) -> tuple[str, bool] | None:
+    """Why ``model`` (measured by :func:`measure`) cannot reuse a prefix for a left-padded row, and whether it cannot
+    be served a padded batch at all; ``None``: it can. Does not mutate."""
+    return _PADDED.get(model)
+
+
+def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str, bool] | None:
+    """Whether a left-padded row that reuses K/V computed without pads (prefixkv's warm first forward: a pad column
+    of zeros, the prefix's columns as an unpadded call computed them, the rest fed with the whole mask) gives what
+    one forward of the whole padded row gives (stock's first forward), with the ``position_ids`` generate derives
+    from the mask where the model takes them. A model that counts positions in columns, pads included (TrOCR's
+    learned positions), or derives its mask from the cache's length (GIT widens it over image tokens it assumes a
+    non-empty cache holds) does not. Only where the model's dtype rounds little enough to tell
+    (:data:`_RESUME_TOLERANCE`). Also whether the model attends a padded row's pad columns once they are cached
+    (GIT), where prefixkv keeps zeros: then no padded batch is served (``True`` beside the reason). Does not mutate
+    the model."""
+    params = next(model.parameters(), None)
+    tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
+    if tolerance is None:
+        return None
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = torch.tensor([[pad if isinstance(pad, int) else 0, 3, 4, 5]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1]], device=device)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+    def run(cache: DynamicCache, start: int, stop: int, row_mask: torch.Tensor) -> torch.Tensor:
+        extra = {"position_ids": positions[:, start:stop] - positions[:, 1]} if takes_positions else {}
+        out = model(input_ids=ids[:, start:stop], attention_mask=row_mask, use_cache=True, **{name: cache}, **extra)
+        return torch.as_tensor(out.logits[:, -1]).float()
+
+    try:
+        real, zeros = DynamicCache(), DynamicCache()
+        for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
+            run(cache, 0, 3, mask[:, :3])
+        for layer in zeros.layers:
+            for field in ("keys", "values"):
+                torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
+        seen = float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
+    except Exception as e:
+        return f"a left-padded row cannot resume a cache of this model ({type(e).__name__}: {e})", True
+    if seen > tolerance:
+        return (
+            f"attends the pad columns of a left-padded row once its cache holds them ({seen:.1e} off when they hold "
+            "zeros; GIT widens its mask over image tokens it assumes a non-empty cache holds), and prefixkv keeps no "
+            "K/V for pads"
+        ), True
+    try:
+        whole = run(DynamicCache(), 0, 4, mask)
+        cache = DynamicCache()
+        run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
+        for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
+            for field in ("keys", "values"):
+                held = torch.as_tensor(getattr(layer, field))
+                setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+        reused = run(cache, 3, 4, mask)
+    except Exception as e:
+        return f"a left-padded row cannot reuse a cache of this model ({type(e).__name__}: {e})", False
+    if not bool(whole.isfinite().all()):
+        return None  # stock's whole padded row is NaN here (a pad query's softmax over no key, Bloom, Gemma 2)
+    diff = float((whole - reused).abs().max())
+    if diff <= tolerance:
+        return None
+    return (
+        f"a left-padded row that reuses K/V computed without pads gives other logits ({diff:.1e} off) than the "
+        "whole row (the model counts positions in columns, or derives its mask from the cache's length, pads "
+        "included), so a padded row cannot reuse cached K/V"
+    ), False
+
+
+def _check_cross_attention(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` for a decoder with cross-attention layers (Mllama's
+    ``cross_attention_layers``, read from its modules): their cache holds an image's K/V, not one K/V per token,
+    and the model reads it from the cache's layers directly. Does not mutate."""
+    for module in model.modules():
+        layers = getattr(module, "cross_attention_layers", None)
+        if layers:
+            raise UnsupportedModelError(
+                f"{family(model)} has cross-attention layers (cross_attention_layers={list(layers)}), whose cache "
+                "holds an image's K/V rather than one K/V per token and which the model reads from the cache's "
+                "layers directly; prefixkv caches per-token K/V only; generate without prefixkv (with a "
+                "DynamicCache) for this model"
+            )
 
 
 def _check_forward(model: Any, num_layers: int, fed: int, updates: list[_Update]) -> None:
