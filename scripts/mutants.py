@@ -291,6 +291,17 @@ MUTATIONS = [
         ("tests/test_family_defects.py::test_a_model_that_attends_cached_pad_columns_refuses_a_padded_batch",),
         "a padded batch of a model that attends cached pad columns (GIT) is served with zeros for pads: wrong",
     ),
+    Mutation(
+        "padded-check-under-dropout",
+        "hf/shapes.py",
+        "            module.training = False",
+        "            pass",
+        (
+            "tests/test_family_defects.py::"
+            "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
+        ),
+        "a store built on a model in training mode refuses padded reuse on dropout's noise",
+    ),
 ]
 
 

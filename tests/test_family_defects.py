@@ -21,6 +21,7 @@ from conftest import cache_kw, compare, left_pad, random_tokens, stock_twin
 import prefixkv
 from prefixkv import census
 from prefixkv.attention import interface
+from prefixkv.hf import shapes
 
 TOL = 1e-6
 SHARED = 45
@@ -202,3 +203,13 @@ def test_a_model_that_attends_cached_pad_columns_refuses_a_padded_batch() -> Non
         model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, **cache_kw(cache))
     store.check_invariants()
     _cold_and_warm_exact(model, store, cached=SHARED)  # then an ordinary request, against stock
+
+
+def test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes() -> None:
+    model = prefixkv.models.tiny_model("gpt2", dtype=torch.float64).train()  # dropout 0.1 everywhere
+    model.transformer.h[0].eval()  # modes that differ by module stay as they were
+    modes = {name: m.training for name, m in model.named_modules()}
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert shapes.padded_refusal(model) is None  # two forwards under dropout would differ: a false refusal
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    store.close()

@@ -89,8 +89,16 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
             "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
         )
     (heads, dim), _ = shapes.pop()
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        _PADDED[model] = _padded_resumption(model, name, device)
+    # in eval mode (dropout would make two forwards differ), each module's own mode given back after
+    modes = {module: module.training for module in model.modules()}
+    try:
+        for module in modes:
+            module.training = False
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            _PADDED[model] = _padded_resumption(model, name, device)
+    finally:
+        for module, training in modes.items():
+            module.training = training
     return AttentionShape(estimate.num_layers, heads, dim)
 
 
