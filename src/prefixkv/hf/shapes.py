@@ -197,6 +197,11 @@ def _check_forward(model: Any, num_layers: int, fed: int, updates: list[_Update]
     """Raise :class:`UnsupportedModelError` unless a forward fed ``fed`` ids added ``fed`` columns to each of the
     ``num_layers`` layers, once each. Does not mutate."""
     layers = [u.layer for u in updates]
+    if not layers:
+        raise UnsupportedModelError(
+            f"{family(model)} writes nothing to a cache it is handed (its forward keeps no K/V cache), so prefixkv "
+            "has nothing to reuse; generate without prefixkv for this model"
+        )
     if sorted(layers) != list(range(num_layers)):
         raise UnsupportedModelError(
             f"{family(model)} writes its cache layers {layers} in one forward of its {num_layers} layers (a layer "
