@@ -427,6 +427,77 @@ MUTATIONS = [
         "after a store, model.compile() traces prefixkv's Python at every layer: graph breaks and a spent recompile "
         "budget on transformers' shared decorators",
     ),
+    # -- issue 43: what the layers hand a cache, measured (hf/shapes.py)
+    Mutation(
+        "shapes-from-the-config",
+        "store.py",
+        "shape = shapes.measure(self.hf_model, estimate, devices[0])",
+        "shape = estimate",
+        ("tests/test_family_defects.py::test_a_config_that_misnames_the_heads_is_served_from_the_tensors",),
+        "the pool sized from config fields the layers do not use: a store that crashes on its own model",
+    ),
+    Mutation(
+        "shapes-columns-unchecked",
+        "hf/shapes.py",
+        "    if columns != [fed]:",
+        "    if False:",
+        ("tests/test_family_defects.py::test_caches_that_are_not_one_column_per_id_are_refused",),
+        "a model whose cache columns are not one per id (learned prompt tokens, sliced ids) crashes mid-generate",
+    ),
+    Mutation(
+        "shapes-probe-draws-randomness",
+        "hf/shapes.py",
+        "with torch.random.fork_rng(devices=devices), torch.no_grad():",
+        "with torch.no_grad():",
+        ("tests/test_family_defects.py::test_the_measuring_forwards_leave_the_random_state_alone",),
+        "building a store on a model in training mode moves the random stream: other samples than stock",
+    ),
+    Mutation(
+        "probe-kv-operations-unnoted",
+        "attention/reads.py",
+        "                    where[0].touched.add(where[1])",
+        "                    pass",
+        ("tests/test_family_defects.py::test_a_model_that_computes_from_the_handed_out_kv_gets_whole_rows",),
+        "a model that computes its mask from the V update hands out (Doge) is read in place: a crash warm",
+    ),
+    Mutation(
+        "whole-rows-not-contiguous",
+        "hf/layers.py",
+        "        keys, values = keys.contiguous(), values.contiguous()",
+        "        pass",
+        ("tests/test_family_defects.py::test_a_model_that_views_the_rows_update_returns_is_exact_with_beams",),
+        "a model's own attention that .views the rows (gpt_neox_japanese) crashes on a batch",
+    ),
+    Mutation(
+        "padded-reuse-of-column-positions",
+        "hf/call.py",
+        "        if why is None and padded is not None and any(row.pad for row in held):",
+        "        if False:",
+        (
+            "tests/test_family_defects.py::"
+            "test_a_model_that_counts_positions_in_columns_reuses_nothing_for_a_padded_batch",
+        ),
+        "a padded row of a model that counts positions in columns (TrOCR) reuses unpadded K/V: wrong logits",
+    ),
+    Mutation(
+        "padded-batch-of-a-pad-attending-model",
+        "hf/call.py",
+        "        if padded is not None and padded[1] and any(row.pad for row in held):",
+        "        if False:",
+        ("tests/test_family_defects.py::test_a_model_that_attends_cached_pad_columns_refuses_a_padded_batch",),
+        "a padded batch of a model that attends cached pad columns (GIT) is served with zeros for pads: wrong",
+    ),
+    Mutation(
+        "padded-check-under-dropout",
+        "hf/shapes.py",
+        "            module.training = False",
+        "            pass",
+        (
+            "tests/test_family_defects.py::"
+            "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
+        ),
+        "a store built on a model in training mode refuses padded reuse on dropout's noise",
+    ),
 ]
 
 

@@ -190,7 +190,7 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.proof", "hf.support", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.proof", "hf.support", "hf.shapes", "hf.parts", "hf.rows", "hf.call"),
         *("hf.layers", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "top": [

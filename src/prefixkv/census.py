@@ -275,13 +275,18 @@ def _compare(
         diffs["beams"] = _diff(
             _generate(twin, beams, None, num_beams=3), _generate(model, beams, None, cache, num_beams=3)
         )
-    with PagedPrefixCache(store, padded, mask) as cache:
-        out = _generate(model, padded, mask, cache)
-    ref = _generate(twin, padded, mask)
-    if any(bool(step.isnan().any()) for step in ref.logits):  # stock's own NaN for padded rows in float64
-        diffs["padded"] = _rows_alone(twin, padded, mask, out)
+    refused = ""
+    try:
+        with PagedPrefixCache(store, padded, mask) as cache:
+            out = _generate(model, padded, mask, cache)
+    except UnsupportedModelError as e:  # a model that cannot be served a padded batch exactly says so
+        refused = f"; a padded batch refused: {_one_line(e).removeprefix('this model ')}"
     else:
-        diffs["padded"] = _diff(ref, out)
+        ref = _generate(twin, padded, mask)
+        if any(bool(step.isnan().any()) for step in ref.logits):  # stock's own NaN for padded rows in float64
+            diffs["padded"] = _rows_alone(twin, padded, mask, out)
+        else:
+            diffs["padded"] = _diff(ref, out)
     store.check_invariants()
     worst = max(diffs.values())
     bad = [k for k, v in diffs.items() if not v <= _BOUND[dtype]]
@@ -292,8 +297,10 @@ def _compare(
     if reused == 0 and why is not None:
         return FamilyResult(model_type, "exact, no reuse", f"{path}; not cached: {why}", name, worst, reused)
     if reused == 0:
-        return FamilyResult(model_type, "silent miss", "the warm call reused nothing, and no reason", name, worst, 0)
-    return FamilyResult(model_type, "exact", path, name, worst, reused)
+        return FamilyResult(
+            model_type, "silent miss", f"the warm call reused nothing, and no reason{refused}", name, worst, 0
+        )
+    return FamilyResult(model_type, "exact", path + refused, name, worst, reused)
 
 
 def _rows_alone(twin: Any, padded: torch.Tensor, mask: torch.Tensor, out: Any) -> float:
@@ -314,7 +321,7 @@ def _rows_alone(twin: Any, padded: torch.Tensor, mask: torch.Tensor, out: Any) -
 def _reads_blocks(model: Any) -> bool:
     from .attention import interface
 
-    return interface.serves(model)
+    return interface.serves(model) and interface.verified(model)
 
 
 def _one_line(error: BaseException | str) -> str:

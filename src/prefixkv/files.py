@@ -84,7 +84,7 @@ def load_options(
 ) -> dict[str, Any]:
     """The options of a store that loads ``file`` for ``model`` (:meth:`prefixkv.PrefixStore.load`): ``kwargs``
     with block size, dtype, quantization and an invariant store's chunk length defaulting to the file's, after
-    checking that the file fits the model and them (:func:`prefixkv.kv.prefix_file.check_compatible`). Mutates
+    checking that the file fits them (:func:`prefixkv.kv.prefix_file.check_compatible`). Mutates
     ``kwargs``."""
     kwargs.setdefault("block_size", file.block_size)
     kwargs["dtype"] = kwargs.get("dtype") or file.dtype
@@ -93,20 +93,24 @@ def load_options(
         kwargs.setdefault("invariant", True)
         kwargs.setdefault("chunk_size", int(file.meta["chunk_size"]))
     model_dtype = getattr(model, "dtype", torch.float32)
-    prefix_file.check_compatible(
-        file, path, model, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"]
-    )
+    prefix_file.check_compatible(file, path, kwargs["block_size"], kwargs["dtype"], model_dtype, kwargs["kv_dtype"])
     return kwargs
 
 
 def add_file(
-    blocks: BlockManager, chunk_size: int | None, file: prefix_file.PrefixFile, path: str | os.PathLike[str]
+    blocks: BlockManager,
+    chunk_size: int | None,
+    file: prefix_file.PrefixFile,
+    path: str | os.PathLike[str],
+    model: Any,
 ) -> persist.PersistStats:
-    """Add the prefixes of ``file`` (checked against the store's model and shapes) to ``blocks``, within their
-    budget, after refusing a file computed in another prefill schedule than ``chunk_size``'s. Mutates ``blocks``
+    """Add the prefixes of ``file`` to ``blocks``, within their budget, after refusing a file computed in another
+    prefill schedule than ``chunk_size``'s, with other shapes than the pool's or by another model than ``model``
+    (:func:`prefixkv.kv.prefix_file.check_model`). Mutates ``blocks``
     only once the file is known to fit (:meth:`prefixkv.kv.room.Room.add_file`)."""
     _check_schedule(chunk_size, file, path)
     _outside_autocast(blocks, "load")
+    prefix_file.check_model(file, path, model, blocks.pool.specs)
     return blocks.room.add_file(file, blocks.space())
 
 

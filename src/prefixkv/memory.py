@@ -51,7 +51,9 @@ class AttentionShape(NamedTuple):
 
 
 def attention_shape(config: Any) -> AttentionShape:
-    """Read layers, KV heads and head size from a transformers config (text part for multimodal ones)."""
+    """Layers, KV heads and head size as a transformers config names them (text part for multimodal ones): an
+    estimate, which a store replaces with what the layers hand over (docs/how-it-works.md, "Shapes come from the
+    tensors")."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
@@ -77,7 +79,8 @@ def _first(config: Any, *names: str) -> Any:
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
-    """KV bytes one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes per element.
+    """KV bytes one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes per element, as the config
+    names them (an estimate: a store measures the heads from its model's tensors, ``store.bytes_per_block``).
 
     >>> from transformers import LlamaConfig
     >>> cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)

@@ -19,6 +19,7 @@ import torch
 from . import _compat, _compat_generate, display, files
 from .attention import interface
 from .errors import CacheMisuseError
+from .hf import shapes
 from .hf.hooks import attach_hooks, note_generate_compile, plan_chunked_prompt, runs_eagerly
 from .hf.runner import ModelRunner
 from .kv import persist, prefix_file
@@ -96,11 +97,15 @@ class PrefixStore:
         )  # fmt: skip
         _compat_generate.install_generation_patches(plan_chunked_prompt, note_generate_compile, runs_eagerly)
         self.model = model
-        shape = attention_shape(model.config)
+        # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
+        self.hf_model = transformers_model(model)
+        estimate = attention_shape(model.config)
         self.settings = settings
         self.block_size, self.chunk_size, self.dtype = settings.block_size, settings.chunk_size, settings.dtype
         self.model_dtype, self.kv_dtype, self.attention = settings.model_dtype, settings.kv_dtype, settings.attention
-        devices = layer_devices(model, shape.num_layers)
+        devices = layer_devices(model, estimate.num_layers)
+        # heads and sizes as the layers hand K/V over, not as the config names them (docs/how-it-works.md)
+        shape = shapes.measure(self.hf_model, estimate, devices[0])
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         self.max_blocks = max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size)
@@ -115,8 +120,6 @@ class PrefixStore:
             tier=tier,
             namespace=Namespace(model),
         )
-        # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
-        self.hf_model = transformers_model(model)
         self.runner = ModelRunner(self)
         self.attention_backend = choose_attention(
             attention, self.pool, self.hf_model, settings, serves=interface.install(self.hf_model)
@@ -264,7 +267,7 @@ class PrefixStore:
         file = prefix_file.read(path)
         store = cls(model, **files.load_options(file, path, model, kwargs))
         try:
-            files.add_file(store.blocks, store.chunk_size, file, path)
+            files.add_file(store.blocks, store.chunk_size, file, path, model)
         except BaseException:
             store.close()
             raise
@@ -284,10 +287,8 @@ class PrefixStore:
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
         file = prefix_file.read(path)
-        prefix_file.check_compatible(
-            file, path, self.model, self.block_size, self.dtype, self.model_dtype, self.kv_dtype
-        )
-        return files.add_file(self.blocks, self.chunk_size, file, path)
+        prefix_file.check_compatible(file, path, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
+        return files.add_file(self.blocks, self.chunk_size, file, path, self.model)
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""

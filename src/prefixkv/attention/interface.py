@@ -94,6 +94,7 @@ def paged_attention(
     if found is not None:
         forward, layer = found
         forward.served.add(layer)
+        key, value = reads.unwatched(key), reads.unwatched(value)
         backend = forward.backend
         if forward.in_place and backend is not None:
             call = AttentionCall(module, query, key, value, attention_mask, kwargs)

@@ -12,7 +12,7 @@ no change of a table has to be announced."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -20,6 +20,52 @@ import torch
 # the attribute on the K tensor that ``update`` hands out: ``(the plan, the layer)``, so that the attention of that
 # layer, with that tensor, finds the plan (a copy of the tensor, or K/V of another cache, carry none)
 TAG = "_prefixkv_reads"
+
+
+# what a model may do with the K/V ``update`` handed out before its attention call without changing them: read their
+# shape, dtype or device (a property's ``__get__``, ``size``, ``dim``)
+_READS_ONLY = frozenset(
+    {"__get__", "size", "dim", "ndimension", "numel", "is_contiguous", "stride", "get_device", "as_subclass"}
+)
+
+
+class Watched(torch.Tensor):
+    """K or V that ``update`` hands out in a probe forward: every torch operation on it other than reading its shape
+    is noted on the plan (:attr:`ForwardReads.touched`), because a model that computes anything from the K/V before
+    its attention call (DiffLlama splits V in two halves, Doge derives its mask from V) would compute it from the
+    new K/V alone when ``update`` hands out only those; what an operation returns is a plain tensor. Made by
+    :func:`watch`, read back by :func:`unwatched`."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _READS_ONLY:
+            for t in (*args, *kwargs.values()):
+                where = getattr(t, WATCH, None) if isinstance(t, Watched) else None
+                if where is not None:
+                    where[0].touched.add(where[1])
+        # torch's own handling, as for a plain tensor: what the operation returns is a plain tensor
+        return torch.Tensor.__torch_function__.__func__(torch.Tensor, func, (torch.Tensor,), args, kwargs)  # type: ignore[attr-defined]
+
+
+# the attribute of a :class:`Watched` tensor: ``(the plan, the layer)``
+WATCH = "_prefixkv_watch"
+
+
+def watch(plan: ForwardReads, layer: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a :class:`Watched` view whose operations note ``layer`` on ``plan``. Does not mutate ``tensor``."""
+    watched = tensor.as_subclass(Watched)
+    setattr(watched, WATCH, (plan, layer))
+    return watched
+
+
+def unwatched(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain view of a :class:`Watched` tensor (``tensor`` itself otherwise), noting nothing."""
+    if not isinstance(tensor, Watched):
+        return tensor
+    return tensor.as_subclass(torch.Tensor)
 
 
 class ForwardReads:
@@ -54,12 +100,15 @@ class ForwardReads:
         self.canonical = canonical and not self.in_place
         self.handed: set[int] = set()
         self.served: set[int] = set()
+        # layers whose handed-out K or V a probe forward's model computed something from (:class:`Watched`)
+        self.touched: set[int] = set()
         # per model mask (layers share one, sliding-window layers another): the whole-row attention's kernel mask
         self.whole_masks: dict[int, tuple[torch.Tensor | None, Any]] = {}
 
     def every_layer_served(self) -> bool:
-        """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged."""
-        return bool(self.handed) and self.served == self.handed
+        """Whether every layer that ``update`` handed K/V out for passed them to the attention unchanged and computed
+        nothing else from them (:class:`Watched`)."""
+        return bool(self.handed) and self.served == self.handed and not self.touched
 
 
 class Layout(NamedTuple):

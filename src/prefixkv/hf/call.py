@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CacheMisuseError
-from . import proof, rows
+from ..errors import CacheMisuseError, UnsupportedModelError
+from . import proof, rows, shapes
 from .parts import StoreParts
 
 
@@ -98,7 +98,13 @@ class GenerateCall:
         Mutates ``held``."""
         training = store.hf_model.training
         decision = self.replan(
-            held.rows, input_ids, kwargs, training=training, space=held.space_now(), held_space=held.space
+            held.rows,
+            input_ids,
+            kwargs,
+            training=training,
+            space=held.space_now(),
+            held_space=held.space,
+            padded=shapes.padded_refusal(store.hf_model),
         )
         if decision is None:
             return False
@@ -126,11 +132,19 @@ class GenerateCall:
         training: bool,
         space: Hashable,
         held_space: Hashable,
+        padded: tuple[str, bool] | None = None,
     ) -> Drop | Redo | None:
         """Before the cache computes anything: whether the reuse of construction is wrong for the call as it is
         (its inputs rule out any proof, or its own positions differ from the mask's) or was made for another
-        layout (``generate`` inferred a mask, an adapter was switched: ``space`` differs from ``held_space``).
+        layout (``generate`` inferred a mask, an adapter was switched: ``space`` differs from ``held_space``);
+        ``padded``: why the model's left-padded rows cannot reuse, and whether it refuses them
+        (:func:`prefixkv.hf.shapes.padded_refusal`: raises :class:`UnsupportedModelError`).
         ``None``: keep it. Does not mutate."""
+        if padded is not None and padded[1] and any(row.pad for row in held):
+            raise UnsupportedModelError(
+                f"this model {padded[0]}: a left-padded batch would get other outputs than stock generate; "
+                "generate its rows one at a time (no padding) with prefixkv, or the batch without prefixkv"
+            )
         if not held or not any(row.proven for row in held):
             return None
         embeds = kwargs.get("inputs_embeds")
@@ -147,6 +161,8 @@ class GenerateCall:
         chunk = self.prompt_ids is not None and input_ids.shape[1] != len(self.prompt_ids[0])
         if why is None and not chunk:
             why = proof.custom_positions(input_ids, attention_mask, kwargs.get("position_ids"))
+        if why is None and padded is not None and any(row.pad for row in held):
+            why = padded[0]  # the model's padded rows reusing unpadded K/V are not its whole ones (hf/shapes.py)
         if why is not None:
             return Drop(why)
         if self.prompt_ids is None or input_ids.shape[0] % len(held):

@@ -102,8 +102,12 @@ def write_layer(
         hand_out(plan, layer_idx, key_states)
         return key_states, value_states
     keys, values = plan.gather(layer_idx)
+    if not plan.canonical:  # contiguous, as a DynamicCache hands them out: a model's own attention may .view them
+        keys, values = keys.contiguous(), values.contiguous()
     if keys.dtype != key_states.dtype:
         keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
+    if plan.probe:  # proven only if the model hands both, untouched, to the attention (docs/how-it-works.md)
+        keys, values = reads.watch(plan, layer_idx, keys), reads.watch(plan, layer_idx, values)
     if plan.probe or plan.canonical:
         hand_out(plan, layer_idx, keys)
     return keys, values

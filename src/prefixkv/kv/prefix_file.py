@@ -1,5 +1,5 @@
 """A prefix file of :mod:`prefixkv.kv.persist` read back and checked: its format, :func:`read` and
-:func:`check_compatible`.
+:func:`check_compatible` and :func:`check_model`.
 
 The file holds, per attention layer, K and V of the saved blocks only (``k.{layer}``, ``v.{layer}``,
 ``[blocks, block_size, kv_heads, head_dim]``, renumbered ``0..blocks-1``), and the trie as integer
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import PersistError
-from ..memory import attention_shape
 from .fingerprint import fingerprint, tensor_bytes
+from .pool import LayerSpec
 from .quantization import KV_DTYPES, SCALE_DTYPE, code_dtype
 
 FORMAT = "prefixkv.prefixes"
@@ -253,14 +253,13 @@ def block_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str
 def check_compatible(
     file: PrefixFile,
     path: PathLike,
-    model: Any,
     block_size: int,
     dtype: torch.dtype,
     model_dtype: torch.dtype,
     kv_dtype: str | None = None,
 ) -> None:
-    """Refuse a file made for another block size, dtype, quantization, shape or model. Does not mutate."""
-    meta = file.meta
+    """Refuse a file made for another block size, dtype or quantization (its model: :func:`check_model`, once the
+    store that reads it has measured its model). Does not mutate."""
     if file.kv_dtype != kv_dtype:
         kept, wanted = file.kv_dtype or "unquantized", kv_dtype or "unquantized"
         raise PersistError(
@@ -282,12 +281,20 @@ def check_compatible(
         raise PersistError(
             f"{path} keeps K/V in {file.dtype}, the store in {dtype}; build the store with dtype={file.dtype}"
         )
-    shape = attention_shape(model.config)
-    theirs = (int(meta["num_layers"]), int(meta["kv_heads"]), int(meta["head_dim"]))
-    if theirs != tuple(shape):
+
+
+def check_model(file: PrefixFile, path: PathLike, model: Any, specs: Sequence[LayerSpec]) -> None:
+    """Refuse a file whose K/V have another shape than ``specs`` (a store's pool's, measured from the tensors its
+    model's layers hand over, :mod:`prefixkv.hf.shapes`, not read from its config) or that another model computed.
+    Does not mutate."""
+    meta = file.meta
+    where = Path(path)
+    theirs = (_int(meta, "num_layers", where), _int(meta, "kv_heads", where), _int(meta, "head_dim", where))
+    shape = (len(specs), specs[0].kv_heads, specs[0].head_dim)
+    if theirs != shape:
         raise PersistError(
             f"{path} was saved from a model with {theirs[0]} layers of {theirs[1]} KV heads x {theirs[2]}, this "
-            f"model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}: it belongs to another model"
+            f"model has {shape[0]} x {shape[1]} x {shape[2]}: it belongs to another model"
         )
     ours = fingerprint(model)
     if meta["model_fingerprint"] != ours:

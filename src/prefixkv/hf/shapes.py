@@ -1,0 +1,218 @@
+"""What a model's layers hand its cache, read from the tensors themselves (docs/how-it-works.md, "Shapes come from
+the tensors").
+
+A config names heads and sizes in many ways (``num_key_value_heads``, ``multi_query``, ``dim_head``, a decoder's own
+head count), and a model may use another field than the one a reader guesses: CPM-Ant's heads are ``dim_head`` wide,
+not ``hidden_size / heads``; ProphetNet's decoder has ``num_decoder_attention_heads``. So a store does not size its
+pool from the config: :func:`measure` runs the model on one token, then on two more that resume that cache, with a
+cache that records every ``update``, and the pool takes the shapes the layers handed over. The same two forwards
+prove what prefixkv's cache assumes of a model: each forward adds to each layer once, one column per id it is fed,
+and a forward of several ids resumes a cache. A model that does otherwise (learned prompt tokens ahead of the ids,
+the whole sequence fed every step, recurrent loops that write a layer twice) is refused with what it did, and so
+is a decoder with cross-attention layers (Mllama), whose cache holds an image's K/V.
+
+The config (:func:`prefixkv.memory.attention_shape`) is only an estimate, for ``kv_bytes_per_token`` before a model
+exists and for a model that cannot run on ids alone (then the first forward's ``update`` checks the estimate and
+names any difference).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from transformers import DynamicCache
+
+from ..errors import UnsupportedModelError
+from ..memory import AttentionShape
+from .support import family
+
+
+class _Update(NamedTuple):
+    """One ``update`` call: the layer, the columns it adds, and the K and V shapes (heads, head size)."""
+
+    layer: int
+    columns: int
+    key: tuple[int, int]
+    value: tuple[int, int]
+
+
+class _Recording(DynamicCache):
+    """A ``DynamicCache`` that notes every ``update`` call (:class:`_Update`), per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards: list[list[_Update]] = []
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = key_states.shape, value_states.shape
+        self.forwards[-1].append(_Update(layer_idx, int(k[-2]), (int(k[1]), int(k[-1])), (int(v[1]), int(v[-1]))))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def measure(model: Any, estimate: AttentionShape, device: torch.device) -> AttentionShape:
+    """The model's KV shape as its layers hand K/V over, from two forwards (one id, then two more that resume the
+    cache) on ``device`` without gradients and with the random state restored (dropout draws nothing a later call
+    would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
+    :class:`UnsupportedModelError` when the layers do what prefixkv's cache cannot follow (the module's docstring).
+    Does not mutate the model."""
+    _check_cross_attention(model)
+    cache = _Recording()
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    devices = [device] if device.type == "cuda" else []
+    fed = (1, 2)
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        for n in fed:
+            cache.forwards.append([])
+            ids = torch.ones((1, n), dtype=torch.long, device=device)
+            try:
+                model(input_ids=ids, use_cache=True, **{name: cache})
+            except Exception as e:
+                if n == fed[0]:  # needs other inputs, or has no weights yet: the first forward checks the estimate
+                    return estimate
+                raise UnsupportedModelError(
+                    f"{family(model)} fails on a forward of {n} ids that resumes its cache ({type(e).__name__}: "
+                    f"{e}), which every reuse of a prefix does; generate without prefixkv (with a DynamicCache) for "
+                    "this model"
+                ) from e
+    for n, updates in zip(fed, cache.forwards, strict=True):
+        _check_forward(model, estimate.num_layers, n, updates)
+    shapes = {(u.key, u.value) for forward in cache.forwards for u in forward}
+    if len(shapes) > 1 or any(key != value for key, value in shapes):
+        per_layer = ", ".join(f"layer {u.layer}: K {u.key}, V {u.value}" for u in cache.forwards[0])
+        raise UnsupportedModelError(
+            f"{family(model)} has layers whose K/V differ in shape ({per_layer}; heads, head size); prefixkv keeps "
+            "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
+        )
+    (heads, dim), _ = shapes.pop()
+    # in eval mode (dropout would make two forwards differ), each module's own mode given back after
+    modes = {module: module.training for module in model.modules()}
+    try:
+        for module in modes:
+            module.training = False
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            _PADDED[model] = _padded_resumption(model, name, device)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return AttentionShape(estimate.num_layers, heads, dim)
+
+
+# per model measured: why a left-padded row's reuse is not what stock computes (None: it is)
+_PADDED: weakref.WeakKeyDictionary[Any, tuple[str, bool] | None] = weakref.WeakKeyDictionary()
+# how far a resumed forward may be from the whole one in a dtype's rounding; other dtypes are not checked
+_RESUME_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def padded_refusal(model: Any) -> tuple[str, bool] | None:
+    """Why ``model`` (measured by :func:`measure`) cannot reuse a prefix for a left-padded row, and whether it cannot
+    be served a padded batch at all; ``None``: it can. Does not mutate."""
+    return _PADDED.get(model)
+
+
+def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str, bool] | None:
+    """Whether a left-padded row that reuses K/V computed without pads (prefixkv's warm first forward: a pad column
+    of zeros, the prefix's columns as an unpadded call computed them, the rest fed with the whole mask) gives what
+    one forward of the whole padded row gives (stock's first forward), with the ``position_ids`` generate derives
+    from the mask where the model takes them. A model that counts positions in columns, pads included (TrOCR's
+    learned positions), or derives its mask from the cache's length (GIT widens it over image tokens it assumes a
+    non-empty cache holds) does not. Only where the model's dtype rounds little enough to tell
+    (:data:`_RESUME_TOLERANCE`). Also whether the model attends a padded row's pad columns once they are cached
+    (GIT), where prefixkv keeps zeros: then no padded batch is served (``True`` beside the reason). Does not mutate
+    the model."""
+    params = next(model.parameters(), None)
+    tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
+    if tolerance is None:
+        return None
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = torch.tensor([[pad if isinstance(pad, int) else 0, 3, 4, 5]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1]], device=device)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+    def run(cache: DynamicCache, start: int, stop: int, row_mask: torch.Tensor) -> torch.Tensor:
+        extra = {"position_ids": positions[:, start:stop] - positions[:, 1]} if takes_positions else {}
+        out = model(input_ids=ids[:, start:stop], attention_mask=row_mask, use_cache=True, **{name: cache}, **extra)
+        return torch.as_tensor(out.logits[:, -1]).float()
+
+    try:
+        real, zeros = DynamicCache(), DynamicCache()
+        for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
+            run(cache, 0, 3, mask[:, :3])
+        for layer in zeros.layers:
+            for field in ("keys", "values"):
+                torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
+        seen = float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
+    except Exception as e:
+        return f"a left-padded row cannot resume a cache of this model ({type(e).__name__}: {e})", True
+    if seen > tolerance:
+        return (
+            f"attends the pad columns of a left-padded row once its cache holds them ({seen:.1e} off when they hold "
+            "zeros; GIT widens its mask over image tokens it assumes a non-empty cache holds), and prefixkv keeps no "
+            "K/V for pads"
+        ), True
+    try:
+        whole = run(DynamicCache(), 0, 4, mask)
+        cache = DynamicCache()
+        run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
+        for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
+            for field in ("keys", "values"):
+                held = torch.as_tensor(getattr(layer, field))
+                setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+        reused = run(cache, 3, 4, mask)
+    except Exception as e:
+        return f"a left-padded row cannot reuse a cache of this model ({type(e).__name__}: {e})", False
+    if not bool(whole.isfinite().all()):
+        return None  # stock's whole padded row is NaN here (a pad query's softmax over no key, Bloom, Gemma 2)
+    diff = float((whole - reused).abs().max())
+    if diff <= tolerance:
+        return None
+    return (
+        f"a left-padded row that reuses K/V computed without pads gives other logits ({diff:.1e} off) than the "
+        "whole row (the model counts positions in columns, or derives its mask from the cache's length, pads "
+        "included), so a padded row cannot reuse cached K/V"
+    ), False
+
+
+def _check_cross_attention(model: Any) -> None:
+    """Raise :class:`UnsupportedModelError` for a decoder with cross-attention layers (Mllama's
+    ``cross_attention_layers``, read from its modules): their cache holds an image's K/V, not one K/V per token,
+    and the model reads it from the cache's layers directly. Does not mutate."""
+    for module in model.modules():
+        layers = getattr(module, "cross_attention_layers", None)
+        if layers:
+            raise UnsupportedModelError(
+                f"{family(model)} has cross-attention layers (cross_attention_layers={list(layers)}), whose cache "
+                "holds an image's K/V rather than one K/V per token and which the model reads from the cache's "
+                "layers directly; prefixkv caches per-token K/V only; generate without prefixkv (with a "
+                "DynamicCache) for this model"
+            )
+
+
+def _check_forward(model: Any, num_layers: int, fed: int, updates: list[_Update]) -> None:
+    """Raise :class:`UnsupportedModelError` unless a forward fed ``fed`` ids added ``fed`` columns to each of the
+    ``num_layers`` layers, once each. Does not mutate."""
+    layers = [u.layer for u in updates]
+    if not layers:
+        raise UnsupportedModelError(
+            f"{family(model)} writes nothing to a cache it is handed (its forward keeps no K/V cache), so prefixkv "
+            "has nothing to reuse; generate without prefixkv for this model"
+        )
+    if sorted(layers) != list(range(num_layers)):
+        raise UnsupportedModelError(
+            f"{family(model)} writes its cache layers {layers} in one forward of its {num_layers} layers (a layer "
+            "written twice, or beyond its layers: recurrent loops, or layers without a cache); prefixkv keeps one "
+            "K/V per token in each layer; generate without prefixkv (with a DynamicCache) for this model"
+        )
+    columns = sorted({u.columns for u in updates})
+    if columns != [fed]:
+        raise UnsupportedModelError(
+            f"{family(model)} adds {columns[0] if len(columns) == 1 else columns} columns to its cache for {fed} "
+            f"id{'s' if fed > 1 else ''} fed (tokens of its own ahead of the ids, or ids it slices by the cache's "
+            "length), so its cache columns are not the ids' and prefixkv cannot key them by the ids; generate "
+            "without prefixkv (with a DynamicCache) for this model"
+        )
