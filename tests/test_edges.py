@@ -505,7 +505,8 @@ def test_a_manual_prepare_call_does_not_skip_the_next_forwards_checks() -> None:
 def test_a_compiled_model_with_a_store_compiles_once_and_stays_exact() -> None:
     """The suspicion was real: dynamo traced the store's hooks and the cache's bookkeeping, broke its graphs there
     (a thread id, a lock, ``.item()``) and recompiled on ints that change every step. prefixkv's Python now runs
-    outside dynamo: the first call's graph breaks are all at those calls, later calls compile nothing."""
+    outside dynamo, and a compiled model's forwards with the cache other than its one-token steps run uncompiled
+    (issue 43): no call breaks a graph, later calls compile nothing."""
     from torch._dynamo.utils import counters
 
     model = model64()
@@ -522,11 +523,12 @@ def test_a_compiled_model_with_a_store_compiles_once_and_stays_exact() -> None:
             out, reused = run(model, store, prompt)
             assert reused == (0, 39, 40, 0)[n]
             assert diff(out, want) <= 1e-6
-            if n == 0:
-                breaks = list(counters["graph_break"])
-                assert breaks and all("torch.compiler.disable" in reason for reason in breaks), breaks
-            else:  # 9, 8 and 7 frames compiled before the fix, 6, 8 and 3 of them recompiles
-                assert counters["frames"]["total"] == 0, dict(counters["frames"])
+            if n == 0:  # the cache's forwards other than its one-token steps run the plain call: no graph break
+                assert not counters["graph_break"], dict(counters["graph_break"])
+            else:  # 9, 8 and 7 frames compiled before the fix, 6, 8 and 3 of them recompiles; now the first call of
+                # a batch of 2 compiles its step's one graph (dynamo specializes a batch of 1), and nothing else does
+                assert counters["frames"]["total"] == (1 if n == 3 else 0), (n, dict(counters["frames"]))
+                assert not counters["graph_break"], dict(counters["graph_break"])
         store.check_invariants()
         with torch.compiler.set_stance("force_eager"):
             reused, distance = later_request(model, ref, store, calls[2])
