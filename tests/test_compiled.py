@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from conftest import cache_kw, left_pad, random_tokens, stock_twin
+from conftest import STOCK_TAKES_NEW_TOKENS, cache_kw, left_pad, random_tokens, stock_twin
 from test_families import FAMILIES, NAN_WHEN_PADDED_IN_FLOAT64, SHARED, documented_paths
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
@@ -604,6 +604,8 @@ def test_generates_fullgraph_compile_runs_only_the_steps_compiled(mode: str) -> 
     forwards of several tokens ``generate`` runs through its compiled call: those run the model's plain call (a
     fullgraph compile refuses prefixkv's Python at every layer), the one-token ones are compiled steps, and cold and
     warm calls equal stock (float64)."""
+    if mode == "prefill_chunk_size" and not STOCK_TAKES_NEW_TOKENS:
+        pytest.skip("transformers 4.57-5.2's chunked prefill runs its chunks outside the model's forward hooks")
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     twin = stock_twin(model)
     prompt = random_tokens(21, seed=13)[None]

@@ -18,8 +18,10 @@ names any difference).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -65,7 +67,7 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     devices = [device] if device.type == "cuda" else []
     fed = (1, 2)
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         for n in fed:
             cache.forwards.append([])
             ids = torch.ones((1, n), dtype=torch.long, device=device)
@@ -89,23 +91,31 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
             "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
         )
     (heads, dim), _ = shapes.pop()
-    # in eval mode (dropout would make two forwards differ), each module's own mode given back after
+    with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+        _PADDED[model] = _padded_resumption(model, name, device)
+    return AttentionShape(estimate.num_layers, heads, dim)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Any) -> Iterator[None]:
+    """``model`` in eval mode (dropout would make two forwards differ, LayerDrop would skip layers), each module's
+    own mode given back after. Mutates the modes only inside the block."""
     modes = {module: module.training for module in model.modules()}
     try:
         for module in modes:
             module.training = False
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            _PADDED[model] = _padded_resumption(model, name, device)
+        yield
     finally:
         for module, training in modes.items():
             module.training = training
-    return AttentionShape(estimate.num_layers, heads, dim)
 
 
 # per model measured: why a left-padded row's reuse is not what stock computes (None: it is)
 _PADDED: weakref.WeakKeyDictionary[Any, tuple[str, bool] | None] = weakref.WeakKeyDictionary()
-# how far a resumed forward may be from the whole one in a dtype's rounding; other dtypes are not checked
-_RESUME_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+# how far a resumed forward may be from the whole one in a dtype's rounding: the fidelity bounds of
+# docs/architectures.md (transformers 4.57's chunked attention gives 3e-8 in float64 by another order of sums, where a
+# position counted in columns gives 1e-3); other dtypes are not checked
+_RESUME_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
 def padded_refusal(model: Any) -> tuple[str, bool] | None:
