@@ -447,10 +447,11 @@ MUTATIONS = [
     Mutation(
         "shapes-probe-draws-randomness",
         "hf/shapes.py",
-        "with torch.random.fork_rng(devices=devices), torch.no_grad():",
-        "with torch.no_grad():",
+        "with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        for n in fed:",
+        "with torch.no_grad():\n        for n in fed:",
         ("tests/test_family_defects.py::test_the_measuring_forwards_leave_the_random_state_alone",),
-        "building a store on a model in training mode moves the random stream: other samples than stock",
+        "the measuring forwards run in the model's mode with the random stream as it is: a store built on a model in "
+        "training mode moves the stream (other samples than stock) and LayerDrop skips the layers it measures",
     ),
     Mutation(
         "probe-kv-operations-unnoted",
