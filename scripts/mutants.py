@@ -447,7 +447,7 @@ MUTATIONS = [
     Mutation(
         "shapes-probe-draws-randomness",
         "hf/shapes.py",
-        "with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        for n in fed:",
+        "with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        for n in fed:",
         "with torch.no_grad():\n        for n in fed:",
         ("tests/test_family_defects.py::test_the_measuring_forwards_leave_the_random_state_alone",),
         "the measuring forwards run in the model's mode with the random stream as it is: a store built on a model in "

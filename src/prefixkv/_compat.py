@@ -271,6 +271,12 @@ def compiled_call(model: torch.nn.Module) -> Any:
     return getattr(model, "_compiled_call_impl", None)
 
 
+def set_compiled_call(model: torch.nn.Module, call: Any) -> None:
+    """Make ``call`` what ``model(...)`` runs in place of ``model.compile()``'s result (:func:`compiled_call`).
+    Mutates the model."""
+    model._compiled_call_impl = call
+
+
 def plain_call(model: torch.nn.Module) -> Callable[..., Any]:
     """The model's call as ``model(...)`` runs it without ``model.compile()`` (hooks, then ``forward``): torch 2.6 to
     2.13's ``_call_impl``. Does not mutate."""

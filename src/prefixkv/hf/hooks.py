@@ -230,7 +230,7 @@ class _StepsOnly:
         """Make ``model``'s compiled call, if it has one, a :class:`_CompiledCall`. Mutates the model."""
         compiled = _compat.compiled_call(model)
         if compiled is not None and not isinstance(compiled, _CompiledCall):
-            model._compiled_call_impl = _CompiledCall(model, compiled)
+            _compat.set_compiled_call(model, _CompiledCall(model, compiled))
 
     def remove(self) -> None:
         model, self._model = self._model, None
@@ -238,7 +238,7 @@ class _StepsOnly:
             return
         compiled = _compat.compiled_call(model)
         if isinstance(compiled, _CompiledCall):
-            model._compiled_call_impl = compiled.compiled
+            _compat.set_compiled_call(model, compiled.compiled)
 
 
 _PREPARE = "prepare_inputs_for_generation"

@@ -18,10 +18,8 @@ names any difference).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +27,7 @@ from transformers import DynamicCache
 
 from ..errors import UnsupportedModelError
 from ..memory import AttentionShape
-from .support import family
+from .support import eval_mode, family
 
 
 class _Update(NamedTuple):
@@ -67,7 +65,7 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     devices = [device] if device.type == "cuda" else []
     fed = (1, 2)
-    with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         for n in fed:
             cache.forwards.append([])
             ids = torch.ones((1, n), dtype=torch.long, device=device)
@@ -91,23 +89,9 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
             "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
         )
     (heads, dim), _ = shapes.pop()
-    with _eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         _PADDED[model] = _padded_resumption(model, name, device)
     return AttentionShape(estimate.num_layers, heads, dim)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: Any) -> Iterator[None]:
-    """``model`` in eval mode (dropout would make two forwards differ, LayerDrop would skip layers), each module's
-    own mode given back after. Mutates the modes only inside the block."""
-    modes = {module: module.training for module in model.modules()}
-    try:
-        for module in modes:
-            module.training = False
-        yield
-    finally:
-        for module, training in modes.items():
-            module.training = training
 
 
 # per model measured: why a left-padded row's reuse is not what stock computes (None: it is)

@@ -9,7 +9,9 @@ attention over per-token K/V of one shape. Everything else is refused with the f
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -139,14 +141,24 @@ def _sees_later_tokens(model: Any) -> bool:
     if not isinstance(weight, torch.Tensor) or weight.device.type == "meta" or weight.shape[0] < 8:
         return False
     ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
-    modes = [(m, m.training) for m in model.modules()]  # each module's own: a frozen part stays in eval mode
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            model.eval()
+        with eval_mode(model), torch.random.fork_rng(devices=[]), torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
     except Exception:
         return False
-    finally:
-        for module, training in modes:
-            module.training = training
     return not torch.equal(logits[0, :3], logits[1, :3])
+
+
+@contextlib.contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """``model`` in eval mode inside the block (dropout would make two forwards differ, LayerDrop would skip layers),
+    each module's own mode given back after (a frozen part stays in eval mode). Mutates the modes only inside the
+    block."""
+    modes = {module: module.training for module in model.modules()}
+    try:
+        for module in modes:
+            module.training = False
+        yield
+    finally:
+        for module, training in modes.items():
+            module.training = training
