@@ -85,9 +85,30 @@ _TINY_FIELDS: dict[str, Any] = {
     "full_attention_interval": 2,
     "attn_layer_period": 2,
     "attn_layer_offset": 1,
+    # state-space layers at the same scale (expand 2 x hidden 64 = 8 heads of 16)
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
     # vision towers of the multimodal families that are causal LMs too
     "image_size": 32,
     "patch_size": 8,
+}
+
+# hybrids whose 2 tiny layers would otherwise be of one kind (their attention comes every 4th to 8th layer): one
+# layer of each kind, named as each family's config names them
+_ONE_OF_EACH = ["linear_attention", "full_attention"]
+_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text", "kimi_linear", "bailing_hybrid")},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "bamba": {"attn_layer_indices": [1]},
+    "lfm2": {"full_attn_idxs": [1]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "zamba": {"layer_types": ["linear_attention", "hybrid"]},
+    "zamba2": {"layer_types": ["linear_attention", "hybrid"]},
+    "mamba2": {"num_heads": 8, "head_dim": 16},
 }
 
 
@@ -121,12 +142,19 @@ def families() -> list[str]:
 def tiny_config(model_type: str) -> Any:
     """A tiny config of ``model_type`` from its own config class: :func:`prefixkv.models.tiny_config` for the families
     it knows, else the class's defaults with :data:`_TINY_FIELDS` set wherever the class (or a sub-config) has the
-    field. Raises what the config class raises."""
+    field, and a hybrid's layer kinds from :data:`_FAMILY_FIELDS`. Raises what the config class raises."""
     if model_type in models.families():
         return models.tiny_config(model_type)
     cls = transformers.CONFIG_MAPPING[model_type]
     subs = {name: _fields_of(sub) for name, sub in (getattr(cls, "sub_configs", None) or {}).items()}
-    kwargs = {**_fields_of(cls), **{name: fields for name, fields in subs.items() if fields}}
+    kwargs = {**_fields_of(cls), **_FAMILY_FIELDS.get(model_type, {})}
+    kwargs.update(
+        {
+            name: {**fields, **_FAMILY_FIELDS.get(getattr(sub, "model_type", ""), {})}
+            for name, sub in (getattr(cls, "sub_configs", None) or {}).items()
+            if (fields := subs[name])
+        }
+    )
     try:
         return cls(**kwargs)
     except Exception:  # a sub-config that validates against its parent: the class's own sub-configs
