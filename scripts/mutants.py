@@ -93,9 +93,9 @@ MUTATIONS = [
     ),
     Mutation(
         "claim-locks-where-the-match-ends",
-        "kv/blocks.py",
-        "claim.node = self._lock_prefix(row[: r // bs * bs], space)",
-        "claim.node = self._lock_prefix(row[: m.length], space)",
+        "kv/manager.py",
+        "claim.node = self.holdings.lock_end(row[: r // bs * bs], space)",
+        "claim.node = self.holdings.lock_end(row[: m.length], space)",
         ("tests/test_edges.py", "tests/test_store_contract.py"),
         "a claim locks the node where the match ends, not where its reused whole blocks end (issue 32, #2)",
     ),
@@ -160,7 +160,7 @@ MUTATIONS = [
     ),
     Mutation(
         "weights-state-without-version",
-        "kv/namespace.py",
+        "kv/key_space.py",
         "else (t.data_ptr(), version))",
         "else (t.data_ptr(), 0))",
         ("tests/test_edges.py::test_a_weight_edited_in_part_in_place_starts_a_new_namespace",),
@@ -184,7 +184,7 @@ MUTATIONS = [
     ),
     Mutation(
         "extend-last-writer-copies-too",
-        "kv/blocks.py",
+        "kv/manager.py",
         "taking_over = {ids[-1] for block, ids in writers.items() if rc(block) == len(ids)}",
         "taking_over: set[int] = set()",
         ("tests/test_store_contract.py",),
@@ -319,7 +319,7 @@ MUTATIONS = [
     ),
     Mutation(
         "autocast-not-in-the-namespace",
-        "kv/namespace.py",
+        "kv/key_space.py",
         "        if autocast is not None:  # inside WeightsChanged",
         "        if False:  # inside WeightsChanged",
         ("tests/test_autocast.py",),

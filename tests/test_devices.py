@@ -134,7 +134,7 @@ def test_a_model_moved_after_the_store_was_built_is_an_error() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_device_without_index_is_read_as_the_current_one() -> None:
-    from prefixkv.kv.namespace import _with_index
+    from prefixkv.kv.key_space import _with_index
 
     # accelerate may name the device "cuda"; tensors computed there report "cuda:0"
     assert _with_index(torch.device("cuda")) == torch.device("cuda", torch.cuda.current_device())

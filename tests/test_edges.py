@@ -320,11 +320,11 @@ def test_a_weight_edited_in_part_in_place_starts_a_new_namespace() -> None:
     tells. Left out of the weights' state, 29 stale tokens were reused, 1.6e-3 off stock."""
     model, ref, store, ids = warmed()
     weight = model.model.layers[0].self_attn.k_proj.weight
-    sampled = prefixkv.kv.namespace._few_values(weight).clone()
+    sampled = prefixkv.kv.key_space._few_values(weight).clone()
     for target in (model, ref):
         with torch.no_grad():
             target.model.layers[0].self_attn.k_proj.weight[1, 1] += 0.5
-    assert torch.equal(prefixkv.kv.namespace._few_values(weight), sampled)  # the sampled values do not see it
+    assert torch.equal(prefixkv.kv.key_space._few_values(weight), sampled)  # the sampled values do not see it
     out, reused = run(model, store, ids)
     distance = diff(out, stock(ref, ids))
     assert distance <= 1e-6 and reused == 0, (distance, reused)

@@ -180,9 +180,9 @@ LAYERS = ["base", "kv", "attention", "hf", "top"]
 WITHIN = {
     "base": ["errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"],
     "kv": [
-        *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
-        *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.ledger"),
-        "kv.blocks",
+        *("kv.allocator", "kv.nodes", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
+        *("kv.prefix_file", "kv.key_space", "kv.tier", "kv.holdings", "kv.room", "kv.persist", "kv.ledger"),
+        "kv.manager",
     ],
     "attention": [
         *("attention.reads", "attention.static", "attention.kernels", "attention.interface", "attention.planner"),
@@ -258,11 +258,11 @@ def test_the_layer_checks_can_fail() -> None:
     assert inside["kv"] == {"kv.trie"}
 
 
-# the store on top: the block manager, the namespace and the runner below it, its settings (`hf.parts.StoreSettings`)
+# the store on top: the block manager, the key space and the runner below it, its settings (`hf.parts.StoreSettings`)
 # from its options and its files beside it; the hooks and caches know it only as `hf.parts.StoreParts`
 def test_the_store_composes_the_layers_below_it() -> None:
     found = graph()
-    assert found["store"] >= {"kv.blocks", "kv.namespace", "hf.runner", "hf.hooks", "options", "files"}
+    assert found["store"] >= {"kv.manager", "kv.key_space", "hf.runner", "hf.hooks", "options", "files"}
     assert "hf.parts" in found["options"] & found["files"]
     assert not {m for m in found if layer(m) != "top" and found[m] & {"store", "enabling", "many", "score"}}
 

@@ -268,9 +268,9 @@ def test_looking_up_a_namespace_leaves_no_trace(llama64: Any) -> None:
         for i in range(1000):
             assert store.cached_length(system.tolist(), namespace=f"request-{i}") == 0
         prefixkv.PagedPrefixCache(store, _prompt(31, system), namespace="looked-up").close()
-        assert trie.namespaces() == [None]  # 1002 before the fix
+        assert trie.spaces() == [None]  # 1002 before the fix
         out = compare(llama64, store, _prompt(32, system), do_sample=False)
         _exact(out)
         store.clear()
-        assert trie.namespaces() == [None] and trie.policy.queued() == 0
+        assert trie.spaces() == [None] and trie.policy.queued() == 0
         store.check_invariants()

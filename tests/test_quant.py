@@ -17,9 +17,8 @@ from safetensors.torch import save_file
 
 import prefixkv
 from prefixkv import PersistError, PrefixStore
-from prefixkv.kv.persist import convert
 from prefixkv.kv.pool import BlockPool, LayerSpec, block_bytes
-from prefixkv.kv.prefix_file import checksum
+from prefixkv.kv.prefix_file import checksum, convert
 from prefixkv.kv.quantization import turn, turn_back
 
 CPU = torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 from conftest import cache_kw
 
 import prefixkv
-from prefixkv.kv.blocks import Claim
+from prefixkv.kv.holdings import Claim
 from prefixkv.store import PrefixStore
 
 PROMPT = list(range(3, 13))  # 10 tokens: two whole blocks of 4 and half of a third

@@ -449,15 +449,15 @@ def test_a_namespace_per_request_leaves_nothing_once_its_prefixes_are_gone() -> 
         before = tracemalloc.get_traced_memory()[0]
         for i in range(1000):
             assert t.match([1, 2, 3], ("lookup", i)).length == 0
-            assert len(t.namespaces()) == 1 + i  # the default and the requests before: a lookup makes no root
+            assert len(t.spaces()) == 1 + i  # the default and the requests before: a lookup makes no root
             t.insert([4, 5, 6, i], [3, 4], ("request", i))
-        assert len(t.namespaces()) == 1001
+        assert len(t.spaces()) == 1001
         t.clear()
         gc.collect()
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert t.namespaces() == [None] and t.policy.queued() == 0
+    assert t.spaces() == [None] and t.policy.queued() == 0
     assert grown < 4096, grown  # 635 kB before the fix: roots of lookups, and the tables of every root
     assert t.match([1, 2, 3]).length == 3
     t.check_invariants()
@@ -469,8 +469,8 @@ def test_a_namespace_loses_its_root_when_eviction_takes_its_last_prefix() -> Non
     for i in range(100):
         t.insert([7, 8, i], [1, 2], ("request", i))
     while t.evict_lru() is not None:
-        assert len(t.namespaces()) <= len({n.space for n in t.view()} | {None}) + 1
-    assert len(t.namespaces()) <= 2
+        assert len(t.spaces()) <= len({n.space for n in t.view()} | {None}) + 1
+    assert len(t.spaces()) <= 2
     t.check_invariants()
 
 
@@ -494,7 +494,7 @@ def test_namespaces_have_a_root_while_they_hold_nodes(script: list[tuple[str, in
     inserted: dict[object, list[list[int]]] = {}
     for op, n, seq in script:
         space = None if n == 0 else f"space-{n}"
-        before = trie.namespaces()
+        before = trie.spaces()
         if op == "insert":
             trie.insert(seq, list(range(1, len(seq) // 2 + 2)), space)
             inserted.setdefault(space, []).append(seq)
@@ -502,7 +502,7 @@ def test_namespaces_have_a_root_while_they_hold_nodes(script: list[tuple[str, in
         elif op == "match":
             m = trie.match(seq, space)
             assert m.length <= max((lcp(s, seq) for s in inserted.get(space, [])), default=0)
-            assert trie.namespaces() == before
+            assert trie.spaces() == before
         elif op == "evict":
             for _ in range(n):
                 node = trie.evict_lru()
@@ -511,7 +511,7 @@ def test_namespaces_have_a_root_while_they_hold_nodes(script: list[tuple[str, in
                 assert trie.space_of(node) in inserted
         else:
             trie.clear()
-            assert trie.namespaces() == [None]
+            assert trie.spaces() == [None]
         holding = {v.space for v in trie.view()} | {None}
-        assert holding <= set(trie.namespaces()) and len(trie.namespaces()) <= len(holding) + 1
+        assert holding <= set(trie.spaces()) and len(trie.spaces()) <= len(holding) + 1
         trie.check_invariants()

@@ -10,7 +10,7 @@ from . import _compat, display, models
 from .enabling import disable, enable
 from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
 from .hf.cache import PagedPrefixCache
-from .kv.persist import PersistStats
+from .kv.prefix_file import PersistStats
 from .many import Generation, generate_many
 from .memory import estimate, kv_bytes_per_token
 from .score import Score, score

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from .kv.namespace import transformers_model
+from .kv.key_space import transformers_model
 from .store import PrefixStore, as_token_list
 
 Prompt = Sequence[int] | torch.Tensor | str | Sequence[Mapping[str, Any]]

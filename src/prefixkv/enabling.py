@@ -16,7 +16,7 @@ from . import _compat
 from .hf.cache import PagedPrefixCache
 from .hf.hooks import has_open_store
 from .hf.proof import CACHE_KWARGS
-from .kv.namespace import transformers_model, user_space
+from .kv.key_space import transformers_model, user_space
 from .patching import MethodPatch, bound_to_copies
 from .store import PrefixStore
 

@@ -1,7 +1,8 @@
 """A store's files (docs/persistence.md): what ``PrefixStore.save`` writes and what the files of a disk tier carry
 (:func:`file_meta`: the store's settings and model, and an invariant store's chunk length), and what
-``PrefixStore.load`` and ``PrefixStore.merge`` check before a file's blocks join a store. The file format itself,
-its checksum and its checks against a model are :mod:`prefixkv.kv.prefix_file`'s."""
+``PrefixStore.load`` and ``PrefixStore.merge`` check before a file's blocks join a store. The file format itself
+(writing, reading, its checksum and its checks against a model) is :mod:`prefixkv.kv.prefix_file`'s; the export
+and merge of a store's prefixes are its block manager's archive's (:class:`prefixkv.kv.persist.Archive`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch
 from .errors import PersistError
 from .hf.parts import StoreSettings
 from .kv import persist, prefix_file
-from .kv.blocks import BlockManager
 from .kv.fingerprint import fingerprint
-from .kv.namespace import autocast_in
+from .kv.key_space import autocast_in
+from .kv.manager import BlockManager
 from .kv.pool import LayerSpec
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import parse_bytes
@@ -64,7 +65,7 @@ def save(
     blocks: BlockManager,
     settings: StoreSettings,
     model: Any,
-) -> persist.PersistStats:
+) -> prefix_file.PersistStats:
     """Write the prefixes ``blocks`` hold (all, or the cached part of each of ``wanted``) to ``path``, with
     ``model``'s fingerprint (:meth:`prefixkv.PrefixStore.save`). Does not mutate the store."""
     now = getattr(model, "dtype", settings.model_dtype)
@@ -75,8 +76,8 @@ def save(
         )
     _outside_autocast(blocks, "save")
     model_print = fingerprint(model)
-    nodes, tensors, saved = blocks.room.export(wanted, blocks.space())
-    return persist.write(path, tensors, file_meta(settings, blocks.pool.specs, model, model_print), nodes, saved)
+    nodes, tensors, saved = blocks.archive.export(wanted, blocks.space())
+    return prefix_file.write(path, tensors, file_meta(settings, blocks.pool.specs, model, model_print), nodes, saved)
 
 
 def load_options(
@@ -103,15 +104,15 @@ def add_file(
     file: prefix_file.PrefixFile,
     path: str | os.PathLike[str],
     model: Any,
-) -> persist.PersistStats:
+) -> prefix_file.PersistStats:
     """Add the prefixes of ``file`` to ``blocks``, within their budget, after refusing a file computed in another
     prefill schedule than ``chunk_size``'s, with other shapes than the pool's or by another model than ``model``
     (:func:`prefixkv.kv.prefix_file.check_model`). Mutates ``blocks``
-    only once the file is known to fit (:meth:`prefixkv.kv.room.Room.add_file`)."""
+    only once the file is known to fit (:meth:`prefixkv.kv.persist.Archive.merge`)."""
     _check_schedule(chunk_size, file, path)
     _outside_autocast(blocks, "load")
     prefix_file.check_model(file, path, model, blocks.pool.specs)
-    return blocks.room.add_file(file, blocks.space())
+    return blocks.archive.merge(file, blocks.space())
 
 
 def _outside_autocast(blocks: BlockManager, what: str) -> None:

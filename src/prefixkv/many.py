@@ -49,7 +49,7 @@ from .arguments import (
 from .batches import plan, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
-from .kv.namespace import user_space
+from .kv.key_space import user_space
 from .scheduler import Row, Scheduler
 from .store import PrefixStore
 

@@ -1,7 +1,7 @@
 """``PrefixStore``: one per model, what a user calls. The budget, pins and warm-up, save/load/merge, statistics,
 the views of a notebook and ``close``; the blocks themselves (pool, allocator, trie, eviction, the second tier
-and the lock) are its :class:`~prefixkv.kv.blocks.BlockManager`, ``store.blocks``, which caches call, and what
-keys them besides the tokens is its :class:`~prefixkv.kv.namespace.Namespace`. The store is built top-down
+and the lock) are its :class:`~prefixkv.kv.manager.BlockManager`, ``store.blocks``, which caches call, and what
+keys them besides the tokens is its :class:`~prefixkv.kv.key_space.KeySpace`. The store is built top-down
 (docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``, from its options checked by
 :mod:`prefixkv.options`), its block manager, the runner of its model (``store.runner``, which pins and warms) and
 the model's hooks, and hands each what it needs; none of them imports this module. Its files (save, load, merge,
@@ -22,9 +22,9 @@ from .errors import CacheMisuseError
 from .hf import shapes
 from .hf.hooks import attach_hooks, note_generate_compile, plan_chunked_prompt, runs_eagerly
 from .hf.runner import ModelRunner
-from .kv import persist, prefix_file
-from .kv.blocks import BlockManager
-from .kv.namespace import Namespace, layer_devices, transformers_model, user_space
+from .kv import prefix_file
+from .kv.key_space import KeySpace, layer_devices, transformers_model, user_space
+from .kv.manager import BlockManager
 from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.tier import OffloadTier
 from .memory import attention_shape, format_bytes
@@ -37,7 +37,7 @@ _INITIAL_BLOCKS = 16
 class PrefixStore:
     """The long-lived half of prefixkv: the block pool of every attention layer, the radix trie of
     cached prefixes, eviction and statistics. One per model. The blocks themselves are ``store.blocks``
-    (:class:`prefixkv.kv.blocks.BlockManager`), which caches use; a user needs only the methods here.
+    (:class:`prefixkv.kv.manager.BlockManager`), which caches use; a user needs only the methods here.
 
     ``max_memory`` (bytes or a string such as ``"2GiB"``) or ``num_blocks`` bounds the pool; without
     either it grows as requests need. ``dtype`` defaults to the model's.
@@ -118,7 +118,7 @@ class PrefixStore:
             max_blocks=self.max_blocks,
             bytes_per_block=self.bytes_per_block,
             tier=tier,
-            namespace=Namespace(model),
+            key_space=KeySpace(model),
         )
         self.runner = ModelRunner(self)
         self.attention_backend = choose_attention(
@@ -239,7 +239,7 @@ class PrefixStore:
 
     def save(
         self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None
-    ) -> persist.PersistStats:
+    ) -> prefix_file.PersistStats:
         """Write the cached prefixes (all, or the cached part of each of ``prefixes``) to a safetensors
         file at ``path``, with the model's fingerprint so it loads only for this model. Does not mutate.
         See ``docs/persistence.md``.
@@ -276,13 +276,13 @@ class PrefixStore:
     @staticmethod
     def convert(
         path: str | os.PathLike[str], new_path: str | os.PathLike[str], kv_dtype: str | None
-    ) -> persist.PersistStats:
+    ) -> prefix_file.PersistStats:
         """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
         ``"fp8"`` or ``None``): the explicit step between quantized and unquantized stores, which refuse
-        each other's files. See :func:`prefixkv.kv.persist.convert`."""
-        return persist.convert(path, new_path, kv_dtype)
+        each other's files. See :func:`prefixkv.kv.prefix_file.convert`."""
+        return prefix_file.convert(path, new_path, kv_dtype)
 
-    def merge(self, path: str | os.PathLike[str]) -> persist.PersistStats:
+    def merge(self, path: str | os.PathLike[str]) -> prefix_file.PersistStats:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..kv.namespace import autocast_dtype
+from ..kv.key_space import autocast_dtype
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout
 from .registry import pool_backend

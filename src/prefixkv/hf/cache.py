@@ -32,7 +32,7 @@ from .. import _compat, display
 from ..attention import interface, reads, static
 from ..attention.reader import Reader
 from ..errors import CacheMisuseError
-from ..kv.namespace import user_space
+from ..kv.key_space import user_space
 from ..stats import CacheStats
 from . import proof
 from .call import GenerateCall

@@ -18,8 +18,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import _compat
 from ..attention import interface, reads, static
 from ..errors import CacheMisuseError
-from ..kv.blocks import BlockManager
-from ..kv.namespace import autocast_dtype, autocast_in
+from ..kv.key_space import autocast_dtype, autocast_in
+from ..kv.manager import BlockManager
 from . import proof
 from .parts import StoreParts
 from .rows import RowSet

@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..kv.blocks import BlockManager
+from ..kv.manager import BlockManager
 from ..stats import RowStats
 
 

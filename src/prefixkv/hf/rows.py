@@ -27,7 +27,8 @@ import torch
 
 from ..attention.reader import column_slots
 from ..errors import CacheMisuseError
-from ..kv.blocks import BlockManager, Claim
+from ..kv.holdings import Claim
+from ..kv.manager import BlockManager
 from ..stats import CacheStats, RowStats
 from . import proof
 from .parts import StoreParts

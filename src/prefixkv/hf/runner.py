@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..kv.namespace import user_space
+from ..kv.key_space import user_space
 from ..stats import CacheStats, RowStats
 from .cache import PagedPrefixCache, attach_prompt, publish_all
 from .parts import StoreParts

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
-from ..kv.namespace import transformers_model
+from ..kv.key_space import transformers_model
 from ..memory import attention_shape
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,

@@ -1,6 +1,6 @@
 """Which unlocked leaf of the radix trie goes first: the eviction policy, apart from the tree. No torch.
 
-The trie (:class:`prefixkv.kv.trie.RadixTrie`) owns the tree: edges, blocks, locks, namespaces. It tells its
+The trie (:class:`prefixkv.kv.trie.RadixTrie`) owns the tree: edges, blocks, locks, key spaces. It tells its
 policy about every event the order can depend on (a node stamped, reused, split, retained, unlocked, evicted)
 and asks it for the leaf to evict; the policy never changes the tree. The policy's per-node state sits on the
 nodes themselves (``last_access``, ``hits``, ``retains``: fields of a node only the policy writes), so that an
@@ -23,80 +23,55 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Protocol
+
+from .nodes import Node
 
 PROTECT_AFTER = 2  # reuses (lookups that match into a node) that protect it from a scan
 PROTECTED_SHARE = 0.8  # of the most block occurrences held, beyond which protected leaves are evicted first
 DEFAULT_PRIORITY = 35  # the retention priority of a node no retain reaches (TensorRT-LLM's default)
 
 
-class TrieNode(Protocol):
-    """What a policy reads of a trie node (:class:`prefixkv.kv.trie.Node`), and the fields it keeps on it."""
-
-    last_access: int  # the policy's
-    hits: int  # the policy's
-    retains: Counter[int]  # the policy's
-
-    @property
-    def parent(self) -> TrieNode | None: ...
-
-    @property
-    def children(self) -> Mapping[int, TrieNode]: ...
-
-    @property
-    def blocks(self) -> Sequence[int]: ...
-
-    @property
-    def lock(self) -> int: ...
-
-    @property
-    def alive(self) -> bool: ...
-
-    @property
-    def end(self) -> int: ...
-
-
 class EvictionPolicy(Protocol):
     """The order in which the trie evicts its unlocked leaves. Every method but :meth:`check` mutates the policy's
     own state (its queues, its counters, its fields on the nodes), never the tree."""
 
-    def inserted(self, leaf: TrieNode) -> None:
+    def inserted(self, leaf: Node) -> None:
         """``leaf`` joined the tree (not yet stamped)."""
 
-    def split(self, upper: TrieNode, lower: TrieNode, moved: int) -> None:
+    def split(self, upper: Node, lower: Node, moved: int) -> None:
         """``upper`` was cut off the top of ``lower``, taking all but ``moved`` of the block occurrences
         ``upper`` now holds from it (``lower`` lost ``moved``)."""
 
-    def stamp(self, node: TrieNode) -> None:
+    def stamp(self, node: Node) -> None:
         """``node`` is used now (an insert ended at it), without a reuse."""
 
-    def touch(self, node: TrieNode, matched: int | None) -> None:
+    def touch(self, node: Node, matched: int | None) -> None:
         """A lookup reused ``node``, ``matched`` tokens long if known (see :meth:`RadixTrie.touch`)."""
 
-    def retain(self, node: TrieNode, priority: int) -> None:
+    def retain(self, node: Node, priority: int) -> None:
         """Give ``node``'s path the retention ``priority`` until :meth:`release`."""
 
-    def release(self, node: TrieNode, priority: int) -> None:
+    def release(self, node: Node, priority: int) -> None:
         """Undo one :meth:`retain`."""
 
-    def offer(self, node: TrieNode) -> None:
+    def offer(self, node: Node) -> None:
         """``node`` may have become an unlocked leaf (an unlock)."""
 
-    def pop(self) -> TrieNode | None:
+    def pop(self) -> Node | None:
         """The unlocked leaf to evict next, taken off the policy's queues (the trie then removes it), or
         ``None``."""
 
-    def evicted(self, node: TrieNode) -> None:
+    def evicted(self, node: Node) -> None:
         """``node`` left the tree; its ``parent`` may be an unlocked leaf now."""
 
-    def check(self, nodes: Iterable[TrieNode]) -> None:
+    def check(self, nodes: Iterable[Node]) -> None:
         """Raise ``AssertionError`` where the policy's counters disagree with ``nodes`` (every node of the tree
         but the roots). Does not mutate."""
 
 
-_Entry = tuple[int, int, int, TrieNode]  # (priority, last access, tiebreak, node)
+_Entry = tuple[int, int, int, Node]  # (priority, last access, tiebreak, node)
 
 
 class SegmentedLRU:
@@ -130,12 +105,12 @@ class SegmentedLRU:
     # -- what a node is to this policy ----------------------------------------------------------
 
     @staticmethod
-    def priority(node: TrieNode) -> int:
+    def priority(node: Node) -> int:
         """The highest priority of the retains at or below ``node``, or ``DEFAULT_PRIORITY``. Does not mutate."""
         retains = node.retains
         return max(retains) if retains else DEFAULT_PRIORITY
 
-    def protected(self, node: TrieNode) -> bool:
+    def protected(self, node: Node) -> bool:
         """Whether lookups reused ``node`` often enough to protect it from a scan, and its path holds a whole block
         (prompts that share only their first few tokens, by chance, do not protect them). Does not mutate."""
         return node.hits >= self.protect_after and node.end >= self.block_size
@@ -146,11 +121,11 @@ class SegmentedLRU:
 
     # -- the trie's events ------------------------------------------------------------------------
 
-    def inserted(self, leaf: TrieNode) -> None:
+    def inserted(self, leaf: Node) -> None:
         self.nodes += 1
         self._grow(len(leaf.blocks))
 
-    def split(self, upper: TrieNode, lower: TrieNode, moved: int) -> None:
+    def split(self, upper: Node, lower: Node, moved: int) -> None:
         upper.last_access = lower.last_access
         upper.retains = lower.retains.copy()
         # upper.hits stays 0: the reuses counted so far are the lower node's, and reach upper when it is evicted
@@ -160,13 +135,13 @@ class SegmentedLRU:
         if self.protected(lower):
             self.protected_occurrences -= moved
 
-    def stamp(self, node: TrieNode) -> None:
+    def stamp(self, node: Node) -> None:
         now = next(self._clock)
         if node.parent is not None:
             node.last_access = now
         self.offer(node)
 
-    def touch(self, node: TrieNode, matched: int | None) -> None:
+    def touch(self, node: Node, matched: int | None) -> None:
         """A lookup that ends inside the edge (``matched < node.end``) counts for the parent, the part it reused
         whole: prompts that share a node's first tokens by chance (one-off prompts sorted next to each other) do not
         protect its rest. Without ``matched`` the lookup counts for the whole edge.
@@ -181,17 +156,17 @@ class SegmentedLRU:
             self._add_hits(counted, 1)
         self.stamp(node)
 
-    def retain(self, node: TrieNode, priority: int) -> None:
+    def retain(self, node: Node, priority: int) -> None:
         if not isinstance(priority, int) or not 0 <= priority <= 100:
             raise ValueError(f"a retention priority is an int from 0 to 100, got {priority!r}")
-        n: TrieNode | None = node
+        n: Node | None = node
         while n is not None and n.parent is not None:
             n.retains[priority] += 1
             n = n.parent
         self.offer(node)
 
-    def release(self, node: TrieNode, priority: int) -> None:
-        n: TrieNode | None = node
+    def release(self, node: Node, priority: int) -> None:
+        n: Node | None = node
         while n is not None and n.parent is not None:
             if n.retains[priority] <= 0:
                 raise ValueError(f"release of {n} at priority {priority}, which it is not retained at")
@@ -200,13 +175,13 @@ class SegmentedLRU:
                 del n.retains[priority]
             n = n.parent
         # a node evicted while retained: its nearest live ancestor may be a leaf queued under the old priority
-        live: TrieNode | None = node
+        live: Node | None = node
         while live is not None and not live.alive:
             live = live.parent
         if live is not None:
             self.offer(live)
 
-    def offer(self, node: TrieNode) -> None:
+    def offer(self, node: Node) -> None:
         if node.alive and node.lock == 0 and not node.children and node.parent is not None:
             queue = self._hot if self.protected(node) else self._cold
             heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))
@@ -215,7 +190,7 @@ class SegmentedLRU:
             if len(self._cold) + len(self._hot) > 2 * self.nodes + 64:
                 self._rebuild()
 
-    def pop(self) -> TrieNode | None:
+    def pop(self) -> Node | None:
         cold, hot = self._top(self._cold, False), self._top(self._hot, True)
         if cold is None and hot is None:
             return None
@@ -223,7 +198,7 @@ class SegmentedLRU:
         take_hot = cold is None or (hot is not None and (hot[0], not overflow) < (cold[0], True))
         return heapq.heappop(self._hot if take_hot else self._cold)[3]
 
-    def evicted(self, node: TrieNode) -> None:
+    def evicted(self, node: Node) -> None:
         self.nodes -= 1
         self.occurrences -= len(node.blocks)
         if self.protected(node):
@@ -234,7 +209,7 @@ class SegmentedLRU:
             self._add_hits(parent, node.hits)
             self.offer(parent)
 
-    def check(self, nodes: Iterable[TrieNode]) -> None:
+    def check(self, nodes: Iterable[Node]) -> None:
         listed = list(nodes)
         if self.nodes != len(listed):
             raise AssertionError(f"the policy counts {self.nodes} nodes but the trie holds {len(listed)}")
@@ -258,7 +233,7 @@ class SegmentedLRU:
         self.occurrences += occurrences
         self.peak = max(self.peak, self.occurrences)
 
-    def _add_hits(self, node: TrieNode, n: int) -> None:
+    def _add_hits(self, node: Node, n: int) -> None:
         was = self.protected(node)
         node.hits += n
         if self.protected(node) != was:

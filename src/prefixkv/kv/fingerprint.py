@@ -1,6 +1,6 @@
 """What model wrote a file of K/V: a fingerprint of its weights, config and adapters, and the config's state
-(the fields that change K/V). Saved files (:mod:`prefixkv.kv.persist`) carry the fingerprint; the namespace
-(:mod:`prefixkv.kv.namespace`) keys K/V by the config's state."""
+(the fields that change K/V). Saved files (:mod:`prefixkv.kv.prefix_file`) carry the fingerprint; the key space
+(:mod:`prefixkv.kv.key_space`) keys K/V by the config's state."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def _offloaded_tensor(model: Any, name: str) -> torch.Tensor:
 
 def tuner_layers(model: Any) -> list[Any]:
     """The PEFT adapter layers inside ``model`` (LoRA and the other tuners, peft's ``BaseTunerLayer``; ``[]``
-    without peft): the one way prefixkv finds them, for the fingerprint and the namespace. A ``PeftModel`` itself
+    without peft): the one way prefixkv finds them, for the fingerprint and the key space. A ``PeftModel`` itself
     is not one (its ``disable_adapters`` is transformers' method, not a state). Does not mutate."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -179,7 +179,7 @@ def adapter_space(tuners: Sequence[Any]) -> Adapters | None:
     """What the adapters of ``tuners`` (:func:`tuner_layers`) make of the K/V a model computes now
     (docs/correctness.md, "Adapters and changed weights"): ``None`` without adapters, else which adapters are
     active, whether they are disabled, and which are merged into the weights (read from the first layer). The
-    namespace keys K/V by it, and the fingerprint of a file records it. Does not mutate."""
+    key space keys K/V by it, and the fingerprint of a file records it. Does not mutate."""
     if not tuners:
         return None
     layer = tuners[0]

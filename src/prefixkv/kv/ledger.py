@@ -3,32 +3,18 @@
 :class:`Ledger` counts lookups (:meth:`~Ledger.count_query`), gives the counters and the pool's numbers as one
 snapshot (:meth:`~Ledger.stats`), copies each claim's table and the trie for display (:meth:`~Ledger.table_view`,
 :meth:`~Ledger.prefix_view`) and recounts every block's holders (:meth:`~Ledger.check_invariants`). A
-:class:`~prefixkv.kv.blocks.BlockManager` builds it, as ``store.blocks.ledger``, and hands it its allocator, trie
-and live claims; it runs under the manager's lock and reads of it only what :class:`Books` lists."""
+:class:`~prefixkv.kv.manager.BlockManager` builds it, as ``store.blocks.ledger``, over its holdings, room, pins and
+live claims; it runs under the holdings' lock."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from ..stats import StoreStats
-from .allocator import BlockAllocator
-from .room import Manager, Room
-from .trie import NodeView, RadixTrie
-
-
-class Books(Manager, Protocol):
-    """What :class:`Ledger` reads of its block manager: what the room reads (lock, pool, budget, tier, pins),
-    and the room."""
-
-    room: Room
-
-
-class Held(Protocol):
-    """What :class:`Ledger` reads of a claim (:class:`prefixkv.kv.blocks.Claim`): its block table."""
-
-    @property
-    def table(self) -> list[int]: ...
+from .holdings import Claim, Holdings
+from .room import Pins, Room
+from .trie import NodeView
 
 
 class TableView(NamedTuple):
@@ -39,13 +25,15 @@ class TableView(NamedTuple):
 
 
 class Ledger:
-    """The books of a manager's blocks: lookup counters, snapshots and the recount of holders. Every method
-    takes the manager's lock itself."""
+    """The books of a store's blocks: lookup counters, snapshots and the recount of holders. Every method
+    takes the holdings' lock itself."""
 
-    def __init__(self, blocks: Books, allocator: BlockAllocator, trie: RadixTrie, claims: Iterable[Held]) -> None:
-        self._blocks = blocks  # its public parts: lock, pool, budget, tier, room, pins
-        self._allocator = allocator
-        self._trie = trie
+    def __init__(self, held: Holdings, room: Room, pins: Pins, claims: Iterable[Claim]) -> None:
+        self._holdings = held
+        self._allocator = held.allocator
+        self._trie = held.trie
+        self._room = room
+        self._pins = pins
         self._claims = claims  # the live claims (a weak set the manager keeps)
         self._queries = self._misses = self._prompt_tokens = self._hit_tokens = 0
 
@@ -53,7 +41,7 @@ class Ledger:
         """Count a lookup in :meth:`stats` (``undo``: take back one counted before, as a cache that redoes its
         reuse does). Mutates the counters."""
         sign = -1 if undo else 1
-        with self._blocks.lock:
+        with self._holdings.lock:
             self._queries += sign * len(prompt_tokens)
             self._misses += sign * sum(1 for r in reused if r == 0)
             self._prompt_tokens += sign * sum(prompt_tokens)
@@ -61,10 +49,10 @@ class Ledger:
 
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             used = self._allocator.num_used
-            cap = bm.max_blocks if bm.max_blocks is not None else self._allocator.capacity - 1
+            cap = h.max_blocks if h.max_blocks is not None else self._allocator.capacity - 1
             nodes = self._trie.nodes()
             return StoreStats(
                 queries=self._queries,
@@ -74,32 +62,32 @@ class Ledger:
                 hit_rate=self._hit_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
                 blocks_used=used,
                 blocks_free=cap - used,
-                blocks_evictable=bm.room.evictable(),
-                blocks_pinned=len(bm.pins.blocks()),
-                bytes_used=used * bm.bytes_per_block,
-                evictions=bm.room.evictions,
+                blocks_evictable=self._room.evictable(),
+                blocks_pinned=len(self._pins.blocks()),
+                bytes_used=used * h.bytes_per_block,
+                evictions=self._room.evictions,
                 cached_tokens=sum(len(n.tokens) for n in nodes),
                 nodes=len(nodes),
-                offload=None if bm.tier is None else bm.tier.stats,
+                offload=None if h.tier is None else h.tier.stats,
             )
 
-    def table_view(self, claims: Sequence[Held]) -> list[TableView]:
+    def table_view(self, claims: Sequence[Claim]) -> list[TableView]:
         """Each claim's blocks, and whether something else holds each of them too. Does not mutate."""
-        with self._blocks.lock:
+        with self._holdings.lock:
             rc = self._allocator.refcount
             return [TableView(tuple(c.table), tuple(rc(b) > 1 for b in c.table)) for c in claims]
 
     def prefix_view(self) -> list[NodeView]:
         """A copy of every cached prefix node, for display (:meth:`RadixTrie.view`), hard pins marked. Does not
         mutate."""
-        with self._blocks.lock:
-            return self._trie.view(self._blocks.pins.nodes())
+        with self._holdings.lock:
+            return self._trie.view(self._pins.nodes())
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live claims), or
         the trie, the allocator or the second tier is malformed. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             alloc = self._allocator
             alloc.check_invariants()
             holders = self._trie.check_invariants()
@@ -110,7 +98,7 @@ class Ledger:
                     raise AssertionError(f"block {b}: refcount {alloc.refcount(b)}, holders {holders.get(b, 0)}")
             if set(holders) - set(range(1, alloc.capacity)):
                 raise AssertionError(f"holders name blocks outside the pool: {set(holders)}")
-            if bm.pool.capacity != alloc.capacity:
-                raise AssertionError(f"pool has {bm.pool.capacity} blocks, allocator {alloc.capacity}")
-            if bm.tier is not None:
-                bm.tier.check_invariants()
+            if h.pool.capacity != alloc.capacity:
+                raise AssertionError(f"pool has {h.pool.capacity} blocks, allocator {alloc.capacity}")
+            if h.tier is not None:
+                h.tier.check_invariants()

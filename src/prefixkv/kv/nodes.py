@@ -1,5 +1,5 @@
 """The trie's nodes (:class:`Node`: an edge, its blocks, its lock count), the tokens of a node's path, the root of
-each namespace (:class:`Roots`), and copies of nodes for display (:class:`NodeView`, :func:`node_views`). No torch;
+each key space (:class:`Roots`), and copies of nodes for display (:class:`NodeView`, :func:`node_views`). No torch;
 the tree itself is :class:`prefixkv.kv.trie.RadixTrie`."""
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ def path_tokens(node: Node) -> list[int]:
 
 
 class Roots:
-    """The root of each namespace of a trie. A root is made on first use by an insert (a lookup makes none); the root
-    of a namespace (but the default one) that lost its last node is dropped when the next one is emptied, at the next
+    """The root of each key space of a trie. A root is made on first use by an insert (a lookup makes none); the root
+    of a key space (but the default one) that lost its last node is dropped when the next one is emptied, at the next
     new root or at :meth:`drop_empty`, not at once, so that :meth:`space_of` still names a node just evicted: a
-    namespace per user or per request costs no memory once its prefixes are gone (the tables shrink too)."""
+    key space per user or per request costs no memory once its prefixes are gone (the tables shrink too)."""
 
     def __init__(self) -> None:
         self._roots: dict[Hashable, Node] = {}
-        self._spaces: dict[int, Hashable] = {}  # id of each root -> its namespace
+        self._spaces: dict[int, Hashable] = {}  # id of each root -> its key space
         self._emptied: set[Hashable] = set()
         self._high = 0  # the most roots since the tables were last rebuilt (a dict never shrinks as keys go)
 
@@ -76,7 +76,7 @@ class Roots:
         return self._roots.get(space)
 
     def space_of(self, node: Node) -> Hashable:
-        """The namespace ``node`` is in. Does not mutate."""
+        """The key space ``node`` is in. Does not mutate."""
         while node.parent is not None:
             node = node.parent
         return self._spaces[id(node)]
@@ -89,8 +89,8 @@ class Roots:
         self._emptied.add(space)
 
     def drop_empty(self, *, every: bool = False) -> None:
-        """Drop the roots of namespaces (but the default one) that were emptied and hold no node and no lock (with
-        ``every``, of all namespaces: ``clear()``). Mutates."""
+        """Drop the roots of key spaces (but the default one) that were emptied and hold no node and no lock (with
+        ``every``, of all key spaces: ``clear()``). Mutates."""
         for space in list(self._roots) if every else self._emptied:
             root = self._roots.get(space)
             if root is not None and space is not None and not root.children and root.lock == 1:
@@ -119,7 +119,7 @@ class Roots:
 
 class NodeView(NamedTuple):
     """A copy of one node (:func:`node_views`): its edge, blocks and lock count, the index of its parent in the
-    view (``-1`` under a root), its namespace, and whether it lies on the path of a given node (a pin)."""
+    view (``-1`` under a root), its key space, and whether it lies on the path of a given node (a pin)."""
 
     tokens: tuple[int, ...]
     start: int
@@ -138,7 +138,7 @@ def node_views(
     nodes: Iterable[Node], space_of: Callable[[Node], Hashable], pinned: Sequence[Node] = ()
 ) -> list[NodeView]:
     """A copy of each of ``nodes``, which come parents before children and without the roots (as
-    :meth:`prefixkv.kv.trie.RadixTrie.nodes` lists them); ``space_of`` names the namespace of a node under a root,
+    :meth:`prefixkv.kv.trie.RadixTrie.nodes` lists them); ``space_of`` names the key space of a node under a root,
     and those on the path of a node in ``pinned`` are marked. Does not mutate."""
     marked: set[int] = set()
     for end in pinned:

@@ -1,60 +1,29 @@
-"""Cached prefixes on disk: one safetensors file per save, so loading a file never runs code. Its format,
-reading and checks are :mod:`prefixkv.kv.prefix_file`'s; this module writes files (:func:`write`, of the nodes
-:func:`select_nodes` picks), converts them (:func:`convert`) and plans what a read file adds to a trie
-(:func:`plan`).
+"""Cached prefixes in and out of a store: what a save takes out of its trie and pool (:meth:`Archive.export`,
+of the nodes :func:`select_nodes` picks) and what a read file adds to them (:meth:`Archive.merge`, of the paths
+:func:`missing_paths` finds), and the metadata that ties a file's K/V to the store that computed them
+(:func:`store_meta`). The file itself (its format, writing, reading and checks) is :mod:`prefixkv.kv.prefix_file`'s.
 
-Loading inserts each saved leaf's whole path into the trie with its block table: positions the store
+Merging inserts each saved leaf's whole path into the trie with its block table: positions the store
 already holds keep their blocks, and only the blocks of new positions are copied in.
 
-This module sits below the store and its block manager: it writes files and plans over a trie; the store's
-``save``, ``load`` and ``merge`` call the block manager (:class:`prefixkv.kv.room.Room`), which takes its lock,
-calls these, and inserts through its one insert.
+A :class:`~prefixkv.kv.manager.BlockManager` builds its :class:`Archive` (``store.blocks.archive``) over its
+holdings and its room; the store's ``save``, ``load`` and ``merge`` call it through :mod:`prefixkv.files`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .pool import BlockPool, LayerSpec
-from .prefix_file import FORMAT, FORMAT_VERSION, TRIE_KEYS, PathLike, PrefixFile, checksum, read
-from .quantization import check_kv_dtype
+from ..errors import CapacityError
+from ..memory import format_bytes
+from .holdings import Holdings
+from .pool import LayerSpec
+from .prefix_file import FORMAT, FORMAT_VERSION, PersistStats, PrefixFile, Saved, blocks_of, trie_tensors
+from .room import Room
 from .trie import Node, RadixTrie
-
-
-@dataclass(frozen=True)
-class PersistStats:
-    """What a save wrote: cached ``prefixes`` (trie leaves), their ``tokens`` (shared parts counted
-    once) and KV ``blocks``. What a merge added: prefixes the store lacked (in whole or in part), the
-    token positions and the pool blocks it took for them."""
-
-    prefixes: int
-    tokens: int
-    blocks: int
-
-
-# -- save ----------------------------------------------------------------------------------------------
-
-
-def write(
-    path: PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str], nodes: list[Saved], blocks: list[int]
-) -> PersistStats:
-    """Write a save's tensors (:func:`trie_tensors` and the pool's blocks) with ``meta`` and its checksum to
-    ``path``; the file appears whole or not at all."""
-    meta["checksum"] = checksum(tensors, meta)
-    write_atomically(Path(path), tensors, meta)
-    return PersistStats(
-        prefixes=sum(1 for n in nodes if not n.children),
-        tokens=sum(len(n.tokens) for n in nodes),
-        blocks=len(blocks),
-    )
 
 
 class StoreFacts(Protocol):
@@ -97,18 +66,82 @@ def store_meta(
     return meta
 
 
-class Saved(NamedTuple):
-    """A trie node as written: its edge cut to the saved length, and which of the saved nodes are
-    its parent and children."""
+class Export(NamedTuple):
+    """Result of :meth:`Archive.export`: what :func:`prefixkv.kv.prefix_file.write` writes."""
 
-    tokens: list[int]
+    nodes: list[Saved]
+    tensors: dict[str, torch.Tensor]
     blocks: list[int]
-    parent: int
-    children: list[int]
+
+
+class Archive:
+    """A store's prefixes as a file holds them: exported for a save, merged in from a read file. Every method
+    runs under the holdings' lock (it takes it itself)."""
+
+    def __init__(self, held: Holdings, room: Room) -> None:
+        self._holdings = held
+        self._room = room
+
+    def export(self, wanted: list[list[int]] | None, space: Hashable) -> Export:
+        """What a saved file holds (:func:`prefixkv.kv.prefix_file.write`): the nodes of the cached prefixes in key
+        space ``space`` (all, or the cached part of each of ``wanted``), their tensors (the paths' and the
+        blocks') and the blocks. Does not mutate."""
+        h = self._holdings
+        with h.lock:
+            nodes = select_nodes(h.trie, wanted, space)
+            tensors, blocks = trie_tensors(nodes, h.block_size)
+            tensors.update(h.pool.read_blocks(blocks))
+            return Export(nodes, tensors, blocks)
+
+    def merge(self, file: PrefixFile, space: Hashable) -> PersistStats:
+        """Insert the file's paths in key space ``space``; copy in only the blocks of positions the store lacks.
+        Mutates, or raises :class:`CapacityError` before any change when the budget cannot make room."""
+        h = self._holdings
+        bs, trie, alloc = h.block_size, h.trie, h.allocator
+        with h.lock:
+            missing, anchors = missing_paths(trie, file.paths, space)
+            needed = list(dict.fromkeys(p.table[c] for p in missing for c in range(p.present // bs, len(p.table))))
+            for node in anchors:
+                trie.lock(node)  # what the count of present tokens relies on must survive the evictions for room
+            try:
+                self._check_room(len(needed))
+                self._room.ensure_free(len(needed))
+                fresh = alloc.allocate(len(needed))
+                try:
+                    h.pool.write_blocks(fresh, blocks_of(file, needed))
+                    slot = dict(zip(needed, fresh))
+                    for path in missing:
+                        live = trie.match(path.tokens, space)
+                        assert live.length == path.present, "the present tokens changed under the store lock"
+                        cut = live.length // bs
+                        h.insert(path.tokens, live.blocks[:cut] + [slot[b] for b in path.table[cut:]], space)
+                finally:
+                    alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing the rest
+            finally:
+                for node in anchors:
+                    trie.unlock(node)
+        return PersistStats(
+            prefixes=len(missing),
+            tokens=sum(len(p.tokens) - p.present for p in missing),
+            blocks=len(needed),
+        )
+
+    def _check_room(self, needed: int) -> None:
+        """Raise :class:`CapacityError` if ``needed`` more blocks exceed the free blocks, the growth left in the
+        budget and the evictable ones (no budget: the pool grows as needed). Does not mutate."""
+        h, alloc = self._holdings, self._holdings.allocator
+        limit = h.max_blocks
+        room = None if limit is None else alloc.num_free + (limit + 1 - alloc.capacity) + self._room.evictable()
+        if room is not None and needed > room:
+            raise CapacityError(
+                f"prefixkv: the file needs {needed} new KV blocks ({format_bytes(needed * h.bytes_per_block)}) but "
+                f"the store can make room for only {room} (budget {limit} blocks, {alloc.num_used} in use). Raise "
+                "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
+            )
 
 
 def select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashable) -> list[Saved]:
-    """The saved part of namespace ``space`` of the trie, parents first: every node, or the paths of the cached
+    """The saved part of key space ``space`` of the trie, parents first: every node, or the paths of the cached
     part of each wanted prefix (a path may end inside an edge). Does not mutate."""
     keep: dict[int, int] = {}  # id(node) -> tokens of its edge kept
     order: list[Node] = []
@@ -149,87 +182,22 @@ def select_nodes(trie: RadixTrie, wanted: list[list[int]] | None, space: Hashabl
     return saved
 
 
-def trie_tensors(nodes: list[Saved], block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The integer tensors of the trie, and the pool blocks they reference in file order."""
-    renumber: dict[int, int] = {}
-    file_blocks = [renumber.setdefault(b, len(renumber)) for n in nodes for b in n.blocks]
-    tensors = {
-        "trie.parent": _longs([n.parent for n in nodes]),
-        "trie.length": _longs([len(n.tokens) for n in nodes]),
-        "trie.tokens": _longs([t for n in nodes for t in n.tokens]),
-        "trie.num_blocks": _longs([len(n.blocks) for n in nodes]),
-        "trie.blocks": _longs(file_blocks),
-    }
-    return tensors, list(renumber)
-
-
-def write_atomically(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-# -- convert, load and merge ------------------------------------------------------------------------------
-
-
-def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> PersistStats:
-    """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
-    ``"fp8"``, or ``None`` for unquantized in the file's dtype): the explicit step that lets a quantized
-    store load a file saved from an unquantized one, and back. Quantizing costs what a quantized store costs
-    (``docs/memory.md``); dequantizing gives back the quantized values, not the originals. Raises
-    :class:`PersistError` for a file :func:`read` refuses; ``path`` is left as it is.
-
-    >>> import prefixkv, torch, tempfile, os
-    >>> model = prefixkv.models.tiny_model("llama")
-    >>> store = prefixkv.PrefixStore(model, block_size=4)
-    >>> _ = store.warm([torch.arange(3, 20)], progress=False)
-    >>> folder = tempfile.mkdtemp()
-    >>> _ = store.save(os.path.join(folder, "full.safetensors"))
-    >>> src, dst = os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors")
-    >>> prefixkv.PrefixStore.convert(src, dst, "int8").blocks
-    4
-    >>> prefixkv.PrefixStore.load(dst, model).kv_dtype
-    'int8'
-    """
-    check_kv_dtype(kv_dtype)
-    file = read(path)
-    bs, count = file.block_size, file.keys[0].shape[0]
-    spec = LayerSpec(int(file.meta["kv_heads"]), int(file.meta["head_dim"]), torch.device("cpu"), file.dtype)
-    specs = [spec] * len(file.keys)
-    source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
-    everything = list(range(count))
-    if count:
-        source.write_blocks(everything, blocks_of(file, everything))
-        table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
-        for layer in range(len(specs)):
-            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        tensors = {name: f.get_tensor(name) for name in TRIE_KEYS}
-    tensors.update(target.read_blocks(everything))
-    meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
-    if kv_dtype is not None:
-        meta["kv_dtype"] = kv_dtype
-    meta["checksum"] = checksum(tensors, meta)
-    write_atomically(Path(new_path), tensors, meta)
-    return PersistStats(prefixes=len(file.paths), tokens=len(tensors["trie.tokens"]), blocks=count)
-
-
-class Plan(NamedTuple):
-    """A saved path to insert, and how many of its tokens the store will already hold by then."""
+class MissingPath(NamedTuple):
+    """A saved path the store lacks in part: its tokens and block table in the file, and how many of its tokens
+    the store will already hold when it is inserted."""
 
     tokens: list[int]
     table: list[int]
     present: int
 
 
-def plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hashable) -> tuple[list[Plan], list[Node]]:
-    """For each path, in order, how much of it namespace ``space`` of the trie (with the paths before it) will
-    hold; and the nodes it already matches in the trie. Does not mutate ``trie``."""
+def missing_paths(
+    trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hashable
+) -> tuple[list[MissingPath], list[Node]]:
+    """The paths key space ``space`` of the trie lacks in part, each with how much of it the trie (with the paths
+    before it) will hold; and the nodes the paths already match in the trie. Does not mutate ``trie``."""
     earlier = RadixTrie(trie.block_size)
-    plans: list[Plan] = []
+    missing: list[MissingPath] = []
     anchors: list[Node] = []
     for tokens, table in paths:
         live = trie.match(tokens, space)
@@ -237,25 +205,9 @@ def plan(trie: RadixTrie, paths: list[tuple[list[int], list[int]]], space: Hasha
             anchors.append(live.node)
         present = max(live.length, earlier.match(tokens).length)
         if present < len(tokens):
-            plans.append(Plan(tokens, table, present))
+            missing.append(MissingPath(tokens, table, present))
             earlier.insert(tokens, table)
-    return plans, anchors
-
-
-def blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
-    """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
-    index = torch.tensor(blocks, dtype=torch.long)
-    out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
-    out.update({f"v.{i}": v.index_select(0, index) for i, v in enumerate(file.values)})
-    out.update({name: t.index_select(0, index) for name, t in file.scales.items()})
-    return out
-
-
-# -- helpers ------------------------------------------------------------------------------------------------
-
-
-def _longs(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+    return missing, anchors
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

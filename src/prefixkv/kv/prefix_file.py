@@ -1,9 +1,9 @@
-"""A prefix file of :mod:`prefixkv.kv.persist` read back and checked: its format, :func:`read` and
-:func:`check_compatible` and :func:`check_model`.
+"""The prefix file, whole: its format, written (:func:`write`, :func:`convert`), read back (:func:`read`) and checked
+(:func:`check_compatible`, :func:`check_model`). One safetensors file per save, so loading a file never runs code.
 
 The file holds, per attention layer, K and V of the saved blocks only (``k.{layer}``, ``v.{layer}``,
 ``[blocks, block_size, kv_heads, head_dim]``, renumbered ``0..blocks-1``), and the trie as integer
-tensors, nodes listed parents first:
+tensors, nodes listed parents first (:class:`Saved`, :func:`trie_tensors`):
 
 - ``trie.parent``: ``[nodes]``, the index of each node's parent, ``-1`` under the root;
 - ``trie.length``, ``trie.tokens``: each node's edge length, and all edges' token ids end to end;
@@ -13,8 +13,9 @@ tensors, nodes listed parents first:
 The string metadata records the format and its version, the block size, the pool's and the model's
 dtypes, the layer and head shapes, a fingerprint of the model (:func:`prefixkv.kv.fingerprint.fingerprint`) and a
 sha256 over all of the above (:func:`checksum`: every tensor's name, dtype, shape and bytes, and every other
-metadata entry). A file is fully read and checked before a store is touched, so a refused file leaves the store as
-it was. This module only reads; writing is :mod:`prefixkv.kv.persist`'s.
+metadata entry). A file appears whole or not at all (:func:`write_atomically`, which the disk tier's block files
+use too), and is fully read and checked before a store is touched, so a refused file leaves the store as it was.
+What a save takes out of a store and what a load merges into it is :mod:`prefixkv.kv.persist`'s.
 """
 
 from __future__ import annotations
@@ -22,22 +23,35 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..errors import PersistError
 from .fingerprint import fingerprint, tensor_bytes
-from .pool import LayerSpec
-from .quantization import KV_DTYPES, SCALE_DTYPE, code_dtype
+from .pool import BlockPool, LayerSpec
+from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 
 FORMAT = "prefixkv.prefixes"
 FORMAT_VERSION = 3  # 3: codes of head vectors turned with exact sums (2: turned by a matmul; 1: a scale per block)
 TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
 
 PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """What a save wrote: cached ``prefixes`` (trie leaves), their ``tokens`` (shared parts counted
+    once) and KV ``blocks``. What a merge added: prefixes the store lacked (in whole or in part), the
+    token positions and the pool blocks it took for them."""
+
+    prefixes: int
+    tokens: int
+    blocks: int
 
 
 class PrefixFile(NamedTuple):
@@ -53,6 +67,107 @@ class PrefixFile(NamedTuple):
     values: list[torch.Tensor]
     kv_dtype: str | None = None
     scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
+
+
+# -- write and convert ----------------------------------------------------------------------------------
+
+
+class Saved(NamedTuple):
+    """A trie node as written: its edge cut to the saved length, and which of the saved nodes are
+    its parent and children."""
+
+    tokens: list[int]
+    blocks: list[int]
+    parent: int
+    children: list[int]
+
+
+def write(
+    path: PathLike, tensors: dict[str, torch.Tensor], meta: dict[str, str], nodes: list[Saved], blocks: list[int]
+) -> PersistStats:
+    """Write a save's tensors (:func:`trie_tensors` and the pool's blocks) with ``meta`` and its checksum to
+    ``path``; the file appears whole or not at all."""
+    meta["checksum"] = checksum(tensors, meta)
+    write_atomically(Path(path), tensors, meta)
+    return PersistStats(
+        prefixes=sum(1 for n in nodes if not n.children),
+        tokens=sum(len(n.tokens) for n in nodes),
+        blocks=len(blocks),
+    )
+
+
+def trie_tensors(nodes: list[Saved], block_size: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The integer tensors of the trie, and the pool blocks they reference in file order."""
+    renumber: dict[int, int] = {}
+    file_blocks = [renumber.setdefault(b, len(renumber)) for n in nodes for b in n.blocks]
+    tensors = {
+        "trie.parent": _longs([n.parent for n in nodes]),
+        "trie.length": _longs([len(n.tokens) for n in nodes]),
+        "trie.tokens": _longs([t for n in nodes for t in n.tokens]),
+        "trie.num_blocks": _longs([len(n.blocks) for n in nodes]),
+        "trie.blocks": _longs(file_blocks),
+    }
+    return tensors, list(renumber)
+
+
+def write_atomically(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> PersistStats:
+    """Write the prefixes saved at ``path`` to ``new_path`` with K/V kept as ``kv_dtype`` (``"int8"``,
+    ``"fp8"``, or ``None`` for unquantized in the file's dtype): the explicit step that lets a quantized
+    store load a file saved from an unquantized one, and back. Quantizing costs what a quantized store costs
+    (``docs/memory.md``); dequantizing gives back the quantized values, not the originals. Raises
+    :class:`PersistError` for a file :func:`read` refuses; ``path`` is left as it is.
+
+    >>> import prefixkv, torch, tempfile, os
+    >>> model = prefixkv.models.tiny_model("llama")
+    >>> store = prefixkv.PrefixStore(model, block_size=4)
+    >>> _ = store.warm([torch.arange(3, 20)], progress=False)
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = store.save(os.path.join(folder, "full.safetensors"))
+    >>> src, dst = os.path.join(folder, "full.safetensors"), os.path.join(folder, "int8.safetensors")
+    >>> prefixkv.PrefixStore.convert(src, dst, "int8").blocks
+    4
+    >>> prefixkv.PrefixStore.load(dst, model).kv_dtype
+    'int8'
+    """
+    check_kv_dtype(kv_dtype)
+    file = read(path)
+    bs, count = file.block_size, file.keys[0].shape[0]
+    spec = LayerSpec(int(file.meta["kv_heads"]), int(file.meta["head_dim"]), torch.device("cpu"), file.dtype)
+    specs = [spec] * len(file.keys)
+    source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
+    everything = list(range(count))
+    if count:
+        source.write_blocks(everything, blocks_of(file, everything))
+        table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
+        for layer in range(len(specs)):
+            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        tensors = {name: f.get_tensor(name) for name in TRIE_KEYS}
+    tensors.update(target.read_blocks(everything))
+    meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
+    if kv_dtype is not None:
+        meta["kv_dtype"] = kv_dtype
+    meta["checksum"] = checksum(tensors, meta)
+    write_atomically(Path(new_path), tensors, meta)
+    return PersistStats(prefixes=len(file.paths), tokens=len(tensors["trie.tokens"]), blocks=count)
+
+
+def blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
+    index = torch.tensor(blocks, dtype=torch.long)
+    out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
+    out.update({f"v.{i}": v.index_select(0, index) for i, v in enumerate(file.values)})
+    out.update({name: t.index_select(0, index) for name, t in file.scales.items()})
+    return out
 
 
 # -- read and verify -------------------------------------------------------------------------------------
@@ -341,3 +456,7 @@ def _dtype(meta: dict[str, str], key: str, path: PathLike) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise PersistError(f"{path} names no valid {key!r} in its metadata ({meta.get(key)!r}); it is corrupted")
     return value
+
+
+def _longs(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)

@@ -1,75 +1,47 @@
-"""Room in a block manager's pool, and the prefixes pinned in it: the two parts a
-:class:`~prefixkv.kv.blocks.BlockManager` builds and hands its allocator and trie to.
+"""Room in a block manager's pool, and the prefixes pinned in it: two parts a
+:class:`~prefixkv.kv.manager.BlockManager` builds over its :class:`~prefixkv.kv.holdings.Holdings`.
 
 :class:`Room` grows the pool within the budget, evicts unlocked leaves in the trie's order (into the second tier,
-when there is one), brings blocks back from that tier, and copies in the blocks of a saved file. :class:`Pins`
-keeps the prefixes ``store.pin`` pinned. Both run under the manager's lock and read of it only what
-:class:`Manager` lists."""
+when there is one) and brings blocks back from that tier. :class:`Pins` keeps the prefixes ``store.pin`` pinned.
+Both run under the holdings' lock. A saved file's blocks are :mod:`prefixkv.kv.persist`'s."""
 
 from __future__ import annotations
 
 import gc
-import threading
 from collections import Counter
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Hashable
 
 import torch
 
 from ..errors import CapacityError
 from ..memory import format_bytes
-from . import persist
-from .allocator import BlockAllocator
-from .namespace import WeightsChanged
-from .pool import BlockPool
-from .prefix_file import PrefixFile
+from .holdings import Holdings
+from .key_space import WeightsChanged
 from .tier import OffloadTier, chunk_keys
-from .trie import Node, RadixTrie, path_tokens
-
-
-class Manager(Protocol):
-    """What :class:`Room` and :class:`Pins` read of their block manager (:class:`prefixkv.kv.blocks.BlockManager`):
-    its lock, pool, budget and tier, the other part, and the one insert every block enters the trie by."""
-
-    lock: threading.RLock
-    pool: BlockPool
-    block_size: int
-    bytes_per_block: int
-    max_blocks: int | None
-    tier: OffloadTier | None
-    pins: Pins
-
-    def insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node: ...
-
-
-class Export(NamedTuple):
-    """Result of :meth:`Room.export`: what :func:`prefixkv.kv.persist.write` writes."""
-
-    nodes: list[persist.Saved]
-    tensors: dict[str, torch.Tensor]
-    blocks: list[int]
+from .trie import Node, path_tokens
 
 
 class Room:
-    """Room in a manager's pool: growth within the budget, LRU eviction of unlocked leaves (into the second
-    tier, when there is one), blocks brought back from that tier, and the blocks of a saved file. Every method
-    runs under the manager's lock (it takes it itself)."""
+    """Room in a store's pool: growth within the budget, LRU eviction of unlocked leaves (into the second
+    tier, when there is one), and blocks brought back from that tier. Every method runs under the holdings' lock
+    (it takes it itself); :attr:`evictions` counts the leaves evicted."""
 
-    def __init__(self, blocks: Manager, allocator: BlockAllocator, trie: RadixTrie) -> None:
-        self._blocks = blocks  # its public parts: lock, pool, budget, tier
-        self._allocator = allocator
-        self._trie = trie
+    def __init__(self, held: Holdings, pins: Pins) -> None:
+        self._holdings = held
+        self._allocator = held.allocator
+        self._trie = held.trie
+        self._pins = pins
         self.evictions = 0
 
     def free_range(self, n: int) -> int | None:
         """The first of ``n`` consecutive free blocks, growing the pool by ``n`` for them if it has none and the
         budget allows (never evicting), or ``None``. Mutates (the pool's size)."""
-        bm = self._blocks
-        alloc, limit = self._allocator, bm.max_blocks
+        h = self._holdings
+        alloc, limit = self._allocator, h.max_blocks
         start = alloc.free_run(n)
         if start is None and (limit is None or alloc.capacity + n <= limit + 1):
             start = alloc.capacity
-            bm.pool.grow(alloc.capacity + n)
+            h.pool.grow(alloc.capacity + n)
             alloc.grow(alloc.capacity + n)
         return start
 
@@ -77,16 +49,16 @@ class Room:
         """Make ``n`` blocks free: grow the pool within the budget (when it grows, by ``spare`` blocks at least:
         a free range for :meth:`free_range`), then evict LRU unlocked leaves. Mutates; raises
         :class:`CapacityError` with the numbers when even that is not enough."""
-        bm = self._blocks
+        h = self._holdings
         alloc = self._allocator
-        with bm.lock:
+        with h.lock:
             if alloc.can_allocate(n):
                 return
-            limit = None if bm.max_blocks is None else bm.max_blocks + 1
+            limit = None if h.max_blocks is None else h.max_blocks + 1
             if limit is None or alloc.capacity < limit:
                 want = max(2 * alloc.capacity, alloc.capacity + n - alloc.num_free, alloc.capacity + spare)
                 target = want if limit is None else min(want, limit)
-                bm.pool.grow(target)
+                h.pool.grow(target)
                 alloc.grow(target)
             collected = False
             while not alloc.can_allocate(n):
@@ -101,19 +73,19 @@ class Room:
                     continue
                 self.evictions += 1
                 try:
-                    if bm.tier is not None:
-                        self._offload(bm.tier, node)
+                    if h.tier is not None:
+                        self._offload(h.tier, node)
                 finally:
                     alloc.decref(node.blocks)  # the node left the trie: its blocks go back whatever the tier did
 
     def copy_prefix(self, src: int, n: int) -> int:
         """A fresh block holding the first ``n`` slots of ``src`` (copy-on-write). Mutates."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             self.ensure_free(1)
             (dst,) = self._allocator.allocate(1)
             try:
-                bm.pool.copy_block(src, dst, n)
+                h.pool.copy_block(src, dst, n)
             except BaseException:
                 self._allocator.decref([dst])
                 raise
@@ -121,8 +93,8 @@ class Room:
 
     def evictable(self) -> int:
         """Blocks that evicting every unlocked node would free. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             unlocked: Counter[int] = Counter()
             for node in self._trie.nodes():
                 if node.lock == 0:
@@ -134,72 +106,19 @@ class Room:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and every block of the second
         tier (its files too): a later request recomputes what they held. Returns the number of pool blocks
         freed. Mutates."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             freed = self._allocator.decref(self._trie.clear())
-            if bm.tier is not None:
-                bm.tier.clear()
+            if h.tier is not None:
+                h.tier.clear()
             return freed
-
-    def export(self, wanted: list[list[int]] | None, space: Hashable) -> Export:
-        """What a saved file holds (:func:`prefixkv.kv.persist.write`): the nodes of the cached prefixes in namespace
-        ``space`` (all, or the cached part of each of ``wanted``), their tensors (the paths' and the blocks') and
-        the blocks. Does not mutate."""
-        bm = self._blocks
-        with bm.lock:
-            nodes = persist.select_nodes(self._trie, wanted, space)
-            tensors, blocks = persist.trie_tensors(nodes, bm.block_size)
-            tensors.update(bm.pool.read_blocks(blocks))
-            return Export(nodes, tensors, blocks)
-
-    def add_file(self, file: PrefixFile, space: Hashable) -> persist.PersistStats:
-        """Insert the file's paths in namespace ``space``; copy in only the blocks of positions the store lacks.
-        Mutates, or raises :class:`CapacityError` before any change when the budget cannot make room."""
-        bm = self._blocks
-        bs, trie, alloc = bm.block_size, self._trie, self._allocator
-        with bm.lock:
-            plans, anchors = persist.plan(trie, file.paths, space)
-            needed = list(dict.fromkeys(p.table[c] for p in plans for c in range(p.present // bs, len(p.table))))
-            for node in anchors:
-                trie.lock(node)  # what the plan counts on must survive the evictions that make room
-            try:
-                # free blocks, growth left in the budget, and evictable ones (None: the pool grows as needed)
-                limit = bm.max_blocks
-                room = None if limit is None else alloc.num_free + (limit + 1 - alloc.capacity) + self.evictable()
-                if room is not None and len(needed) > room:
-                    raise CapacityError(
-                        f"prefixkv: the file needs {len(needed)} new KV blocks "
-                        f"({format_bytes(len(needed) * bm.bytes_per_block)}) but the store can make room for "
-                        f"only {room} (budget {limit} blocks, {alloc.num_used} in use). Raise "
-                        "max_memory/num_blocks, close() live caches, unpin or clear() prefixes, or save fewer prefixes"
-                    )
-                self.ensure_free(len(needed))
-                fresh = alloc.allocate(len(needed))
-                try:
-                    bm.pool.write_blocks(fresh, persist.blocks_of(file, needed))
-                    slot = dict(zip(needed, fresh))
-                    for plan in plans:
-                        live = trie.match(plan.tokens, space)
-                        assert live.length == plan.present, "the merge plan went stale under the store lock"
-                        cut = live.length // bs
-                        bm.insert(plan.tokens, live.blocks[:cut] + [slot[b] for b in plan.table[cut:]], space)
-                finally:
-                    alloc.decref(fresh)  # the merge's own hold: the trie holds what it inserted, nothing the rest
-            finally:
-                for node in anchors:
-                    trie.unlock(node)
-        return persist.PersistStats(
-            prefixes=len(plans),
-            tokens=sum(len(p.tokens) - p.present for p in plans),
-            blocks=len(needed),
-        )
 
     # -- the second tier ------------------------------------------------------------------------------
 
     def _offload(self, tier: OffloadTier, node: Node) -> None:
         """Copy the whole blocks of an evicted node to the tier. Mutates the tier only."""
-        bm = self._blocks
-        bs = bm.block_size
+        h = self._holdings
+        bs = h.block_size
         first, end = node.start // bs, node.end // bs  # chunks [first, end) lie wholly before the edge's end
         space = self._trie.space_of(node)
         if end <= first or isinstance(space, WeightsChanged):
@@ -207,18 +126,18 @@ class Room:
         keys = chunk_keys(path_tokens(node), bs, end, space)
         for c in range(first, end):
             if not tier.touch(keys[c]):
-                tier.put(keys[c], bm.pool.read_blocks([node.blocks[c - first]]), repr(space))
+                tier.put(keys[c], h.pool.read_blocks([node.blocks[c - first]]), repr(space))
 
     def restore(self, rows: list[list[int]], space: Hashable) -> None:
         """Bring back from the second tier the whole blocks that extend each row's match in the trie, and insert
         them. Nodes matched or restored stay locked until every row is done, so that room made for one row
         never evicts another's. Mutates."""
-        bm = self._blocks
-        tier = bm.tier
+        h = self._holdings
+        tier = h.tier
         if tier is None or isinstance(space, WeightsChanged):
             return
-        bs, trie, alloc, held = bm.block_size, self._trie, self._allocator, []
-        with bm.lock:
+        bs, trie, alloc, held = h.block_size, self._trie, self._allocator, []
+        with h.lock:
             try:
                 for row in rows:
                     m = trie.match(row, space)
@@ -251,8 +170,8 @@ class Room:
                         continue
                     fresh = alloc.allocate(n)
                     try:
-                        bm.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
-                        node = bm.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
+                        h.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
+                        node = h.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
                     finally:
                         alloc.decref(fresh)  # the restore's own hold: the trie holds them now, or nothing does
                     trie.lock(node)
@@ -263,31 +182,31 @@ class Room:
                     trie.unlock(node)
 
     def _capacity_error(self, n: int) -> CapacityError:
-        bm = self._blocks
+        h = self._holdings
         alloc = self._allocator
         occurrences = self._trie.check_invariants()
         live = sum(1 for b in range(1, alloc.capacity) if alloc.refcount(b) > occurrences.get(b, 0))
-        budget = bm.max_blocks if bm.max_blocks is not None else alloc.capacity - 1
+        budget = h.max_blocks if h.max_blocks is not None else alloc.capacity - 1
         return CapacityError(
             f"prefixkv: {n} more KV blocks are needed, {alloc.num_free} are free and no cached prefix "
-            f"can be evicted: budget {budget} blocks ({format_bytes(budget * bm.bytes_per_block)}, "
-            f"{bm.block_size} tokens each), {live} held by live caches, {len(bm.pins.blocks())} pinned. "
+            f"can be evicted: budget {budget} blocks ({format_bytes(budget * h.bytes_per_block)}, "
+            f"{h.block_size} tokens each), {live} held by live caches, {len(self._pins.blocks())} pinned. "
             "Raise max_memory/num_blocks, close() caches you no longer need, unpin prefixes, "
             "or generate with fewer rows or new tokens."
         )
 
 
 class Pins:
-    """The prefixes pinned in a manager (``store.pin``): a hard pin (``priority=None``) keeps the trie node that
+    """The prefixes pinned in a store (``store.pin``): a hard pin (``priority=None``) keeps the trie node that
     ends it locked, so that nothing under it is evicted, and counts against the budget; a soft pin retains its
     path at a priority (the trie's :meth:`~prefixkv.kv.trie.RadixTrie.retain`: evicted after every leaf of lower
     priority, but never kept when nothing else is left) and counts against nothing. Pins nest: a prefix pinned
     twice holds two locks (or two retains)."""
 
-    def __init__(self, blocks: Manager, trie: RadixTrie, allocator: BlockAllocator) -> None:
-        self._blocks = blocks  # its public parts: lock, budget, room
-        self._trie = trie
-        self._allocator = allocator
+    def __init__(self, held: Holdings) -> None:
+        self._holdings = held
+        self._trie = held.trie
+        self._allocator = held.allocator
         self._pins: dict[tuple[Hashable, tuple[int, ...], int | None], list[Node]] = {}
 
     def nodes(self) -> list[Node]:
@@ -305,27 +224,27 @@ class Pins:
         return pinned
 
     def check_budget(self, tokens: list[int], space: Hashable) -> None:
-        """Raise :class:`CapacityError` if pinning ``tokens`` in namespace ``space`` surely exceeds the budget.
+        """Raise :class:`CapacityError` if pinning ``tokens`` in key space ``space`` surely exceeds the budget.
         Does not mutate."""
-        bm = self._blocks
-        if bm.max_blocks is None:
+        h = self._holdings
+        if h.max_blocks is None:
             return
-        bs = bm.block_size
-        with bm.lock:
+        bs = h.block_size
+        with h.lock:
             m = self._trie.match(tokens, space)
             full = m.length // bs  # chunks cached whole; the rest needs blocks of its own
             pinned = self.blocks()
             total = len(pinned | set(m.blocks[:full])) + -(-len(tokens) // bs) - full
-        if total > bm.max_blocks:
+        if total > h.max_blocks:
             raise self._error(len(tokens), total - len(pinned), len(pinned))
 
     def add(self, ids: list[int], tokens: list[int], space: Hashable, priority: int | None = None) -> bool:
-        """Pin ``tokens`` (the part of ``ids`` kept; ``ids`` and ``priority`` are the pin's key) in namespace
+        """Pin ``tokens`` (the part of ``ids`` kept; ``ids`` and ``priority`` are the pin's key) in key space
         ``space`` if the trie holds all of them, within the budget, and return whether it did. Mutates (the node's
         lock or retain, and the split that makes a node end at the last token); raises :class:`CapacityError` if
         a hard pin would exceed the budget."""
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             end = self._trie.end_node(tokens, space)
             if end is None:
                 return False
@@ -333,7 +252,7 @@ class Pins:
             if priority is None:
                 pinned = self.blocks()
                 total = len(self.blocks(end.node))
-                if bm.max_blocks is not None and total > bm.max_blocks:
+                if h.max_blocks is not None and total > h.max_blocks:
                     raise self._error(len(ids), total - len(pinned), len(pinned))
                 self._trie.lock(end.node)
             else:
@@ -345,8 +264,8 @@ class Pins:
         """Undo one :meth:`add` of the same ids and priority. Mutates; raises ``ValueError`` if they are not
         pinned so."""
         key = (space, tuple(ids), priority)
-        bm = self._blocks
-        with bm.lock:
+        h = self._holdings
+        with h.lock:
             nodes = self._pins.get(key)
             if not nodes:
                 raise ValueError(
@@ -362,9 +281,9 @@ class Pins:
                 del self._pins[key]
 
     def _error(self, n: int, blocks: int, pinned: int) -> CapacityError:
-        limit = self._blocks.max_blocks
+        limit = self._holdings.max_blocks
         return CapacityError(
-            f"prefixkv: pinning {n} tokens takes {blocks} more blocks of {self._blocks.block_size} tokens; with "
+            f"prefixkv: pinning {n} tokens takes {blocks} more blocks of {self._holdings.block_size} tokens; with "
             f"the {pinned} blocks already pinned that is {blocks + pinned}, over the budget of {limit} "
             "blocks. Unpin other prefixes, pin a shorter prefix, or raise max_memory/num_blocks."
         )

@@ -5,7 +5,7 @@ quantized), keyed by a chained sha256 over the tokens from position 0 to the blo
 chunk ``c`` hashes the key of chunk ``c - 1`` and the ``block_size`` tokens of chunk ``c``. A prefix is
 thus found block by block where the trie's match stops, and two prefixes that share their first blocks
 share those entries. No trie and no allocator here: the store decides what to offload and what to bring
-back (when it makes room, and in :meth:`prefixkv.kv.blocks.BlockManager.claim`); the tier keeps entries within its own
+back (when it makes room, and in :meth:`prefixkv.kv.manager.BlockManager.claim`); the tier keeps entries within its own
 budget, least recently used first out.
 
 Kinds: ``"cpu"`` keeps tensors in host memory (pinned when CUDA is present, so a copy back to the GPU
@@ -16,7 +16,7 @@ temporary file, which is never read; a file whose checksum fails is dropped with
 
 A directory may be shared (two workers, two models of one shape, a plain and an int8 store): a file's name
 starts with the store's *identity*, a hash of what its K/V depend on besides the tokens (model fingerprint,
-dtype, quantization, block size), and every read checks the file's metadata and namespace against the reader's,
+dtype, quantization, block size), and every read checks the file's metadata and key space against the reader's,
 so a store never reads another's blocks and leaves their files alone. Stores of one identity share their files:
 one may drop a file another still lists, which is then a miss for that other.
 
@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 
 from ..stats import TierStats
-from . import persist, prefix_file
+from . import prefix_file
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
@@ -51,7 +51,7 @@ _SUFFIX = ".safetensors"
 
 
 def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
-    """The keys of the first ``chunks`` whole blocks of ``tokens`` in the store's namespace ``space`` (active
+    """The keys of the first ``chunks`` whole blocks of ``tokens`` in the store's key space ``space`` (active
     adapters, weights version: the same tokens have other K/V there). Does not mutate.
 
     >>> a = chunk_keys([1, 2, 3, 4, 5, 6], 2, 3)
@@ -73,7 +73,7 @@ class OffloadTier:
     """Blocks keyed by :func:`chunk_keys`, in host memory (``kind="cpu"``) or files (``kind="disk"``),
     within ``max_bytes`` (``None``: unbounded), least recently used first out.
 
-    ``meta`` is the metadata (:func:`prefixkv.kv.persist.store_meta`) every disk file carries; files already in
+    ``meta`` is the metadata (:func:`prefixkv.files.file_meta`) every disk file carries; files already in
     ``directory`` with the same metadata are taken as this tier's, the others are left alone. ``check`` says what
     is wrong with the tensors of a file read back (``None``: nothing), for files whose checksum and metadata are
     right but whose tensors are not what the metadata names (:func:`prefixkv.kv.prefix_file.block_problem`).
@@ -171,7 +171,7 @@ class OffloadTier:
         return True
 
     def put(self, key: str, tensors: dict[str, torch.Tensor], space: str = "") -> bool:
-        """Keep a block (one ``[1, ...]`` tensor per name) of namespace ``space`` (its ``repr``) under ``key``,
+        """Keep a block (one ``[1, ...]`` tensor per name) of key space ``space`` (its ``repr``) under ``key``,
         dropping least recently used entries for room; an entry already held is only marked used. Returns whether
         it is held: a write that fails (a full disk, a removed directory) keeps nothing, with one warning per tier.
         Mutates.
@@ -186,7 +186,7 @@ class OffloadTier:
             if self.directory is not None:
                 meta = {**self.meta, "key": key, "namespace": space}
                 meta["checksum"] = prefix_file.checksum(tensors, meta)
-                persist.write_atomically(self.path(key), tensors, meta)
+                prefix_file.write_atomically(self.path(key), tensors, meta)
                 size = self.path(key).stat().st_size
             else:
                 self._held[key] = {n: t.pin_memory() if self._pin else t for n, t in tensors.items()}
@@ -206,8 +206,8 @@ class OffloadTier:
             self._evictions += 1
 
     def get(self, key: str, space: str = "") -> dict[str, torch.Tensor] | None:
-        """The block of namespace ``space`` under ``key`` (marked used), or ``None`` if it is not held, its file is
-        gone (another store of this identity dropped it), was written for another store or namespace (then it is
+        """The block of key space ``space`` under ``key`` (marked used), or ``None`` if it is not held, its file is
+        gone (another store of this identity dropped it), was written for another store or key space (then it is
         left alone), or fails its checksum or ``check`` (then it is dropped, with a warning). Mutates the LRU order."""
         if key not in self._sizes:
             return None
@@ -298,6 +298,6 @@ class OffloadTier:
 
 
 def _identity(meta: dict[str, str]) -> dict[str, str]:
-    """What a block file's metadata says about the store that wrote it: all but its own key, namespace and
+    """What a block file's metadata says about the store that wrote it: all but its own key, key space and
     checksum."""
     return {k: v for k, v in meta.items() if k not in ("key", "namespace", "checksum")}

@@ -7,8 +7,8 @@ a split is touched by both halves, so its block occurs twice; the trie reports e
 or drops so that the owner of the refcounts (the store) keeps them true.
 
 Namespaces keep apart K/V that the same tokens get under different model states (an active adapter: docs/correctness.md,
-"Adapters and changed weights"): each namespace has its own root, and every query or insert names its
-namespace (``None`` by default). Eviction is one segmented LRU over all of them (docs/generate.md, "Many
+"Adapters and changed weights"): each key space has its own root, and every query or insert names its
+key space (``None`` by default). Eviction is one segmented LRU over all of them (docs/generate.md, "Many
 prompts at once").
 
 Locks count per path: locking a node locks every ancestor too, so a locked node is never a leaf candidate and
@@ -29,7 +29,7 @@ from .nodes import Node, NodeView, Roots, node_views, path_tokens
 __all__ = ["ALL_SPACES", "DEFAULT_PRIORITY", "PROTECTED_SHARE", "PROTECT_AFTER", "Insert", "Match", "Node"]
 __all__ += ["NodeView", "RadixTrie", "Roots", "path_tokens"]
 
-ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every namespace
+ALL_SPACES: Hashable = object()  # for :meth:`RadixTrie.nodes`: every key space
 
 
 class Match(NamedTuple):
@@ -95,27 +95,27 @@ class RadixTrie:
         self.root = self.root_of(None)
 
     def root_of(self, space: Hashable) -> Node:
-        """The root of namespace ``space``, made (locked forever: a root is never evicted) on first use. Mutates then;
-        a namespace that loses its last node loses its root too (:class:`~prefixkv.kv.nodes.Roots`)."""
+        """The root of key space ``space``, made (locked forever: a root is never evicted) on first use. Mutates then;
+        a key space that loses its last node loses its root too (:class:`~prefixkv.kv.nodes.Roots`)."""
         return self._roots.get(space)
 
-    def namespaces(self) -> list[Hashable]:
-        """The namespaces that have a root: the default one (``None``), those that hold nodes, and at most one
+    def spaces(self) -> list[Hashable]:
+        """The key spaces that have a root: the default one (``None``), those that hold nodes, and at most one
         emptied by the latest eviction. Does not mutate."""
         return list(self._roots)
 
     def space_of(self, node: Node) -> Hashable:
-        """The namespace ``node`` is in (also for a node just evicted). Does not mutate."""
+        """The key space ``node`` is in (also for a node just evicted). Does not mutate."""
         return self._roots.space_of(node)
 
     # -- queries ---------------------------------------------------------------------------------
 
     def match(self, seq: Sequence[int], space: Hashable = None) -> Match:
-        """Longest cached prefix of ``seq`` in namespace ``space``. Does not mutate (see :meth:`touch`)."""
+        """Longest cached prefix of ``seq`` in key space ``space``. Does not mutate (see :meth:`touch`)."""
         seq = seq if isinstance(seq, list) else list(seq)
         bs = self.block_size
         root = self._roots.find(space)
-        if root is None:  # a namespace that holds nothing: a lookup makes no root for it
+        if root is None:  # a key space that holds nothing: a lookup makes no root for it
             return Match(0, [], self.root)
         node, pos, last = root, 0, root
         blocks: list[int] = []
@@ -136,7 +136,7 @@ class RadixTrie:
         return Match(pos, blocks, last)
 
     def nodes(self, space: Hashable = ALL_SPACES) -> list[Node]:
-        """Every node but the roots (of namespace ``space``; all namespaces by default), parents before
+        """Every node but the roots (of key space ``space``; all key spaces by default), parents before
         children. Does not mutate."""
         out: list[Node] = []
         roots = self._roots.values() if space is ALL_SPACES else [self._roots[space]] if space in self._roots else []
@@ -164,7 +164,7 @@ class RadixTrie:
         known: int = 0,
         end: int | None = None,
     ) -> Insert:
-        """Add ``seq[:end]`` (all of ``seq`` by default) whose chunk ``c`` is held by ``table[c]`` to namespace
+        """Add ``seq[:end]`` (all of ``seq`` by default) whose chunk ``c`` is held by ``table[c]`` to key space
         ``space``. Mutates.
 
         Parts of ``seq`` already in the trie keep their blocks; only new positions take blocks from
@@ -337,7 +337,7 @@ class RadixTrie:
         return node
 
     def clear(self) -> list[int]:
-        """Drop every unlocked node (leaves first, repeatedly) and the root of every namespace left empty; return their
+        """Drop every unlocked node (leaves first, repeatedly) and the root of every key space left empty; return their
         block occurrences. Mutates."""
         released: list[int] = []
         while (blocks := self.evict_one()) is not None:

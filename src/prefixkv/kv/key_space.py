@@ -2,7 +2,7 @@
 the config fields that change K/V; and where each layer computes. See docs/correctness.md, "Adapters and changed
 weights".
 
-A :class:`Namespace` is made once per store, with the model as it is then; :meth:`Namespace.space` says, once
+A :class:`KeySpace` is made once per store, with the model as it is then; :meth:`KeySpace.space` says, once
 per call, under which key K/V computed now are cached. This module knows the model, never the blocks."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _few_values(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class WeightsChanged:
-    """The namespace of K/V computed after the weights changed since the store was built: ``adapters`` as
+    """The key space of K/V computed after the weights changed since the store was built: ``adapters`` as
     :func:`prefixkv.kv.fingerprint.adapter_space`, and ``state`` as :func:`_weights_state`. Only this process can
     tell such weights apart, so the second tier keeps none of their blocks (its files outlive the process)."""
 
@@ -83,8 +83,8 @@ class WeightsChanged:
 
 @dataclass(frozen=True)
 class Autocast:
-    """The namespace of K/V computed under ``torch.autocast`` of ``dtype`` on the model's ``device_type``, over
-    ``space``, the adapters' namespace (:func:`prefixkv.kv.fingerprint.adapter_space`): autocast computes other
+    """The key space of K/V computed under ``torch.autocast`` of ``dtype`` on the model's ``device_type``, over
+    ``space``, the adapters' key space (:func:`prefixkv.kv.fingerprint.adapter_space`): autocast computes other
     K/V than the model's own dtype (docs/correctness.md, "Autocast"), so neither is ever served to the other."""
 
     device_type: str
@@ -100,8 +100,8 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
 
 @dataclass(frozen=True)
 class UserSpace:
-    """The namespace of K/V cached for one user (``PagedPrefixCache(..., namespace=name)``): ``name`` and the
-    store's own namespace ``space``, so that users never reuse each other's K/V (docs/generate.md, "Isolation
+    """The key space of K/V cached for one user (``PagedPrefixCache(..., namespace=name)``): ``name`` and the
+    store's own key space ``space``, so that users never reuse each other's K/V (docs/generate.md, "Isolation
     between users")."""
 
     name: str
@@ -109,9 +109,9 @@ class UserSpace:
 
 
 def user_space(name: str | None, space: Hashable) -> Hashable:
-    """The namespace K/V of user ``name`` are cached under when the store's is ``space``: ``space`` itself for
-    ``None`` (the one shared namespace, whose keys saved files and tiers hold), else a :class:`UserSpace`; one of
-    :class:`WeightsChanged` stays one (the second tier keeps none of its blocks). Does not mutate.
+    """The key space K/V of user ``name`` are cached under when the store's is ``space``: ``space`` itself for
+    ``None`` (the one shared namespace, whose key space saved files and tiers hold), else a :class:`UserSpace`;
+    one of :class:`WeightsChanged` stays one (the second tier keeps none of its blocks). Does not mutate.
 
     >>> user_space(None, None), user_space("alice", None)
     (None, UserSpace(name='alice', space=None))
@@ -129,13 +129,13 @@ def user_space(name: str | None, space: Hashable) -> Hashable:
 
 def autocast_in(space: Hashable) -> torch.dtype | None:
     """The autocast dtype of K/V cached under ``space`` (:class:`Autocast`, within a user's or changed weights'
-    namespace), or ``None``: computed without autocast. Does not mutate."""
+    key space), or ``None``: computed without autocast. Does not mutate."""
     while isinstance(space, (WeightsChanged, UserSpace)):
         space = space.adapters if isinstance(space, WeightsChanged) else space.space
     return space.dtype if isinstance(space, Autocast) else None
 
 
-class Namespace:
+class KeySpace:
     """The key of a store's K/V besides the tokens, for one model: its adapters and the state of its weights
     when the store was built."""
 
@@ -162,7 +162,7 @@ class Namespace:
             self._steady.memo = None
 
     def space(self) -> Hashable:
-        """The namespace that K/V computed now are cached under: ``None``, or for a PEFT model the active,
+        """The key space that K/V computed now are cached under: ``None``, or for a PEFT model the active,
         disabled and merged adapters, so that a prefix cached with one adapter is never reused with another
         (or with the adapter disabled); and, once a weight or buffer was written or replaced since the store was
         built (a training step, ``load_state_dict``), :class:`WeightsChanged`, so that K/V of the old weights are

@@ -2,46 +2,35 @@
 
 :class:`BlockManager` ties the allocator, the trie and the pool together under one lock (generate may run in
 several threads on one store), and is what caches call (as ``store.blocks``): ``claim``, ``extend``,
-``publish``, ``truncate``, ``fork`` and ``release`` over :class:`Claim` objects, and a few queries. Each method
-takes the lock itself, says what it mutates and leaves refcounts exact if it raises. Below it, its
-:class:`~prefixkv.kv.room.Room` makes room (growth within the budget, LRU eviction into the second tier, restores
-from it, the blocks of a saved file) and its :class:`~prefixkv.kv.room.Pins` keeps the prefixes a user pinned
-(``kv/room.py``); its :class:`~prefixkv.kv.ledger.Ledger` counts lookups, gives the stats and the snapshots for
-display, and recounts every block's holders (``kv/ledger.py``). Every block that enters the trie goes through
-one insert, :meth:`BlockManager.insert`. See docs/how-it-works.md, "The block manager"."""
+``publish``, ``truncate``, ``fork`` and ``release`` over :class:`~prefixkv.kv.holdings.Claim` objects, and a few
+queries. Each method takes the lock itself, says what it mutates and leaves refcounts exact if it raises. It builds
+its parts over its :class:`~prefixkv.kv.holdings.Holdings` (the pool, allocator, trie, lock, budget and tier, and
+the one insert every block enters the trie by): its :class:`~prefixkv.kv.room.Room` makes room (growth within the
+budget, LRU eviction into the second tier, restores from it) and its :class:`~prefixkv.kv.room.Pins` keeps the
+prefixes a user pinned (``kv/room.py``); its :class:`~prefixkv.kv.persist.Archive` exports a save's prefixes and
+merges a read file's (``kv/persist.py``); its :class:`~prefixkv.kv.ledger.Ledger` counts lookups, gives the stats
+and the snapshots for display, and recounts every block's holders (``kv/ledger.py``). See docs/how-it-works.md,
+"The block manager"."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from .allocator import BlockAllocator
+from .holdings import Claim, Holdings
+from .key_space import KeySpace
 from .ledger import Ledger
-from .namespace import Namespace
+from .persist import Archive
 from .pool import BlockPool
 from .room import Pins, Room
 from .tier import OffloadTier
-from .trie import Match, Node, RadixTrie
+from .trie import Match
 
 # tokens of room kept free after each row of a batch's prefill, for the blocks its decode steps add
 _RESERVE_TOKENS = 128
-
-
-class Claim:
-    """What one sequence holds in a store: ``table[c]`` is the block of its chunk ``c`` (each entry one count
-    in the block's refcount), ``node`` the trie node it keeps locked (``None``: none). Made and changed only by
-    the block manager's methods (:meth:`BlockManager.claim` and the ones after it), which keep refcounts equal to
-    the holders: the trie's occurrences plus every live claim's table."""
-
-    __slots__ = ("__weakref__", "node", "table")
-
-    def __init__(self, table: list[int], node: Node | None) -> None:
-        self.table = table
-        self.node = node
 
 
 class Claimed(NamedTuple):
@@ -52,12 +41,13 @@ class Claimed(NamedTuple):
 
 
 class BlockManager:
-    """The blocks of one store: the pool of every attention layer, the allocator's refcounts, the radix trie
-    of cached prefixes, the live claims and the lock over all of them. Reached as ``store.blocks``.
+    """The blocks of one store: its :class:`Holdings` (the pool of every attention layer, the allocator's
+    refcounts, the radix trie of cached prefixes, the lock over all of them), the live claims, and the parts
+    built over them. Reached as ``store.blocks``.
 
     ``max_blocks`` bounds the ``pool`` (``None``: it grows as requests need); ``bytes_per_block`` is what one
     block costs (for the messages of :class:`CapacityError`); ``tier`` is the second tier (``None``: evicted
-    blocks are dropped); ``namespace`` says under which key K/V computed now are cached."""
+    blocks are dropped); ``key_space`` says under which key K/V computed now are cached."""
 
     def __init__(
         self,
@@ -67,23 +57,23 @@ class BlockManager:
         max_blocks: int | None,
         bytes_per_block: int,
         tier: OffloadTier | None,
-        namespace: Namespace,
+        key_space: KeySpace,
     ) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
+        held = Holdings(pool, max_blocks=max_blocks, bytes_per_block=bytes_per_block, tier=tier)
+        self.holdings = held
+        # the holdings' parts, by the names the store and the glue read (the same objects, never rebound)
+        self.pool, self.block_size, self.lock, self.tier = pool, held.block_size, held.lock, tier
+        self.max_blocks, self.bytes_per_block = max_blocks, bytes_per_block
         self.chunk_size = chunk_size
-        self.max_blocks = max_blocks
-        self.bytes_per_block = bytes_per_block
-        self.tier = tier
-        self.lock = threading.RLock()
-        self._allocator = BlockAllocator(pool.capacity)
-        self._trie = RadixTrie(pool.block_size)
+        self._allocator = held.allocator
+        self._trie = held.trie
         self._claims: weakref.WeakSet[Claim] = weakref.WeakSet()
-        self.key_space = namespace  # what keys the K/V besides the tokens (Namespace.steady: a memo of space())
+        self.key_space = key_space  # what keys the K/V besides the tokens (KeySpace.steady: a memo of space())
         self.closed = False  # set by close() only
-        self.room = Room(self, self._allocator, self._trie)
-        self.pins = Pins(self, self._trie, self._allocator)
-        self.ledger = Ledger(self, self._allocator, self._trie, self._claims)
+        self.pins = Pins(held)
+        self.room = Room(held, self.pins)
+        self.archive = Archive(held, self.room)
+        self.ledger = Ledger(held, self.room, self.pins, self._claims)
 
     @property
     def invariant(self) -> bool:
@@ -91,7 +81,7 @@ class BlockManager:
         return self.chunk_size is not None
 
     def space(self) -> Hashable:
-        """The namespace that K/V computed now are cached under (:meth:`Namespace.space`). Does not mutate."""
+        """The key space that K/V computed now are cached under (:meth:`KeySpace.space`). Does not mutate."""
         return self.key_space.space()
 
     def ensure_open(self) -> None:
@@ -106,7 +96,7 @@ class BlockManager:
     # -- the claim contract: what caches call --------------------------------------------------------
 
     def claim(self, rows: list[list[int]], space: Hashable, choose: Callable[[list[int]], list[int]]) -> Claimed:
-        """Reuse for each of ``rows`` a prefix of what namespace ``space`` holds, in one critical section (another
+        """Reuse for each of ``rows`` a prefix of what key space ``space`` holds, in one critical section (another
         thread cannot evict a match before its blocks are taken). ``choose`` gets the matched length of each row
         and returns how many tokens each reuses (at most its match; the cache's rules, such as one offset per
         batch, live there); it runs under the lock and must not call the store.
@@ -132,7 +122,7 @@ class BlockManager:
                     claim.table = m.blocks[: r // bs]
                     alloc.incref(claim.table)
                     if r >= bs:  # every row's blocks held before any copy makes room: that must not evict them
-                        claim.node = self._lock_prefix(row[: r // bs * bs], space)
+                        claim.node = self.holdings.lock_end(row[: r // bs * bs], space)
                 for claim, src, r in zip(claims, sources, reused):
                     if src is not None:
                         claim.table.append(self.room.copy_prefix(src, r % bs))
@@ -143,16 +133,6 @@ class BlockManager:
                 alloc.decref(held)
             self._claims.update(claims)
             return Claimed(claims, reused)
-
-    def _lock_prefix(self, tokens: list[int], space: Hashable) -> Node:
-        """Lock the node that ends exactly after ``tokens`` (which the trie holds, in namespace ``space``),
-        splitting the edge that runs on past them; return it. Mutates the trie, locks and refcounts (a split inside
-        a block makes it occur twice)."""
-        end = self._trie.end_node(tokens, space)
-        assert end is not None, "a claim locks only what its match holds"
-        self._allocator.incref(end.added)
-        self._trie.lock(end.node)
-        return end.node
 
     def empty_claims(self, n: int) -> list[Claim]:
         """``n`` claims that hold nothing yet (rows a cache starts from scratch). Mutates (registers them)."""
@@ -218,7 +198,7 @@ class BlockManager:
         return copying
 
     def publish(self, claim: Claim, tokens: Sequence[int], *, known: int, end: int, space: Hashable) -> bool:
-        """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in namespace ``space``, and
+        """Cache ``tokens[:end]``, whose chunk ``c`` the claim's ``table[c]`` holds, in key space ``space``, and
         move the claim's lock to the node that ends them. ``known`` leading tokens are on the claim's node's
         path already (what it published or reused before): the insert continues from there, so publishing a
         block of a long sequence costs that block, not the sequence. Callers publish only K/V proven to be those
@@ -227,30 +207,11 @@ class BlockManager:
         blocks and gives its own back, so that the lock holds no block the claim does not read (docs/memory.md).
         Returns whether the claim's table changed so. Mutates the trie, the claim's table, refcounts and locks."""
         with self.lock:
-            node = self.insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
-            adopted = self._adopt_trie_blocks(claim, node, known // self.block_size, end // self.block_size)
+            node = self.holdings.insert(tokens, claim.table, space, after=claim.node, known=known, end=end)
+            adopted = self.holdings.adopt(claim.table, node, known // self.block_size, end // self.block_size)
             self._trie.move_lock(claim.node, node)
             claim.node = node
             return adopted
-
-    def _adopt_trie_blocks(self, claim: Claim, node: Node, first: int, stop: int) -> bool:
-        """Make the claim's chunks ``first..stop-1`` the blocks the trie holds them in, on the path that ends at
-        ``node``: both hold the proven K/V of the same keys. Returns whether any changed. Mutates the claim's
-        table and refcounts."""
-        bs = self.block_size
-        trie_blocks: dict[int, int] = {}  # chunk -> the block the trie holds it in
-        n: Node | None = node
-        while n is not None and n.parent is not None and n.end > first * bs:
-            for i, block in enumerate(n.blocks):
-                trie_blocks.setdefault(n.start // bs + i, block)
-            n = n.parent
-        table = claim.table
-        swaps = [(c, trie_blocks[c]) for c in range(first, stop) if trie_blocks.get(c, table[c]) != table[c]]
-        for c, block in swaps:
-            self._allocator.incref([block])
-            self._allocator.decref([table[c]])
-            table[c] = block
-        return bool(swaps)
 
     def truncate(self, claims: Sequence[Claim], chunks: Sequence[int]) -> None:
         """Keep the first ``chunks[i]`` blocks of claim ``i`` and give back the rest. Mutates."""
@@ -306,14 +267,14 @@ class BlockManager:
             return self.pool.gather(layer, slots)
 
     def cached_length(self, tokens: Sequence[int], space: Hashable = None) -> int:
-        """How many leading ``tokens`` namespace ``space`` holds. Does not mutate."""
+        """How many leading ``tokens`` key space ``space`` holds. Does not mutate."""
         with self.lock:
             return self._trie.match(tokens, space).length
 
     # -- what the store and the room call -----------------------------------------------------------
 
     def lookup(self, rows: list[list[int]], space: Hashable = None) -> list[Match]:
-        """Longest cached prefix of each row in namespace ``space``. Mutates LRU times, and the trie and pool
+        """Longest cached prefix of each row in key space ``space``. Mutates LRU times, and the trie and pool
         when blocks come back from the second tier."""
         with self.lock:
             if self.tier is not None:
@@ -323,15 +284,6 @@ class BlockManager:
                 if m.length:
                     self._trie.touch(m.node, m.length)
             return matches
-
-    def insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:
-        """Insert ``tokens`` with the blocks of ``table`` and count the block occurrences the trie added: the
-        one insert of the store (publishing, restoring from the second tier, loading). Mutates the trie and
-        refcounts."""
-        with self.lock:
-            ins = self._trie.insert(tokens, table, space, **where)
-            self._allocator.incref(ins.added)
-            return ins.node
 
     def refcount(self, block: int) -> int:
         """How many holders ``block`` has (the trie's occurrences and claims). Does not mutate."""
