@@ -491,8 +491,8 @@ MUTATIONS = [
     Mutation(
         "padded-check-under-dropout",
         "hf/shapes.py",
-        "            module.training = False",
-        "            pass",
+        "    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        _PADDED[model]",
+        "    with torch.random.fork_rng(devices=devices), torch.no_grad():\n        _PADDED[model]",
         (
             "tests/test_family_defects.py::"
             "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
