@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from .errors import PersistError
-from .hf.parts import StoreSettings
 from .kv import persist, prefix_file
 from .kv.blocks import BlockManager
 from .kv.fingerprint import fingerprint
@@ -20,6 +19,7 @@ from .kv.namespace import autocast_in
 from .kv.pool import LayerSpec
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import parse_bytes
+from .settings import StoreSettings
 
 
 def file_meta(
