@@ -12,7 +12,7 @@ from ..kv.namespace import autocast_dtype
 from ..settings import StoreSettings
 from . import registry
 from .interface import READ_DEVICES, serves, verified
-from .reads import ForwardReads, Layout
+from .reads import ForwardReads, Layout, PoolView
 
 Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -94,7 +94,7 @@ class Reader:
     logical order, attended in one grouped-head kernel call (:func:`prefixkv.attention.kernels.whole_rows_attention`)
     or by the model's own attention (docs/correctness.md, "Outputs that never depend on the cache")."""
 
-    def __init__(self, pool: Any, gather: Gather, settings: StoreSettings, *, model: Any) -> None:
+    def __init__(self, pool: PoolView, gather: Gather, settings: StoreSettings, *, model: Any) -> None:
         self._pool, self._bs, self._model = pool, settings.block_size, model
         self._invariant = settings.invariant
         self._whole = WholeRows(gather, settings.block_size)
@@ -133,7 +133,7 @@ class Reader:
 
 
 def _lone_run(
-    pool: Any, pads: list[int], tables: list[list[int]], columns: int, bs: int
+    pool: PoolView, pads: list[int], tables: list[list[int]], columns: int, bs: int
 ) -> tuple[int, int, int] | None:
     """``(first block, blocks, columns)`` when the forward has one row, no padding, and its first ``columns``
     lie in consecutive blocks of an unquantized pool on a device whose pools attention reads in place; else
