@@ -1,9 +1,9 @@
 """The attention backend a store reads the pool through is chosen once, when the store is built
 (``prefixkv.options.choose_attention``, carried by ``store.settings``): for every situation the other tests run
 (``"auto"`` on the CPU, ``"gather"``, ``"blocks"``, ``"flex"`` where FlexAttention serves, an invariant store, 8-bit
-blocks), the backend that ``store.attention_backend`` names is the one whose code runs on every forward, spied on
-its read plans and its ``attend``, while the outputs match stock ``generate`` (float32, within 1e-4, tokens equal).
-A backend refused at construction leaves the model as it was."""
+blocks, a model on ``eager`` attention), the backend that ``store.attention_backend`` names is the one whose code
+runs on every forward, spied on its read plans and its ``attend``, while the outputs match stock ``generate``
+(float32, within 1e-4, tokens equal). A backend refused at construction leaves the model as it was."""
 
 from __future__ import annotations
 
@@ -27,12 +27,18 @@ SITUATIONS = {
     "flex": ({"attention": "flex"}, "flex"),
     "invariant": ({"invariant": True}, "gather"),
     "int8": ({"kv_dtype": "int8"}, "gather"),
+    "eager": ({"attention": "blocks"}, "gather"),  # a model whose attention prefixkv does not switch to
 }
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
     return prefixkv.models.tiny_model("llama", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eager() -> Any:
+    return prefixkv.models.tiny_model("llama", dtype=torch.float32, attn_implementation="eager")
 
 
 class Ran:
@@ -67,9 +73,10 @@ class Ran:
 
 @pytest.mark.parametrize("situation", list(SITUATIONS))
 def test_the_backend_the_store_names_is_the_one_that_runs(
-    model: Any, situation: str, monkeypatch: pytest.MonkeyPatch
+    model: Any, eager: Any, situation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     options, expected = SITUATIONS[situation]
+    model = eager if situation == "eager" else model
     if situation == "flex" and not flex.can_serve("cpu", torch.float32, BS)[0]:
         pytest.skip(flex.can_serve("cpu", torch.float32, BS)[1])
     ran = Ran(monkeypatch)
