@@ -175,6 +175,14 @@ MUTATIONS = [
         "offload_dir= without offload= is taken and the store has no second tier: 0 files written",
     ),
     Mutation(
+        "reader-ignores-the-stores-backend",
+        "attention/reader.py",
+        "registry.build(settings.backend, settings.block_size)",
+        'registry.build("blocks", settings.block_size)',
+        ("tests/test_backend_choice.py::test_the_backend_the_store_names_is_the_one_that_runs",),
+        "each cache decides its backend again: an invariant or 8-bit store says 'gather' and reads the blocks in place",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

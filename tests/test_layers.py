@@ -174,11 +174,14 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
 # The house, bottom up (docs/how-it-works.md, "The house"): the records, views and version shims every layer uses;
 # the block layer (`kv/`); the attention layer (`attention/`); the transformers glue (`hf/`); the user-facing modules
 # on top. A module imports modules of its own layer and of those below it, never one above.
-BASE = {"errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"}
+BASE = {"errors", "settings", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"}
 LAYERS = ["base", "kv", "attention", "hf", "top"]
 # within a layer, each module imports only those listed before it: the order a reader can read them in
 WITHIN = {
-    "base": ["errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"],
+    "base": [
+        *("errors", "settings", "memory", "stats", "display_text", "display", "_compat", "_compat_generate"),
+        "patching",
+    ],
     "kv": [
         *("kv.allocator", "kv.nodes", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
         *("kv.prefix_file", "kv.key_space", "kv.tier", "kv.holdings", "kv.room", "kv.persist", "kv.ledger"),
@@ -258,12 +261,13 @@ def test_the_layer_checks_can_fail() -> None:
     assert inside["kv"] == {"kv.trie"}
 
 
-# the store on top: the block manager, the key space and the runner below it, its settings (`hf.parts.StoreSettings`)
-# from its options and its files beside it; the hooks and caches know it only as `hf.parts.StoreParts`
+# the store on top: the block manager, the key space and the runner below it, its settings (`settings.StoreSettings`,
+# on the ground floor) from its options and its files beside it; the hooks and caches know it only as
+# `hf.parts.StoreParts`
 def test_the_store_composes_the_layers_below_it() -> None:
     found = graph()
     assert found["store"] >= {"kv.manager", "kv.key_space", "hf.runner", "hf.hooks", "options", "files"}
-    assert "hf.parts" in found["options"] & found["files"]
+    assert "settings" in found["options"] & found["files"] & found["hf.parts"]
     assert not {m for m in found if layer(m) != "top" and found[m] & {"store", "enabling", "many", "score"}}
 
 

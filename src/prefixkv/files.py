@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from .errors import PersistError
-from .hf.parts import StoreSettings
 from .kv import persist, prefix_file
 from .kv.fingerprint import fingerprint
 from .kv.key_space import autocast_in
@@ -21,6 +20,7 @@ from .kv.manager import BlockManager
 from .kv.pool import LayerSpec
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import parse_bytes
+from .settings import StoreSettings
 
 
 def file_meta(

@@ -1,7 +1,8 @@
 """``PrefixStore``'s options, checked and turned into what the store builds: its settings (the frozen
-:class:`~prefixkv.hf.parts.StoreSettings`, ``store.settings``), the pool's budget in blocks and the attention backend
-that reads the pool (``store.attention_backend``); and the priority of a pin. Every option is checked before
-anything is built, so a wrong one changes nothing."""
+:class:`~prefixkv.settings.StoreSettings`, ``store.settings``), the attention backend every cache of the store reads
+the pool through and why (:func:`choose_attention`, carried by the settings), the pool's budget in blocks; and the
+priority of a pin. Every option is checked, and the backend chosen, before anything is built, so a wrong one
+changes nothing."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .attention import registry
-from .hf.parts import StoreSettings
+from .attention import interface, registry
 from .hf.support import check_supported
-from .kv.pool import BlockPool
+from .kv.key_space import layer_devices, transformers_model
 from .kv.quantization import check_kv_dtype
-from .memory import parse_bytes
+from .memory import attention_shape, parse_bytes
+from .settings import StoreSettings
 
 _DTYPE_NAMES = {
     "float16": torch.float16,
@@ -42,8 +43,9 @@ def check_options(
     attention: Any,
 ) -> StoreSettings:
     """The settings of a store of ``model`` built with these options (``PrefixStore``'s arguments), after checking
-    each of them and then ``model`` (:func:`prefixkv.hf.support.check_supported`); raises ``ValueError`` or
-    ``TypeError`` for the first wrong option. Does not mutate."""
+    each of them and then ``model`` (:func:`prefixkv.hf.support.check_supported`), with the attention backend chosen
+    for them (:func:`choose_attention`); raises ``ValueError`` or ``TypeError`` for the first wrong option. Does not
+    mutate."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     # the canonical prefill schedule's chunk length; None: the default schedule (reuse at any block)
@@ -53,11 +55,20 @@ def check_options(
     store_dtype = _check_dtype(dtype)
     check_kv_dtype(kv_dtype)
     # how attention reads the pool; it changes no K/V, so keys and files leave it out
-    backend = registry.check_backend(attention)
+    asked = registry.check_backend(attention)
     offload_kind(offload, max_offload_memory, offload_dir)
     check_supported(model)
     model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
-    return StoreSettings(block_size, chunk, store_dtype or model_dtype, model_dtype, kv_dtype, backend)
+    stored = store_dtype or model_dtype
+    backend, reason = choose_attention(
+        asked,
+        model,
+        block_size=block_size,
+        stored=kv_dtype or stored,
+        model_dtype=model_dtype,
+        invariant=chunk is not None,
+    )
+    return StoreSettings(block_size, chunk, stored, model_dtype, kv_dtype, asked, backend, reason)
 
 
 def offload_kind(
@@ -135,30 +146,49 @@ def max_blocks(
 
 
 def choose_attention(
-    name: str, pool: BlockPool, hf_model: torch.nn.Module, settings: StoreSettings, *, serves: bool
-) -> str:
-    """The one-line reason of the backend ``name`` resolves to for a store's ``pool`` (``store.attention_backend``;
-    every cache of the store reads through ``store.attention``); warns when an explicit ``"flex"``
-    (:mod:`prefixkv.attention.flex`) falls back; raises ``ValueError`` for a backend that cannot read the pool
-    (``"blocks"`` over 8-bit blocks), in every store alike: each cache resolves it again. Does not mutate."""
+    name: str,
+    model: Any,
+    *,
+    block_size: int,
+    stored: torch.dtype | str,
+    model_dtype: torch.dtype,
+    invariant: bool,
+) -> registry.Choice:
+    """The backend every cache of a store of ``model`` reads the pool through, and the one line that says why
+    (``store.settings.backend``, ``store.settings.backend_reason``, ``store.attention_backend``), for the backend
+    ``name`` asked for and a pool in blocks of ``block_size`` stored as ``stored`` (a torch dtype, or ``"int8"``,
+    ``"fp8"``) on the devices of the model's layers: chosen once, when the store is built, and read by each cache
+    (:class:`prefixkv.attention.reader.Reader`), so what the line says is what runs. The gather where the pool's
+    layers lie on several devices, for an invariant store (its canonical read of whole rows) and for a model whose
+    attention ``prefixkv`` cannot switch to (:func:`prefixkv.attention.interface.can_install`); else
+    :func:`prefixkv.attention.registry.choose`. Raises ``ValueError`` for a backend that cannot read the pool
+    (``"blocks"`` over 8-bit blocks), in every store alike; warns when an explicit ``"flex"``
+    (:mod:`prefixkv.attention.flex`) falls back. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
         from .attention import flex  # noqa: F401
-    named = registry.pool_backend(name, pool, hf_model, settings.model_dtype)[1]
-    if settings.invariant:
-        reason = (
+    hf_model = transformers_model(model)
+    devices = layer_devices(model, attention_shape(model.config).num_layers)
+    softcap = getattr(hf_model.config, "attn_logit_softcapping", None)
+    named = registry.choose(name, devices[0], stored, model_dtype=model_dtype, block_size=block_size, softcap=softcap)
+    if len(set(devices)) > 1:
+        chosen = registry.Choice("gather", "gather: the pool's layers lie on several devices or dtypes")
+    elif invariant:
+        chosen = registry.Choice(
+            "gather",
             "gather: an invariant store reads each row whole, in logical order (its canonical read, "
-            "docs/correctness.md), which FlexAttention's split-and-merge prefill is not"
+            "docs/correctness.md), which FlexAttention's split-and-merge prefill is not",
         )
-    elif not serves:
-        reason = (
+    elif not interface.can_install(hf_model):
+        chosen = registry.Choice(
+            "gather",
             "gather: the model's attention is not 'sdpa' through transformers' AttentionInterface (eager, or its "
-            "own code), so update hands it whole rows"
+            "own code), so update hands it whole rows",
         )
     else:
-        reason = named
-    if name == "flex" and not reason.startswith("flex"):
-        warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {reason}", stacklevel=4)
-    return reason
+        chosen = named
+    if name == "flex" and chosen.name != "flex":
+        warnings.warn(f"prefixkv: PrefixStore(attention='flex') falls back to the {chosen.reason}", stacklevel=4)
+    return chosen
 
 
 def check_priority(priority: Any) -> None:

@@ -28,7 +28,7 @@ from .kv.manager import BlockManager
 from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.tier import OffloadTier
 from .memory import attention_shape, format_bytes
-from .options import check_options, check_priority, choose_attention, max_blocks, offload_kind
+from .options import check_options, check_priority, max_blocks, offload_kind
 from .stats import CacheStats, StoreStats
 
 _INITIAL_BLOCKS = 16
@@ -53,7 +53,9 @@ class PrefixStore:
     multiple of ``block_size``; ``4 * block_size`` by default) at fixed positions, one row at a time, and only
     those chunks are cached and reused.
 
-    ``attention`` chooses how attention reads the pool (``store.attention_backend`` says which reads it, and why):
+    ``attention`` chooses how attention reads the pool (``store.attention_backend`` says which reads it, and why;
+    ``store.settings.backend`` is its name, ``store.settings.backend_reason`` that line), chosen once when the store
+    is built:
     ``"auto"`` (the default) reads the blocks in place on the CPU (``"blocks"``) and gathers every row's K/V into one
     tensor for the model's own attention elsewhere (``"gather"``: on CUDA until GPU measurements show FlexAttention
     faster); ``"flex"`` reads them in place with torch's FlexAttention (compiled), and falls back to the gather, with
@@ -121,9 +123,10 @@ class PrefixStore:
             key_space=KeySpace(model),
         )
         self.runner = ModelRunner(self)
-        self.attention_backend = choose_attention(
-            attention, self.pool, self.hf_model, settings, serves=interface.install(self.hf_model)
-        )
+        # the switch to prefixkv attention that the backend was chosen for (interface.can_install); the line that
+        # says which backend reads the pool and why is the settings' (docs/generate.md)
+        interface.install(self.hf_model)
+        self.attention_backend = settings.backend_reason
         self._hooks = attach_hooks(self.hf_model, self)
 
     # the blocks' pool and tier, as a user reads them: their home is the block manager

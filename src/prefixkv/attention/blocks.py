@@ -16,7 +16,7 @@ from . import planner
 from .interface import sdpa_servable
 from .kernels import KernelMask, attend_masked, kernel_mask, merge_by_lse
 from .planner import Read
-from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout
+from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, PoolView
 
 
 class BlocksForward(ForwardReads):
@@ -28,7 +28,7 @@ class BlocksForward(ForwardReads):
 
     def __init__(
         self,
-        pool: Any,
+        pool: PoolView,
         reads: list[Read],
         columns: int,
         new_from: int | None,

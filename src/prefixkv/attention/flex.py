@@ -187,14 +187,10 @@ def _fall_back(reason: str) -> None:
     warnings.warn(f"prefixkv: attention='flex' reads whole rows (the gather) here: {reason}", stacklevel=3)
 
 
-def _provide(
-    device: torch.device, dtype: torch.dtype, block_size: int, softcap: float | None
-) -> tuple[FlexBackend | None, str]:
-    """The ``"flex"`` backend of :func:`prefixkv.attention.choose_backend`, where :func:`can_serve` allows it."""
-    ok, why = can_serve(device, dtype, block_size, softcap=softcap)
-    if not ok:
-        return None, f"gather: {why}"
-    return FlexBackend(block_size), f"flex: the pool is on {device.type} in {dtype}"
+def _check(device: torch.device, dtype: torch.dtype, block_size: int, softcap: float | None) -> tuple[bool, str]:
+    """Whether the ``"flex"`` backend serves a pool (the table's check, :func:`prefixkv.attention.registry.choose`):
+    where :func:`can_serve` allows it."""
+    return can_serve(device, dtype, block_size, softcap=softcap)
 
 
-registry.provide("flex", _provide)
+registry.provide("flex", FlexBackend, _check)

@@ -172,11 +172,18 @@ def install(model: Any) -> bool:
 
     Models whose attention code does not look its function up by name (Falcon, Bloom: transformers'
     ``is_backend_compatible()`` is false) keep their implementation and are served through ``update``."""
-    current = model.config._attn_implementation
-    if current != NAME and (current != "sdpa" or not model.is_backend_compatible()):
+    if not can_install(model):
         return False
     _SWITCH.join(model, lambda: _switch(model))
     return True
+
+
+def can_install(model: Any) -> bool:
+    """Whether :func:`install` switches ``model`` to ``prefixkv`` attention (or finds it there): a model on ``sdpa``
+    through ``AttentionInterface``. What a store's choice of backend reads before it installs anything. Does not
+    mutate."""
+    current = model.config._attn_implementation
+    return bool(current == NAME or (current == "sdpa" and model.is_backend_compatible()))
 
 
 def _switch(model: Any) -> Callable[[], None]:

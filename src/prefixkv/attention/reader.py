@@ -1,4 +1,4 @@
-"""How one cache's K/V reach the attention (:class:`Reader`): the store's backend, the whole-row reader
+"""How one cache's K/V reach the attention (:class:`Reader`): the backend the store chose, the whole-row reader
 (:class:`WholeRows`) and an invariant store's canonical read of whole rows."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 from ..kv.key_space import autocast_dtype
+from ..settings import StoreSettings
+from . import registry
 from .interface import READ_DEVICES, serves, verified
-from .reads import ForwardReads, Layout
-from .registry import pool_backend
+from .reads import ForwardReads, Layout, PoolView
 
 Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -84,29 +85,20 @@ def column_slots(pad: int, table: list[int], start: int, stop: int, block_size: 
 
 
 class Reader:
-    """How one cache's K/V reach the attention: the backend ``name`` the store was built with
-    (:func:`pool_backend`; ``None`` for layers split across devices or dtypes: whole rows, read layer by layer) and
-    the whole-row reader. A backend
-    reads in place only on a model that runs ``prefixkv`` attention and, until a forward of that model showed every
-    layer handing the K/V from ``update`` to that attention unchanged, only probes (``update`` hands out whole rows). An
-    invariant store reads whole rows in logical order, attended in one grouped-head kernel call
-    (:func:`prefixkv.attention.kernels.whole_rows_attention`) or by the model's own attention (docs/correctness.md,
-    "Outputs that never depend on the cache")."""
+    """How one cache's K/V reach the attention: through the backend the store chose when it was built
+    (``settings.backend``, :func:`prefixkv.attention.registry.choose`; this cache's own, :func:`registry.build`) and
+    the whole-row reader. The ``"gather"`` backend, and a model switched away from ``prefixkv`` attention since the
+    store was built (it would get only the new K/V), read whole rows; a backend that reads in place does so only
+    once a forward of the model showed every layer handing the K/V from ``update`` to that attention unchanged, and
+    until then probes (``update`` hands out whole rows). An invariant store's choice is the gather: its whole rows in
+    logical order, attended in one grouped-head kernel call (:func:`prefixkv.attention.kernels.whole_rows_attention`)
+    or by the model's own attention (docs/correctness.md, "Outputs that never depend on the cache")."""
 
-    def __init__(
-        self,
-        pool: Any,
-        gather: Gather,
-        block_size: int,
-        *,
-        name: str,
-        model: Any,
-        model_dtype: torch.dtype,
-        invariant: bool,
-    ) -> None:
-        self._pool, self._bs, self._model, self._invariant = pool, block_size, model, invariant
-        self._whole = WholeRows(gather, block_size)
-        self._backend, _ = pool_backend(name, pool, model, model_dtype)
+    def __init__(self, pool: PoolView, gather: Gather, settings: StoreSettings, *, model: Any) -> None:
+        self._pool, self._bs, self._model = pool, settings.block_size, model
+        self._invariant = settings.invariant
+        self._whole = WholeRows(gather, settings.block_size)
+        self._backend = registry.build(settings.backend, settings.block_size)
         self._run: tuple[int, int, int] | None = None  # a lone row's consecutive blocks: first, count, columns
 
     def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
@@ -119,7 +111,7 @@ class Reader:
             # computes what it computes without a cache (docs/correctness.md, "Autocast")
             self._run = None
             return ForwardReads(self._pool, start + q, gather, in_place=False)
-        if self._invariant or not serves(self._model) or self._backend is None:
+        if self._backend.name == "gather" or not serves(self._model):
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
             return ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical)
@@ -141,7 +133,7 @@ class Reader:
 
 
 def _lone_run(
-    pool: Any, pads: list[int], tables: list[list[int]], columns: int, bs: int
+    pool: PoolView, pads: list[int], tables: list[list[int]], columns: int, bs: int
 ) -> tuple[int, int, int] | None:
     """``(first block, blocks, columns)`` when the forward has one row, no padding, and its first ``columns``
     lie in consecutive blocks of an unquantized pool on a device whose pools attention reads in place; else

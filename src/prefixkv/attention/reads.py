@@ -68,6 +68,35 @@ def unwatched(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_subclass(torch.Tensor)
 
 
+class LayerView(Protocol):
+    """Where one layer's K/V lie in the pool (:class:`prefixkv.kv.pool.LayerSpec`)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class PoolView(Protocol):
+    """What the attention reads of a store's pool (:class:`prefixkv.kv.pool.BlockPool`; the attention never writes
+    it): per layer the K and V tensors ``[kv_heads, num_blocks, block_size, head_dim]`` (read at each call: a growth
+    of the pool replaces them), where each layer lies (``specs``), and the 8-bit storage (``kv_dtype``, ``None``
+    when the pool is stored in a float dtype)."""
+
+    @property
+    def keys(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def values(self) -> Sequence[torch.Tensor]: ...
+
+    @property
+    def specs(self) -> Sequence[LayerView]: ...
+
+    @property
+    def kv_dtype(self) -> str | None: ...
+
+
 class ForwardReads:
     """What every backend's forward needs, built once when the forward begins: the pool (read at each call: another
     thread may grow it), ``columns`` (the width of the model's mask), ``gather(layer)``: every row's whole K/V, and
@@ -82,7 +111,7 @@ class ForwardReads:
 
     def __init__(
         self,
-        pool: Any,
+        pool: PoolView,
         columns: int,
         gather: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         *,
@@ -116,7 +145,7 @@ class Layout(NamedTuple):
     ``q`` columns after ``start`` (row ``i`` holds ``start + q - pads[i]`` tokens once they are written), the block
     size, and ``gather(layer)``, the store's read of every row's whole K/V."""
 
-    pool: Any
+    pool: PoolView
     pads: list[int]
     tables: list[list[int]]
     start: int

@@ -95,10 +95,7 @@ class PagedPrefixCache(Cache):
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
         self._reads: reads.ForwardReads | None = None  # this forward's read plan
-        self._reader = Reader(
-            blocks.pool, blocks.gather, blocks.block_size, name=store.settings.attention, model=store.hf_model,
-            model_dtype=store.settings.model_dtype, invariant=store.settings.invariant,
-        )  # fmt: skip
+        self._reader = Reader(blocks.pool, blocks.gather, store.settings, model=store.hf_model)
         # compiled decode steps (prefixkv.attention.static): why not, or None where a one-token forward may be one;
         # which are: every one (compileable=True), or those of a generate call that compiles them (note_compile)
         self._compile_refusal = (

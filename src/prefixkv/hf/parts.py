@@ -1,37 +1,19 @@
 """What a :class:`~prefixkv.store.PrefixStore` hands down to the layers it composes (docs/how-it-works.md,
-"Layers"): its settings as a frozen record, and :class:`StoreParts`, what a cache, its rows, the model hooks and
-the model runner read of the store they serve. The store sits on top of them and builds them; they know it only
-through this interface, so none of them imports the store."""
+"Layers"): its settings as a frozen record (:class:`~prefixkv.settings.StoreSettings`, whose home is the ground
+floor), and :class:`StoreParts`, what a cache, its rows, the model hooks and the model runner read of the store they
+serve. The store sits on top of them and builds them; they know it only through this interface, so none of them
+imports the store."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..kv.manager import BlockManager
+from ..settings import StoreSettings
 from ..stats import RowStats
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """A store's settings, fixed when it is built (``store.settings``). ``chunk_size`` is the canonical prefill
-    schedule's chunk length of an invariant store, ``None`` for the default schedule; ``attention`` is the backend
-    asked for (``PrefixStore(attention=...)``), which changes no K/V."""
-
-    block_size: int
-    chunk_size: int | None
-    dtype: torch.dtype
-    model_dtype: torch.dtype
-    kv_dtype: str | None
-    attention: str
-
-    @property
-    def invariant(self) -> bool:
-        """Whether prompt K/V are computed in the canonical schedule (``PrefixStore(invariant=True)``)."""
-        return self.chunk_size is not None
 
 
 class Handle(Protocol):

@@ -13,12 +13,13 @@ holdings and its room; the store's ``save``, ``load`` and ``merge`` call it thro
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
 from ..errors import CapacityError
 from ..memory import format_bytes
+from ..settings import StoreSettings
 from .holdings import Holdings
 from .pool import LayerSpec
 from .prefix_file import FORMAT, FORMAT_VERSION, PersistStats, PrefixFile, Saved, blocks_of, trie_tensors
@@ -26,24 +27,8 @@ from .room import Room
 from .trie import Node, RadixTrie
 
 
-class StoreFacts(Protocol):
-    """What :func:`store_meta` reads of a store's settings (:class:`prefixkv.hf.parts.StoreSettings`)."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def model_dtype(self) -> torch.dtype: ...
-
-    @property
-    def kv_dtype(self) -> str | None: ...
-
-
 def store_meta(
-    settings: StoreFacts, specs: list[LayerSpec], model: Any, model_print: str, format: str = FORMAT
+    settings: StoreSettings, specs: list[LayerSpec], model: Any, model_print: str, format: str = FORMAT
 ) -> dict[str, str]:
     """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
     model fingerprint): its ``settings``, the ``specs`` of its pool's layers and its ``model``, without the
