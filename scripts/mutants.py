@@ -208,7 +208,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ids-floats-truncated",
-        "store.py",
+        "tokens.py",
         "value = operator.index(t)  # ints of any kind (numpy's too); never a float truncated",
         "value = int(t)",
         ("tests/test_many_arguments.py", "tests/test_score.py", "tests/test_errors.py"),
@@ -498,6 +498,22 @@ MUTATIONS = [
             "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
         ),
         "a store built on a model in training mode refuses padded reuse on dropout's noise",
+    ),
+    Mutation(
+        "slots-past-the-blocks-of-a-few-columns",
+        "slots.py",
+        "if 0 <= c - pad < len(table) * bs else 0",
+        "if 0 <= c - pad else 0",
+        ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
+        "a decode step's few columns past a row's blocks read another row's block instead of the null block",
+    ),
+    Mutation(
+        "slots-past-the-blocks-of-many-columns",
+        "slots.py",
+        "valid = (t >= 0) & (t < held)",
+        "valid = t >= 0",
+        ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
+        "a compiled step's table maps the columns past a row's blocks to its last block, not the null block",
     ),
 ]
 

@@ -174,11 +174,17 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
 # The house, bottom up (docs/how-it-works.md, "The house"): the records, views and version shims every layer uses;
 # the block layer (`kv/`); the attention layer (`attention/`); the transformers glue (`hf/`); the user-facing modules
 # on top. A module imports modules of its own layer and of those below it, never one above.
-BASE = {"errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"}
+BASE = {
+    *("errors", "tokens", "slots", "family", "memory", "stats", "display_text", "display"),
+    *("_compat", "_compat_generate", "patching"),
+}
 LAYERS = ["base", "kv", "attention", "hf", "top"]
 # within a layer, each module imports only those listed before it: the order a reader can read them in
 WITHIN = {
-    "base": ["errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"],
+    "base": [
+        *("errors", "tokens", "slots", "family", "memory", "stats", "display_text", "display"),
+        *("_compat", "_compat_generate", "patching"),
+    ],
     "kv": [
         *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
         *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.ledger"),

@@ -8,11 +8,11 @@ then fill batches of at most ``batch_size`` rows and, in a store with a budget, 
 
 from __future__ import annotations
 
-from .hf.runner import common_length
 from .store import PrefixStore
+from .tokens import common_length
 
 
-def plan(
+def batch_rows(
     rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
 ) -> list[list[int]]:
     """The batches (lists of row indices) in the order to run them: the rows in :func:`row_order`, consecutive rows

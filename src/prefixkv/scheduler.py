@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .hf.runner import common_length
 from .store import PrefixStore
+from .tokens import common_length
 
 # how many blocks of a prompt may be left to compute when it joins running rows
 JOIN = 4

@@ -17,7 +17,8 @@ import torch
 
 from .hf.cache import PagedPrefixCache, attach_prompt
 from .hf.runner import forward_kwargs
-from .store import PrefixStore, as_token_list
+from .store import PrefixStore
+from .tokens import as_token_list
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
 

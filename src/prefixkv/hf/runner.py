@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..kv.namespace import user_space
 from ..stats import CacheStats, RowStats
+from ..tokens import common_length
 from .cache import PagedPrefixCache, attach_prompt, publish_all
 from .parts import StoreParts
 
@@ -105,13 +106,6 @@ def forward_kwargs(model: torch.nn.Module, cache: PagedPrefixCache, *, logits_to
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_to_keep
     return kwargs
-
-
-def common_length(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` start with in common (the one definition: ``generate_many`` uses it too).
-    Does not mutate."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:

@@ -26,8 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import UnsupportedModelError
+from ..family import family
 from ..memory import AttentionShape
-from .support import eval_mode, family
+from .support import eval_mode
 
 
 class _Update(NamedTuple):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedModelError
+from ..family import family
 from ..kv.namespace import transformers_model
 from ..memory import attention_shape
 
@@ -36,12 +37,6 @@ _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 REFUSAL_ADVICE = "; generate without prefixkv (with a DynamicCache) for this model"
-
-
-def family(model: Any) -> str:
-    """The model's family as transformers names it (``config.model_type``). Does not mutate."""
-    config = getattr(model, "config", None)
-    return str(getattr(config, "model_type", None) or type(model).__name__)
 
 
 def check_supported(model: Any) -> None:

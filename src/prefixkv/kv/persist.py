@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..family import family
 from .pool import BlockPool, LayerSpec
 from .prefix_file import FORMAT, FORMAT_VERSION, TRIE_KEYS, PathLike, PrefixFile, checksum, read
 from .quantization import check_kv_dtype
@@ -89,7 +90,7 @@ def store_meta(
         "num_layers": str(len(specs)),
         "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim),
-        "model_type": str(getattr(model.config, "model_type", type(model).__name__)),
+        "model_type": family(model),
         "model_fingerprint": model_print,
     }
     if settings.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization
