@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -210,12 +211,12 @@ def _carry_refusal(rows: list[list[int]], settings: GenerationConfig) -> str | N
 def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask, each row's own ``masks``
     beside the padding. Does not mutate."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = torch.tensor(m)
+    ids = pad_sequence(
+        [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True, padding_value=pad, padding_side="left"
+    )
+    mask = pad_sequence(
+        [torch.tensor(m, dtype=torch.long) for m in masks], batch_first=True, padding_value=0, padding_side="left"
+    )
     return ids, mask
 
 
