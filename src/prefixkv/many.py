@@ -47,7 +47,7 @@ from .arguments import (
     prompts_refusal,
     refill_refusal,
 )
-from .batches import plan, room, row_order
+from .batches import batch_rows, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
 from .kv.namespace import user_space
@@ -244,8 +244,8 @@ def _generate(
     namespace: str | None,
     refill: bool,
 ) -> Iterator[Generation]:
-    """Run the prompts, in batches of :func:`plan` or refilling them (:class:`prefixkv.scheduler.Scheduler`), and
-    yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
+    """Run the prompts, in batches of :func:`batch_rows` or refilling them (:class:`prefixkv.scheduler.Scheduler`),
+    and yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     settings = generation_settings(model, generate_kwargs)
     new_tokens = settings.max_new_tokens
     if new_tokens is None:
@@ -282,7 +282,7 @@ def _generate(
                 )
                 work = map(run.result, scheduler.rows())
             else:
-                work = run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
+                work = run.batches(batch_rows(rows, run.store, batch_size, new_tokens, namespace))
             reused = 0
             for g in work:
                 yield g
