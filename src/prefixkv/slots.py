@@ -24,20 +24,19 @@ def slot_table(pads: list[int], tables: list[list[int]], start: int, stop: int, 
     >>> slot_table([0, 2], [[3, 4], [5]], 0, 4, 2).tolist()
     [[6, 7, 8, 9], [0, 0, 10, 11]]
     """
-    if stop - start <= _FEW:
-        bs = block_size
-        return torch.tensor(
-            [
-                [
-                    table[(c - pad) // bs] * bs + (c - pad) % bs if 0 <= c - pad < len(table) * bs else 0
-                    for c in range(start, stop)
-                ]
-                for pad, table in zip(pads, tables)
-            ],
-            dtype=torch.long,
-        ).view(len(pads), max(0, stop - start))
     if not tables:
         return torch.zeros((0, stop - start), dtype=torch.long)
+    if stop - start <= _FEW:
+        rows = []
+        for pad, table in zip(pads, tables):
+            end = len(table) * block_size
+            rows.append(
+                [
+                    table[(c - pad) // block_size] * block_size + (c - pad) % block_size if 0 <= c - pad < end else 0
+                    for c in range(start, stop)
+                ]
+            )
+        return torch.tensor(rows, dtype=torch.long)
     n = max(1, max(len(t) for t in tables))
     blocks = torch.tensor([t + [0] * (n - len(t)) for t in tables], dtype=torch.long)  # [B, n]
     t = torch.arange(start, stop)[None, :] - torch.tensor(pads, dtype=torch.long)[:, None]  # [B, W] token index
