@@ -260,7 +260,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-in-eager-calls",
         "hf/cache.py",
-        "    return cache._asked is True or cache._compiled_call is True or _compat.compiled_forward(",
+        "    return cache._asked is True or cache._compiled_call is True or patching.compiled_forward(",
         "    return True or (",
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",
@@ -276,7 +276,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-not-in-a-users-compiled-forward",
         "hf/cache.py",
-        " or _compat.compiled_forward(cache.store.hf_model)",
+        " or patching.compiled_forward(cache.store.hf_model)",
         "",
         ("tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",),
         "torch.compile(model.forward) with a default cache runs the eager read in pieces: graph breaks at every layer",
@@ -502,7 +502,7 @@ MUTATIONS = [
     Mutation(
         "slots-past-the-blocks-of-a-few-columns",
         "slots.py",
-        "if 0 <= c - pad < len(table) * bs else 0",
+        "if 0 <= c - pad < end else 0",
         "if 0 <= c - pad else 0",
         ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
         "a decode step's few columns past a row's blocks read another row's block instead of the null block",
@@ -514,6 +514,14 @@ MUTATIONS = [
         "valid = t >= 0",
         ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
         "a compiled step's table maps the columns past a row's blocks to its last block, not the null block",
+    ),
+    Mutation(
+        "compat-alias-not-recorded",
+        "_compat.py",
+        'install(_generation.GenerationMixin, "generate", _taking_cache(_generation.GenerationMixin.generate))',
+        "_generation.GenerationMixin.generate = _taking_cache(_generation.GenerationMixin.generate)",
+        ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
+        "the cache= alias changes transformers' GenerationMixin with no record: nothing can undo it",
     ),
 ]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, _compat_generate, display, files
+from . import _compat_generate, display, files
 from .attention import interface
 from .errors import CacheMisuseError
 from .hf import shapes
@@ -349,7 +349,7 @@ class PrefixStore:
 def _not_a_cache() -> CacheMisuseError:
     return CacheMisuseError(
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-        + _compat.CACHE_ARGUMENT_HINT
+        "cache=prefixkv.PagedPrefixCache(store, ids)"  # every supported release takes cache= (prefixkv._compat)
     )
 
 
