@@ -523,6 +523,14 @@ MUTATIONS = [
         ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
         "the cache= alias changes transformers' GenerationMixin with no record: nothing can undo it",
     ),
+    Mutation(
+        "compat-range-not-pyprojects",
+        "_compat.py",
+        "TRANSFORMERS_RANGE = ((4, 57), (6, 0))",
+        "TRANSFORMERS_RANGE = ((4, 57), (7, 0))",
+        ("tests/test_compat.py::test_the_ranges_checked_at_import_are_the_ones_pyproject_declares",),
+        "the import check lets in a transformers that pyproject.toml (what pip installs) excludes",
+    ),
 ]
 
 
