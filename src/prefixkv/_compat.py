@@ -11,6 +11,8 @@ never by comparing version numbers:
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers, and
   on older releases ``generate`` is given ``cache=`` too (:func:`_taking_cache`), so that one spelling runs without
   a warning on every supported release.
+- a model's forward takes its cache as ``cache=`` from transformers 5.24, as ``past_key_values=`` before
+  (:func:`forward_cache_kwarg`; :data:`CACHE_KWARGS`, both names).
 - transformers 4.57-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
   number of columns to drop), and 4.57-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
@@ -115,6 +117,17 @@ from transformers.generation import utils as _generation  # noqa: E402
 
 GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "past_key_values"
 """The keyword by which the installed transformers' ``generate`` prefers to take a cache."""
+
+# the keywords by which generate and a model's forward take a cache: ``cache`` from transformers 5.24,
+# ``past_key_values`` before (and, deprecated, beside it)
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def forward_cache_kwarg(forward: Callable[..., Any]) -> str:
+    """The keyword by which a model's ``forward`` takes its cache: ``cache`` where its signature has it (the models
+    of transformers 5.24 and later), else ``past_key_values`` (those of older releases). Delete when the oldest
+    supported transformers is 5.24 or newer. Does not mutate."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _taking_cache(generate: Callable[..., Any]) -> Callable[..., Any]:

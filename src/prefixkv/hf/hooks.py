@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import _compat_generate, patching
+from .._compat import CACHE_KWARGS
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
@@ -31,7 +32,7 @@ from .cache import (
     takes_steps,
 )
 from .parts import Handle, StoreParts
-from .proof import CACHE_KWARGS, ForwardInputs
+from .proof import ForwardInputs
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
