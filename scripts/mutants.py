@@ -531,6 +531,14 @@ MUTATIONS = [
         ("tests/test_compat.py::test_the_ranges_checked_at_import_are_the_ones_pyproject_declares",),
         "the import check lets in a transformers that pyproject.toml (what pip installs) excludes",
     ),
+    Mutation(
+        "attention-registered-unrecorded",
+        "attention/interface.py",
+        "register(AttentionInterface, NAME, prefixkv_attention_forward)",
+        "AttentionInterface.register(NAME, prefixkv_attention_forward)",
+        ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
+        "prefixkv's attention enters transformers' registry with no record: nothing can take it out again",
+    ),
 ]
 
 

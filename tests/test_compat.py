@@ -113,23 +113,34 @@ def test_the_range_comparison_can_fail() -> None:
 
 
 def test_every_installed_patch_is_recorded_and_undone() -> None:
-    """Each change prefixkv made to a class of transformers or torch (on this release: the ``cache=`` alias where
-    ``generate`` lacks it) is recorded; undoing it gives the class back what it held, and making it again restores
-    the change."""
+    """Each change prefixkv made to transformers' or torch's objects (on every release, its attention and mask
+    functions registered as ``"prefixkv"``; where ``generate`` lacks ``cache=``, the alias) is recorded; undoing it
+    gives the object back what it held, and making it again restores the change."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     from prefixkv import patching
+    from prefixkv.attention import interface
 
     patches = patching.installed()
-    assert bool(patches) == (GENERATE_CACHE_KWARG != "cache")
+    made = {(type(p).__name__, p.target) for p in patches}
+    expected = {("Registration", (AttentionInterface, interface.NAME))}
+    expected.add(("Registration", (AttentionMaskInterface, interface.NAME)))
+    if GENERATE_CACHE_KWARG != "cache":
+        expected.add(("MethodPatch", (transformers.GenerationMixin, "generate")))
+    assert made == expected and len(patches) == len(made)
     for patch in reversed(patches):
         owner, name = patch.target
-        assert vars(owner)[name] is patch.replacement
+        assert patch.held() is patch.replacement
         patching.uninstall(patch)
         try:
-            assert patch not in patching.installed()
-            assert vars(owner).get(name) is patch.previous and getattr(owner, name) is not patch.replacement
+            assert patch not in patching.installed() and patch.held() is patch.previous
+            assert getattr(owner, name, None) is not patch.replacement
         finally:
-            again = patching.install(owner, name, patch.replacement)
-        assert getattr(owner, name) is patch.replacement and again in patching.installed()
+            make = patching.register if isinstance(patch, patching.Registration) else patching.install
+            again = make(owner, name, patch.replacement)
+        assert again.held() is patch.replacement and again in patching.installed()
+    assert AttentionInterface()[interface.NAME] is interface.prefixkv_attention_forward  # made again, in use
 
 
 class _Library:
@@ -207,14 +218,17 @@ class _Changes(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         if ast.unparse(node.func) in ("setattr", "delattr") and node.args:
             self._check(ast.Attribute(node.args[0], "?", ast.Store()))
+        elif isinstance(node.func, ast.Attribute) and node.func.attr == "register":  # a name in their registries
+            self._check(node.func)
         self.generic_visit(node)
 
 
 def library_changes(modules: dict[str, ast.Module]) -> list[str]:
     """``module.function: target`` of each assignment to an attribute of an object imported from transformers or
-    torch (or of a name bound to one: ``mixin = _generation.GenerationMixin``), and each ``setattr``/``delattr`` on
-    one, in ``modules`` by name: changes to the libraries' own objects, which only :mod:`prefixkv.patching` makes.
-    The attributes of instances (a model, a tensor, a config) are not the libraries' own."""
+    torch (or of a name bound to one: ``mixin = _generation.GenerationMixin``), each ``setattr``/``delattr`` on one
+    and each call of one's ``register`` (``AttentionInterface.register``), in ``modules`` by name: changes to the
+    libraries' own objects, which only :mod:`prefixkv.patching` makes. The attributes of instances (a model, a
+    tensor, a config) are not the libraries' own."""
     found = []
     for name, tree in modules.items():
         library: set[str] = set()
@@ -270,8 +284,10 @@ def test_the_library_change_check_can_fail() -> None:
         "torch.backends.flag = 1\n"
         "def f(model, t):\n    mixin = _g.GenerationMixin\n    mixin.generate = 1\n    model.generate = 2\n"
         "    t.grad = None\n    setattr(GenerationMixin, 'x', 3)\n    x = torch.zeros(1)\n    x.y = 4\n"
+        "from transformers import AttentionInterface\nAttentionInterface.register('mine', len)\n"
     )
     assert library_changes({"m": ast.parse(code)}) == [
+        "m.<module>: AttentionInterface.register",
         "m.<module>: torch.backends.flag",
         "m.f: GenerationMixin.?",
         "m.f: mixin.generate",

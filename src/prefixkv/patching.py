@@ -7,8 +7,9 @@ A :class:`MethodPatch` replaces a method by an instance attribute and puts back 
 with its count of users, made by the first to join and undone by the last to leave. Its record names the model it
 was made on, so a ``copy.deepcopy`` of the model, which copies the record (and the change), starts with no users.
 A change to a class of transformers or torch (a release's shim, :mod:`prefixkv._compat`) is made by
-:func:`install`, a :class:`MethodPatch` on the class, recorded in :func:`installed` in the order made, each undone
-by its ``remove``.
+:func:`install`, a :class:`MethodPatch` on the class, and a name added to one of transformers' registries
+(``AttentionInterface``, ``AttentionMaskInterface``) by :func:`register`, a :class:`Registration`: each recorded in
+:func:`installed` in the order made, and undone by :func:`uninstall`.
 
 The names torch gives a model's compiled call (``model.compile()``), which the store's hooks wrap, are read and set
 here too (:func:`compiled_call`, :func:`set_compiled_call`, :func:`plain_call`, :func:`compiled_forward`)."""
@@ -54,6 +55,10 @@ class MethodPatch:
         """What the object itself held under the name before (``None`` where nothing: a class's method showed)."""
         return None if self._previous is _MISSING else self._previous
 
+    def held(self) -> Any:
+        """What the object itself holds under the name now (``None`` where nothing). Does not mutate."""
+        return vars(self._model).get(self._name)
+
     def remove(self) -> None:
         """Put back what was there. Mutates the object."""
         if self._previous is _MISSING:
@@ -62,7 +67,40 @@ class MethodPatch:
             setattr(self._model, self._name, self._previous)
 
 
-_INSTALLED: list[MethodPatch] = []
+class Registration:
+    """``function`` registered under ``name`` in a registry of transformers (a ``GeneralInterface`` such as
+    ``AttentionInterface``: its ``register`` adds to its class-wide mapping); :meth:`remove` puts back what the
+    mapping held under the name (usually nothing)."""
+
+    def __init__(self, registry: Any, name: str, function: Callable[..., Any]) -> None:
+        self._registry, self._name = registry, name
+        self._previous = registry._global_mapping.get(name, _MISSING)
+        self.replacement = function
+        registry.register(name, function)
+
+    @property
+    def target(self) -> tuple[Any, str]:
+        """The registry and the name."""
+        return self._registry, self._name
+
+    @property
+    def previous(self) -> Any:
+        """What the registry held under the name before (``None`` where nothing)."""
+        return None if self._previous is _MISSING else self._previous
+
+    def held(self) -> Any:
+        """What the registry holds under the name now (``None`` where nothing). Does not mutate."""
+        return self._registry._global_mapping.get(self._name)
+
+    def remove(self) -> None:
+        """Put back what the registry held. Mutates the registry."""
+        if self._previous is _MISSING:
+            del self._registry._global_mapping[self._name]
+        else:
+            self._registry._global_mapping[self._name] = self._previous
+
+
+_INSTALLED: list[MethodPatch | Registration] = []
 
 
 def install(owner: type, name: str, replacement: Callable[..., Any]) -> MethodPatch:
@@ -73,14 +111,22 @@ def install(owner: type, name: str, replacement: Callable[..., Any]) -> MethodPa
     return patch
 
 
-def installed() -> list[MethodPatch]:
-    """Every change :func:`install` made to a class of transformers or torch and :func:`uninstall` did not undo, in
-    the order made. Does not mutate."""
+def register(registry: Any, name: str, function: Callable[..., Any]) -> Registration:
+    """Register ``function`` as ``name`` in ``registry`` (one of transformers' ``GeneralInterface`` classes),
+    recorded in :func:`installed`; :func:`uninstall` undoes it. Mutates the registry."""
+    registration = Registration(registry, name, function)
+    _INSTALLED.append(registration)
+    return registration
+
+
+def installed() -> list[MethodPatch | Registration]:
+    """Every change :func:`install` and :func:`register` made to transformers' or torch's objects and
+    :func:`uninstall` did not undo, in the order made. Does not mutate."""
     return list(_INSTALLED)
 
 
-def uninstall(patch: MethodPatch) -> None:
-    """Undo ``patch`` (the last one :func:`install` made on its attribute) and drop its record. Mutates its class."""
+def uninstall(patch: MethodPatch | Registration) -> None:
+    """Undo ``patch`` (the last change made to its attribute or name) and drop its record. Mutates its object."""
     later = [p for p in _INSTALLED[_INSTALLED.index(patch) + 1 :] if p.target == patch.target]
     if later:
         raise ValueError(f"{patch.target[1]} was patched again after this patch: undo the later patch first")
