@@ -216,7 +216,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ids-floats-truncated",
-        "store.py",
+        "tokens.py",
         "value = operator.index(t)  # ints of any kind (numpy's too); never a float truncated",
         "value = int(t)",
         ("tests/test_many_arguments.py", "tests/test_score.py", "tests/test_errors.py"),
@@ -268,7 +268,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-in-eager-calls",
         "hf/cache.py",
-        "    return cache._asked is True or cache._compiled_call is True or _compat.compiled_forward(",
+        "    return cache._asked is True or cache._compiled_call is True or patching.compiled_forward(",
         "    return True or (",
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",
@@ -284,7 +284,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-not-in-a-users-compiled-forward",
         "hf/cache.py",
-        " or _compat.compiled_forward(cache.store.hf_model)",
+        " or patching.compiled_forward(cache.store.hf_model)",
         "",
         ("tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",),
         "torch.compile(model.forward) with a default cache runs the eager read in pieces: graph breaks at every layer",
@@ -506,6 +506,46 @@ MUTATIONS = [
             "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
         ),
         "a store built on a model in training mode refuses padded reuse on dropout's noise",
+    ),
+    Mutation(
+        "slots-past-the-blocks-of-a-few-columns",
+        "slots.py",
+        "if 0 <= c - pad < end else 0",
+        "if 0 <= c - pad else 0",
+        ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
+        "a decode step's few columns past a row's blocks read another row's block instead of the null block",
+    ),
+    Mutation(
+        "slots-past-the-blocks-of-many-columns",
+        "slots.py",
+        "valid = (t >= 0) & (t < held)",
+        "valid = t >= 0",
+        ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
+        "a compiled step's table maps the columns past a row's blocks to its last block, not the null block",
+    ),
+    Mutation(
+        "compat-alias-not-recorded",
+        "_compat.py",
+        'install(_generation.GenerationMixin, "generate", _taking_cache(_generation.GenerationMixin.generate))',
+        "_generation.GenerationMixin.generate = _taking_cache(_generation.GenerationMixin.generate)",
+        ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
+        "the cache= alias changes transformers' GenerationMixin with no record: nothing can undo it",
+    ),
+    Mutation(
+        "compat-range-not-pyprojects",
+        "_compat.py",
+        "TRANSFORMERS_RANGE = ((4, 57), (6, 0))",
+        "TRANSFORMERS_RANGE = ((4, 57), (7, 0))",
+        ("tests/test_compat.py::test_the_ranges_checked_at_import_are_the_ones_pyproject_declares",),
+        "the import check lets in a transformers that pyproject.toml (what pip installs) excludes",
+    ),
+    Mutation(
+        "attention-registered-unrecorded",
+        "attention/interface.py",
+        "register(AttentionInterface, NAME, prefixkv_attention_forward)",
+        "AttentionInterface.register(NAME, prefixkv_attention_forward)",
+        ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
+        "prefixkv's attention enters transformers' registry with no record: nothing can take it out again",
     ),
 ]
 

@@ -12,7 +12,7 @@ from conftest import random_tokens, stock_twin
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv.batches import plan, row_order
+from prefixkv.batches import batch_rows, row_order
 
 
 def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
@@ -99,7 +99,7 @@ def test_stream_yields_every_prompt_once_as_its_batch_finishes(llama64: Any) -> 
     kw: dict[str, Any] = dict(max_new_tokens=4, do_sample=False, batch_size=2, progress=False)
     listed = prefixkv.generate_many(llama64, prompts, **kw)
     store = prefixkv.PrefixStore(llama64, block_size=8)
-    batches = plan(prompts, store, 2, 4)
+    batches = batch_rows(prompts, store, 2, 4)
     streamed = list(prefixkv.generate_many(llama64, prompts, store=store, stream=True, **kw))
     assert [g.index for g in streamed] == [i for b in batches for i in b] != list(range(len(prompts)))
     assert [(g.index, g.tokens) for g in sorted(streamed, key=lambda g: g.index)] == [
@@ -134,10 +134,10 @@ def test_plan_sorts_by_prefix_puts_cached_work_first_and_keeps_the_budget(llama6
     store = prefixkv.PrefixStore(llama64, block_size=4, num_blocks=24)
     # a row needs ceil((17 + 4) / 4) = 6 blocks, less the 4 it shares with the row before it; a batch takes at most
     # half the 24 blocks
-    assert plan(rows, store, 8, 4) == [[0, 2, 4], [1, 3]]
-    assert plan(rows, store, 2, 4) == [[0, 2], [4, 1], [3]]
+    assert batch_rows(rows, store, 8, 4) == [[0, 2, 4], [1, 3]]
+    assert batch_rows(rows, store, 2, 4) == [[0, 2], [4, 1], [3]]
     store.pin(b)  # cached now, its rows go first; 4 blocks are pinned, so a batch takes at most 10
-    assert plan(rows, store, 8, 4) == [[1, 3, 0], [2, 4]]
+    assert batch_rows(rows, store, 8, 4) == [[1, 3, 0], [2, 4]]
     out = prefixkv.generate_many(llama64, rows, store=store, max_new_tokens=4, do_sample=False, progress=False)
     for g in out:
         assert g.tokens == stock(llama64, g.prompt, max_new_tokens=4, do_sample=False).sequences[0, 17:].tolist()
@@ -280,7 +280,7 @@ def test_refilling_rows_equal_their_own_calls(llama64: Any, monkeypatch: pytest.
     for prompts_, cached in calls:
         if any(p not in prompts for p in prompts_):
             assert max(len(p) - c for p, c in zip(prompts_, cached, strict=True)) <= 16
-    assert len(calls) > len(plan(prompts, prefixkv.PrefixStore(llama64, block_size=4), 3, 14))
+    assert len(calls) > len(batch_rows(prompts, prefixkv.PrefixStore(llama64, block_size=4), 3, 14))
     calls.clear()
     batches = prefixkv.generate_many(llama64, prompts, batch_size=3, progress=False, refill=False, **kw)
     assert [g.tokens for g in batches] == [g.tokens for g in out]

@@ -34,7 +34,7 @@ from conftest import random_tokens, stock_twin
 from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
-from prefixkv.many import plan
+from prefixkv.batches import batch_rows
 
 
 def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
@@ -284,7 +284,7 @@ def test_an_invariant_store_plans_the_same_batches_beside_a_pin_in_bfloat16() ->
             if pinned:
                 store.pin(random_tokens(40, seed=77).tolist())  # another system prompt: 10 of the 64 blocks
                 assert store.stats.blocks_pinned == 10
-            plans.append(plan(prompts, store, 64, 8))
+            plans.append(batch_rows(prompts, store, 64, 8))
             runs.append(prefixkv.generate_many(model, prompts, store=store, progress=False, **kw))
     assert plans[0] == plans[1] and len(plans[0]) > 1  # the budget does split the prompts
     for a, b in zip(*runs, strict=True):

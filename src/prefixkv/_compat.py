@@ -11,6 +11,8 @@ never by comparing version numbers:
   as ``past_key_values=`` before: :data:`GENERATE_CACHE_KWARG` is the spelling the installed release prefers, and
   on older releases ``generate`` is given ``cache=`` too (:func:`_taking_cache`), so that one spelling runs without
   a warning on every supported release.
+- a model's forward takes its cache as ``cache=`` from transformers 5.24, as ``past_key_values=`` before
+  (:func:`forward_cache_kwarg`; :data:`CACHE_KWARGS`, both names).
 - transformers 4.57-5.14 call ``crop`` with the length to keep (since 5.15, every caller passes the negative
   number of columns to drop), and 4.57-5.12 ask a cache layer for ``get_max_cache_shape`` where later releases
   ask for ``get_max_length``: :func:`adapt_cache` gives a cache class (and a layer class) both faces.
@@ -25,8 +27,6 @@ never by comparing version numbers:
   of older releases reads K/V head ``h`` for query head ``h``, past the K/V heads of a grouped model, and returns
   numbers without an error. :func:`cpu_flash_attention` repeats the K/V heads for such a kernel, found by
   probing the installed one (:func:`_kernel_reads_grouped_heads`).
-- a forward compiled by ``torch.compile(model.forward)`` is known by an attribute of torch's
-  (:func:`compiled_forward`).
 - torch's FlexAttention returns its log-sum-exp when asked with an ``AuxRequest`` from torch 2.9 (older releases
   take ``return_lse=``, deprecated since): :func:`flex_aux_request` finds it, and :func:`flex_refusal` says in one
   line why the ``"flex"`` backend cannot serve on a torch without it.
@@ -34,8 +34,10 @@ never by comparing version numbers:
 The ``cache=`` alias is installed when this module loads (when prefixkv's public names first load): it only lets a
 call that would fail run, and a stock call with a ``DynamicCache`` made before any store (a reference to compare
 with) takes it too; its docstring says when it can be deleted.
-Messages that name a release's spelling (:data:`CACHE_ARGUMENT_HINT`) and the inputs only some releases pass
-(:data:`RELEASE_NEUTRAL_INPUTS`) live here too.
+The inputs only some releases pass (:data:`RELEASE_NEUTRAL_INPUTS`) live here too. The alias, as every change
+prefixkv makes to a class of transformers or torch, is made by :func:`prefixkv.patching.install`, recorded and
+undoable. Nothing else lives here: only the supported range and what the releases in it that differ need, so that
+dropping a release deletes its shims and nothing more.
 
 transformers 4.56 and older are refused: beyond these, their PEFT integration's ``active_adapter`` is a method,
 assisted decoding with hidden states takes another path, and Llama 4's text model computes other numbers.
@@ -54,6 +56,8 @@ from typing import Any, TypeVar
 
 import torch
 import transformers
+
+from .patching import install
 
 # the supported releases: transformers [low, high), 4.57 and every 5.x (4.56 and older differ beyond this module),
 # and torch [low, high). torch 2.6 is the oldest release on which every
@@ -114,6 +118,17 @@ from transformers.generation import utils as _generation  # noqa: E402
 GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "past_key_values"
 """The keyword by which the installed transformers' ``generate`` prefers to take a cache."""
 
+# the keywords by which generate and a model's forward take a cache: ``cache`` from transformers 5.24,
+# ``past_key_values`` before (and, deprecated, beside it)
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def forward_cache_kwarg(forward: Callable[..., Any]) -> str:
+    """The keyword by which a model's ``forward`` takes its cache: ``cache`` where its signature has it (the models
+    of transformers 5.24 and later), else ``past_key_values`` (those of older releases). Delete when the oldest
+    supported transformers is 5.24 or newer. Does not mutate."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
 
 def _taking_cache(generate: Callable[..., Any]) -> Callable[..., Any]:
     """``GenerationMixin.generate`` of transformers 4.57-5.23, which take the cache only as ``past_key_values=``
@@ -135,9 +150,7 @@ def _taking_cache(generate: Callable[..., Any]) -> Callable[..., Any]:
 
 
 if GENERATE_CACHE_KWARG != "cache":
-    _generation.GenerationMixin.generate = _taking_cache(  # type: ignore[method-assign]
-        _generation.GenerationMixin.generate
-    )
+    install(_generation.GenerationMixin, "generate", _taking_cache(_generation.GenerationMixin.generate))
 
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 _ASKS_MAX_CACHE_SHAPE = not hasattr(CacheLayerMixin, "get_max_length")
@@ -183,9 +196,6 @@ def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
 
     return get_mask_sizes
 
-
-# how messages spell passing a cache to generate (every supported release takes cache=, see _taking_cache)
-CACHE_ARGUMENT_HINT = "cache=prefixkv.PagedPrefixCache(store, ids)"
 
 # inputs of a forward that do not change K/V and that only some releases pass: num_logits_to_keep (4.x, before
 # logits_to_keep), cache_position (dropped by the newest releases), is_first_iteration and next_sequence_length
@@ -256,32 +266,6 @@ def compile_refusal(model: torch.nn.Module) -> str | None:
         f"transformers {transformers.__version__} builds this model's masks for a compileable cache as wide as a "
         "fixed cache length, which a PagedPrefixCache has not (newer releases build them from get_mask_sizes)"
     )
-
-
-def compiled_forward(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward`` is a function ``torch.compile`` returned (``model.forward =
-    torch.compile(model.forward)``), by the attribute torch 2.6 to 2.13 give it, or the model's call one
-    (``model.compile()``, which torch 2.6 to 2.13 keep as ``_compiled_call_impl``). Does not mutate."""
-    return hasattr(model.forward, "_torchdynamo_orig_callable") or compiled_call(model) is not None
-
-
-def compiled_call(model: torch.nn.Module) -> Any:
-    """What ``model.compile()`` made of the model's call (torch 2.6 to 2.13 keep it as ``_compiled_call_impl``,
-    which ``model(...)`` then runs instead of the plain ``_call_impl``), or ``None``. Does not mutate."""
-    return getattr(model, "_compiled_call_impl", None)
-
-
-def set_compiled_call(model: torch.nn.Module, call: Any) -> None:
-    """Make ``call`` what ``model(...)`` runs in place of ``model.compile()``'s result (:func:`compiled_call`).
-    Mutates the model."""
-    model._compiled_call_impl = call
-
-
-def plain_call(model: torch.nn.Module) -> Callable[..., Any]:
-    """The model's call as ``model(...)`` runs it without ``model.compile()`` (hooks, then ``forward``): torch 2.6 to
-    2.13's ``_call_impl``. Does not mutate."""
-    call: Callable[..., Any] = getattr(model, "_call_impl")  # noqa: B009  (a name torch does not type)
-    return call
 
 
 def flex_aux_request() -> Any:

@@ -15,7 +15,8 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from .kv.key_space import transformers_model
-from .store import PrefixStore, as_token_list
+from .store import PrefixStore
+from .tokens import as_token_list
 
 Prompt = Sequence[int] | torch.Tensor | str | Sequence[Mapping[str, Any]]
 

@@ -3,16 +3,16 @@
 The prompts are sorted by their token ids, so that prompts sharing a prefix lie next to each other; a group whose
 prefix the store holds already goes first, before other work can evict it (:func:`row_order`). Consecutive prompts
 then fill batches of at most ``batch_size`` rows and, in a store with a budget, of at most :func:`room` blocks
-(:func:`plan`). The refill (:class:`prefixkv.scheduler.Scheduler`) takes its waiting prompts in the same order.
+(:func:`batch_rows`). The refill (:class:`prefixkv.scheduler.Scheduler`) takes its waiting prompts in the same order.
 """
 
 from __future__ import annotations
 
-from .hf.runner import common_length
 from .store import PrefixStore
+from .tokens import common_length
 
 
-def plan(
+def batch_rows(
     rows: list[list[int]], store: PrefixStore, batch_size: int, new_tokens: int, namespace: str | None = None
 ) -> list[list[int]]:
     """The batches (lists of row indices) in the order to run them: the rows in :func:`row_order`, consecutive rows
@@ -21,7 +21,7 @@ def plan(
 
     >>> import prefixkv
     >>> store = prefixkv.PrefixStore(prefixkv.models.tiny_model("llama"), block_size=4)
-    >>> plan([[5, 6, 7, 8, 1], [9, 9], [5, 6, 7, 8, 2]], store, batch_size=2, new_tokens=4)
+    >>> batch_rows([[5, 6, 7, 8, 1], [9, 9], [5, 6, 7, 8, 2]], store, batch_size=2, new_tokens=4)
     [[0, 2], [1]]
     """
     most = room(store)

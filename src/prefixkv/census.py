@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import transformers
+from torch.nn.utils.rnn import pad_sequence
 
 from . import models
 from ._compat import GENERATE_CACHE_KWARG
@@ -204,12 +205,8 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
     system = tokens(SHARED)
     cold, warm, beams = (torch.cat([system, tokens(n)])[None] for n in (6, 9, 5))
     rows = [torch.cat([system, tokens(4)]), torch.cat([system, tokens(7)])]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = r
-        mask[i, width - len(r) :] = 1
+    ids = pad_sequence(rows, batch_first=True, padding_value=0, padding_side="left")
+    mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True, padding_value=0, padding_side="left")
     return cold, warm, beams, ids, mask
 
 

@@ -35,11 +35,11 @@ from .display_text import (
     block_tables,
     block_tables_text,
     label,
-    token_ids,
     top_prefixes,
     trie_text,
 )
 from .memory import format_bytes
+from .tokens import token_ids
 
 __all__ = [
     "BlocksLike",

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from .stats import CacheStats, StoreStats
+from .tokens import token_ids
 
 
 @dataclass(frozen=True)
@@ -259,9 +260,3 @@ def label(tokens: Sequence[int], tokenizer: Any, chars: int) -> str:
         return text
     cut = chars // 3
     return text[:cut].rstrip() + " … " + text[len(text) - (chars - cut - 3) :].lstrip()
-
-
-def token_ids(keys: Sequence[int]) -> list[int]:
-    """The token ids of trie keys: a token that an attention mask hid is keyed ``-1 - id`` (its K/V differ from
-    the shown token's), and its text is still that token's."""
-    return [k if k >= 0 else -1 - k for k in keys]

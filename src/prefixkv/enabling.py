@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from . import _compat
+from ._compat import CACHE_KWARGS
 from .hf.cache import PagedPrefixCache
 from .hf.hooks import has_open_store
-from .hf.proof import CACHE_KWARGS
 from .kv.key_space import transformers_model, user_space
 from .patching import MethodPatch, bound_to_copies
 from .store import PrefixStore

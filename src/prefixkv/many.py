@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import (
     EncoderNoRepeatNGramLogitsProcessor,
     EncoderRepetitionPenaltyLogitsProcessor,
@@ -46,7 +47,7 @@ from .arguments import (
     prompts_refusal,
     refill_refusal,
 )
-from .batches import plan, room, row_order
+from .batches import batch_rows, room, row_order
 from .enabling import inferred_mask
 from .hf.cache import PagedPrefixCache
 from .kv.key_space import user_space
@@ -210,12 +211,12 @@ def _carry_refusal(rows: list[list[int]], settings: GenerationConfig) -> str | N
 def _left_pad(rows: list[list[int]], masks: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows as one left-padded ``[batch, width]`` id tensor and its attention mask, each row's own ``masks``
     beside the padding. Does not mutate."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = torch.tensor(m)
+    ids = pad_sequence(
+        [torch.tensor(r, dtype=torch.long) for r in rows], batch_first=True, padding_value=pad, padding_side="left"
+    )
+    mask = pad_sequence(
+        [torch.tensor(m, dtype=torch.long) for m in masks], batch_first=True, padding_value=0, padding_side="left"
+    )
     return ids, mask
 
 
@@ -243,8 +244,8 @@ def _generate(
     namespace: str | None,
     refill: bool,
 ) -> Iterator[Generation]:
-    """Run the prompts, in batches of :func:`plan` or refilling them (:class:`prefixkv.scheduler.Scheduler`), and
-    yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
+    """Run the prompts, in batches of :func:`batch_rows` or refilling them (:class:`prefixkv.scheduler.Scheduler`),
+    and yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     settings = generation_settings(model, generate_kwargs)
     new_tokens = settings.max_new_tokens
     if new_tokens is None:
@@ -281,7 +282,7 @@ def _generate(
                 )
                 work = map(run.result, scheduler.rows())
             else:
-                work = run.batches(plan(rows, run.store, batch_size, new_tokens, namespace))
+                work = run.batches(batch_rows(rows, run.store, batch_size, new_tokens, namespace))
             reused = 0
             for g in work:
                 yield g

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .hf.runner import common_length
 from .store import PrefixStore
+from .tokens import common_length
 
 # how many blocks of a prompt may be left to compute when it joins running rows
 JOIN = 4
@@ -123,9 +123,9 @@ class Scheduler:
     def admit(self) -> bool:
         """Move waiting prompts into running rows while one has a place (:meth:`has_place`) and, where rows carry
         on from the call before, may join them (:meth:`next_may_join`; a call of new rows only takes the next
-        prompts as they come, as a batch of ``plan`` does). Whether a prompt still waiting may join the next call:
-        it then ends once half its rows are done. Mutates ``waiting``, ``running``, ``computed`` and the store
-        (:meth:`next_may_join`)."""
+        prompts as they come, as a batch of ``batches.batch_rows`` does). Whether a prompt still waiting may join the
+        next call: it then ends once half its rows are done. Mutates ``waiting``, ``running``, ``computed`` and the
+        store (:meth:`next_may_join`)."""
         fresh, need = not self.running, sum(blocks for _, blocks in self.running)
         while self.waiting and self.has_place(need) and (fresh or self.next_may_join()):
             i, blocks = self.waiting.pop()

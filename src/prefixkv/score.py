@@ -14,10 +14,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .hf.cache import PagedPrefixCache, attach_prompt
 from .hf.runner import forward_kwargs
-from .store import PrefixStore, as_token_list
+from .store import PrefixStore
+from .tokens import as_token_list
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
 
@@ -118,13 +120,13 @@ def logprob_rows(
     # the last continuation token predicts nothing that is scored: it is not fed, so a row of n + 1 tokens runs at
     # most n positions (a model's position limit, as lm-eval's ``hf`` feeds it)
     full = [c + k[:-1] for c, k in zip(contexts, continuations)]
-    width = max(len(f) for f in full)
-    pads = [width - len(f) for f in full]
-    ids = torch.zeros((len(full), width), dtype=torch.long)  # [B, W]
-    mask = torch.zeros((len(full), width), dtype=torch.long)
-    for i, (f, p) in enumerate(zip(full, pads)):
-        ids[i, p:] = torch.tensor(f, dtype=torch.long)
-        mask[i, p:] = 1
+    ids = pad_sequence(
+        [torch.tensor(f, dtype=torch.long) for f in full], batch_first=True, padding_value=0, padding_side="left"
+    )  # [B, W]
+    mask = pad_sequence(
+        [torch.ones(len(f), dtype=torch.long) for f in full], batch_first=True, padding_value=0, padding_side="left"
+    )
+    pads = [ids.shape[1] - len(f) for f in full]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate places left-padded rows
     keep = max(len(k) for k in continuations)  # the logits needed: the last context token onwards
     device = store.blocks.pool.specs[0].device  # the first layer's (model.device is `meta` under offloading)

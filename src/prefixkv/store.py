@@ -9,14 +9,13 @@ a disk tier's metadata) go through :mod:`prefixkv.files`."""
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from . import _compat, _compat_generate, display, files
+from . import _compat_generate, display, files
 from .attention import interface
 from .errors import CacheMisuseError
 from .hf import shapes
@@ -30,6 +29,7 @@ from .kv.tier import OffloadTier
 from .memory import attention_shape, format_bytes
 from .options import check_options, check_priority, max_blocks, offload_kind
 from .stats import CacheStats, StoreStats
+from .tokens import as_token_list
 
 _INITIAL_BLOCKS = 16
 
@@ -352,7 +352,7 @@ class PrefixStore:
 def _not_a_cache() -> CacheMisuseError:
     return CacheMisuseError(
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-        + _compat.CACHE_ARGUMENT_HINT
+        "cache=prefixkv.PagedPrefixCache(store, ids)"  # every supported release takes cache= (prefixkv._compat)
     )
 
 
@@ -371,25 +371,3 @@ def _as_warm_tokens(prompt: object) -> list[int]:
             "template settings of the later calls so that their prompts start with these ids"
         )
     return as_token_list(prompt)  # type: ignore[arg-type]
-
-
-def as_token_list(ids: Sequence[int] | torch.Tensor) -> list[int]:
-    """One sequence of token ids as ints; ``ValueError`` for anything else (floats are not truncated)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise ValueError(
-                f"expected one sequence of integer token ids, got a {ids.dtype} tensor of shape {tuple(ids.shape)}"
-            )
-        ids = ids.tolist()
-    tokens = []
-    for t in ids:
-        try:
-            value = operator.index(t)  # ints of any kind (numpy's too); never a float truncated
-        except TypeError:
-            value = -1
-        if isinstance(t, bool) or value < 0:
-            raise ValueError(f"token ids must be non-negative integers, got {t!r} ({type(t).__name__})")
-        tokens.append(value)
-    return tokens

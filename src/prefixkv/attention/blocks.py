@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..slots import slot_view
 from . import planner
 from .interface import sdpa_servable
 from .kernels import KernelMask, attend_masked, kernel_mask, merge_by_lse
@@ -100,7 +101,7 @@ def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:
     """``[rows or 1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor ``[kv_heads, num_blocks,
     block_size, head_dim]``: a view for runs (each head one contiguous range), a gather otherwise."""
     heads, dim = pool.shape[0], pool.shape[3]
-    flat = pool.view(heads, -1, dim)
+    flat = slot_view(pool)
     if read.first_slot is not None:
         if read.row_stride is not None:
             return flat.as_strided(

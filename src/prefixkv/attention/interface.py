@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..patching import SharedPatch
+from ..patching import SharedPatch, register
 from . import kernels, reads
 from .reads import AttentionCall, ForwardReads
 from .static import STEP_KWARG
@@ -161,8 +161,8 @@ def prefixkv_mask(*args: Any, **kwargs: Any) -> Any:
     return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, **kwargs)
 
 
-AttentionInterface.register(NAME, prefixkv_attention_forward)
-AttentionMaskInterface.register(NAME, prefixkv_mask)
+register(AttentionInterface, NAME, prefixkv_attention_forward)
+register(AttentionMaskInterface, NAME, prefixkv_mask)
 
 
 def install(model: Any) -> bool:

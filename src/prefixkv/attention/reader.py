@@ -10,6 +10,7 @@ import torch
 
 from ..kv.key_space import autocast_dtype
 from ..settings import StoreSettings
+from ..slots import slot_table
 from . import registry
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout, PoolView
@@ -72,16 +73,7 @@ class WholeRows:
         if self._by_table:
             lists = [[0] * (p // bs) + t for p, t in zip(pads, tables)]
             return torch.tensor([t[:extent] + [0] * (extent - len(t)) for t in lists], dtype=torch.long)
-        return torch.stack([column_slots(pad, table, 0, extent, bs) for pad, table in zip(pads, tables)])
-
-
-def column_slots(pad: int, table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
-    """Pool slots of columns ``[start, stop)`` of a row with ``pad`` leading pads and block ``table``, a
-    LongTensor; pad columns read slot 0 (the null block)."""
-    t = torch.arange(start - pad, stop - pad)
-    blocks = torch.tensor(table, dtype=torch.long) if table else torch.zeros(1, dtype=torch.long)
-    slots = blocks[t.clamp(min=0) // block_size] * block_size + t.clamp(min=0) % block_size
-    return slots.masked_fill_(t < 0, 0)
+        return slot_table(pads, tables, 0, extent, bs)
 
 
 class Reader:

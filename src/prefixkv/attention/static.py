@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..slots import slot_table, slot_view
+
 # the keyword argument the store's forward pre-hook adds to a forward whose steps are of this module, so that
 # ``prefixkv`` attention hands the call to the model's own implementation without looking for a read plan
 STEP_KWARG = "prefixkv_static_step"
@@ -77,15 +79,7 @@ class StepTables:
         key = (columns, device, tuple(pads))
         if key == self._key and tables == self._seen and self._table is not None:
             return self._table  # lists compare in C: a few microseconds for a batch of long rows
-        bs = self._bs
-        n = max(1, max((len(t) for t in tables), default=0))
-        blocks = torch.tensor([t + [0] * (n - len(t)) for t in tables], dtype=torch.long)  # [B, n]
-        t = torch.arange(columns)[None, :] - torch.tensor(pads, dtype=torch.long)[:, None]  # [B, W] token index
-        held = torch.tensor([len(x) * bs for x in tables], dtype=torch.long)[:, None]
-        valid = (t >= 0) & (t < held)
-        t = t.clamp(min=0)
-        slots = blocks.gather(1, (t // bs).clamp(max=n - 1)) * bs + t % bs
-        table = slots.masked_fill_(~valid, 0).to(device)
+        table = slot_table(pads, tables, 0, columns, self._bs).to(device)
         self._key, self._seen, self._table = key, [list(t) for t in tables], table
         return table
 
@@ -112,7 +106,7 @@ class StaticStep:
         over the table, ``[B, kv_heads, W, head_dim]``. Mutates the pool, never its autograd state: what is written
         is detached, as the eager write is made under ``no_grad``, or the pool, which every request shares, would
         join this forward's autograd graph (and another request's backward run through it)."""
-        k, v = _slot_view(self.keys[layer]), _slot_view(self.values[layer])
+        k, v = slot_view(self.keys[layer]), slot_view(self.values[layer])
         heads, dim = k.shape[0], k.shape[2]
         k.index_copy_(1, self.slots, key.detach().transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
         v.index_copy_(1, self.slots, value.detach().transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
@@ -129,9 +123,4 @@ class StaticStep:
         for given, now in ((self.keys, pool.keys), (self.values, pool.values)):
             for old, new in zip(given, now):
                 if old is not new:
-                    _slot_view(new).index_copy_(1, self.slots, _slot_view(old).index_select(1, self.slots))
-
-
-def _slot_view(t: torch.Tensor) -> torch.Tensor:
-    """``[kv_heads, num_blocks * block_size, head_dim]`` view of a layer's K or V, indexed by slot."""
-    return t.view(t.shape[0], -1, t.shape[3])
+                    slot_view(new).index_copy_(1, self.slots, slot_view(old).index_select(1, self.slots))

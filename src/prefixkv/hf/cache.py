@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from .. import _compat, display
+from .. import _compat, display, patching
 from ..attention import interface, reads, static
 from ..attention.reader import Reader
 from ..errors import CacheMisuseError
@@ -435,7 +435,7 @@ def takes_steps(cache: PagedPrefixCache) -> bool:
     those of a call that ``generate`` compiles."""
     if cache._compile_refusal is not None:
         return False
-    return cache._asked is True or cache._compiled_call is True or _compat.compiled_forward(cache.store.hf_model)
+    return cache._asked is True or cache._compiled_call is True or patching.compiled_forward(cache.store.hf_model)
 
 
 def static_step(cache: PagedPrefixCache) -> bool:

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CacheMisuseError, UnsupportedModelError
+from ..tokens import token_ids
 from . import proof, rows, shapes
 from .parts import StoreParts
 
@@ -232,7 +233,7 @@ class GenerateCall:
             row = held[j // (batch // count)]
             if not row.proven:
                 continue
-            stored = [proof.token(k) for k in row.keys[: max(0, length - row.pad)]]
+            stored = token_ids(row.keys[: max(0, length - row.pad)])
             given = seq[min(row.pad, length) :]
             if given[: len(stored)] != stored:
                 t = next(t for t, (a, b) in enumerate(zip(given, stored)) if a != b)

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .. import _compat, _compat_generate
+from .. import _compat_generate, patching
+from .._compat import CACHE_KWARGS
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
@@ -31,7 +32,7 @@ from .cache import (
     takes_steps,
 )
 from .parts import Handle, StoreParts
-from .proof import CACHE_KWARGS, ForwardInputs
+from .proof import ForwardInputs
 
 # caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
 _DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
@@ -212,7 +213,7 @@ class _CompiledCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self._model()
         if model is not None and runs_eagerly(model, kwargs):
-            return _compat.plain_call(model)(*args, **kwargs)
+            return patching.plain_call(model)(*args, **kwargs)
         return self.compiled(*args, **kwargs)
 
 
@@ -228,17 +229,17 @@ class _StepsOnly:
     @staticmethod
     def wrap(model: torch.nn.Module) -> None:
         """Make ``model``'s compiled call, if it has one, a :class:`_CompiledCall`. Mutates the model."""
-        compiled = _compat.compiled_call(model)
+        compiled = patching.compiled_call(model)
         if compiled is not None and not isinstance(compiled, _CompiledCall):
-            _compat.set_compiled_call(model, _CompiledCall(model, compiled))
+            patching.set_compiled_call(model, _CompiledCall(model, compiled))
 
     def remove(self) -> None:
         model, self._model = self._model, None
         if model is None or has_open_store(model):  # the prepare wrapper leaves first: held while another store is
             return
-        compiled = _compat.compiled_call(model)
+        compiled = patching.compiled_call(model)
         if isinstance(compiled, _CompiledCall):
-            _compat.set_compiled_call(model, compiled.compiled)
+            patching.set_compiled_call(model, compiled.compiled)
 
 
 _PREPARE = "prepare_inputs_for_generation"

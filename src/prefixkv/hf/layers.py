@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import _compat
 from ..attention import interface, reads, static
 from ..errors import CacheMisuseError
+from ..family import family
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
 from . import proof
@@ -216,9 +217,8 @@ def compile_refusal(store: StoreParts) -> str | None:
     if release is not None:
         return release
     if not interface.serves(store.hf_model):
-        kind = getattr(store.hf_model.config, "model_type", type(store.hf_model).__name__)
         return (
-            f"this {kind} model runs its own attention, not prefixkv's (docs/architectures.md), and its compiled "
-            "step is not one of prefixkv's"
+            f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "
+            "its compiled step is not one of prefixkv's"
         )
     return static.refusal(store)

@@ -15,9 +15,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from .._compat import RELEASE_NEUTRAL_INPUTS
-
-CACHE_KWARGS = ("cache", "past_key_values")
+from .._compat import CACHE_KWARGS, RELEASE_NEUTRAL_INPUTS
+from ..tokens import key, token_ids
 
 # inputs of a forward (and of prepare_inputs_for_generation, which passes the rest on to it) that do not change
 # the K/V of the ids; any other one (token_type_ids, pixel values) makes the rows unproven
@@ -37,17 +36,6 @@ NEUTRAL_INPUTS = frozenset(
         *RELEASE_NEUTRAL_INPUTS,  # those only some transformers releases pass
     }
 )
-
-
-def key(token: int, visible: bool) -> int:
-    """The trie key of a token: its id, or ``-1 - id`` where the attention mask hides it (its K/V differ from
-    those of the same token seen). The one home of that encoding. Does not mutate."""
-    return token if visible else -1 - token
-
-
-def token(key: int) -> int:
-    """The token id of a trie key (:func:`key`). Does not mutate."""
-    return key if key >= 0 else -1 - key
 
 
 def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) -> tuple[str, ...]:
@@ -272,7 +260,7 @@ def _prove_row(
 ) -> Verdict:
     """:func:`prove_rows` for row ``i``, whose new ``keys`` the forward feeds after the ``known`` ones."""
     if keys[: len(known)] != known:
-        if [token(k) for k in keys[: len(known)]] != [token(k) for k in known]:
+        if token_ids(keys[: len(known)]) != token_ids(known):
             return Verdict(
                 None,
                 error=(

@@ -1,15 +1,15 @@
 """A row of a ``PagedPrefixCache``: its leading padding, the keys its K/V are cached under, whether those K/V are
-proven to be the keys' (docs/correctness.md, "Publish only what is proven"), its claim in the store, and the slot
-arithmetic of its columns.
+proven to be the keys' (docs/correctness.md, "Publish only what is proven"), its claim in the store, and the pool
+slots of its columns.
 
 Layout. Every row of a batch has the same number of *columns* (pads included). Row ``i`` has ``pad`` leading
 padding columns that read the null block, then its tokens: token ``t`` sits at column ``pad + t`` and in slot
-``table[t // block_size] * block_size + t % block_size``. One block id indexes every layer's pool, so a row has one
-table for all layers.
+``table[t // block_size] * block_size + t % block_size`` (:func:`prefixkv.slots.slot_table`, the one home of that
+arithmetic). One block id indexes every layer's pool, so a row has one table for all layers.
 
 Keys. A row's ``keys`` are the token ids where the attention mask is 1, and ``-1 - id`` where a mask with holes
-hides a token (a hole shifts the positions after it, so the K/V that follow are not those of the unmasked ids).
-Leading padding is not part of a row.
+hides a token (:func:`prefixkv.tokens.key`): a hole shifts the positions after it, so the K/V that follow are not
+those of the unmasked ids. Leading padding is not part of a row.
 
 The rows of one cache are a :class:`RowSet`: it attaches a prompt, allocates a forward's columns, applies the
 proof's verdicts, publishes, crops, selects and forks rows, all through the block manager's claim contract
@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from ..attention.reader import column_slots
 from ..errors import CacheMisuseError
 from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
+from ..slots import slot_table
 from ..stats import CacheStats, RowStats
+from ..tokens import key
 from . import proof
 from .parts import StoreParts
-from .proof import key
 
 
 class Row:
@@ -83,26 +83,11 @@ def real_count(keys: list[int]) -> int:
     return sum(1 for k in keys if k >= 0)
 
 
-def slot_list(row: Row, start: int, stop: int, block_size: int) -> list[int]:
-    """Pool slots of columns ``[start, stop)`` of ``row`` as plain ints (for a few columns); pad columns read
-    slot 0 (the null block)."""
-    table, pad = row.table, row.pad
-    return [
-        0 if c < pad else table[(c - pad) // block_size] * block_size + (c - pad) % block_size
-        for c in range(start, stop)
-    ]
-
-
 def new_slots(rows: list[Row], start: int, q: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[B, q]`` pool slots of the columns a forward feeds after ``start``, and which of them (flat indices) to
     store (``None``: all; pads are skipped so the null block stays zeros). Does not mutate."""
-    if q <= 8:  # the decode step: one tensor from plain ints beats a tensor set-up per row
-        lists = [slot_list(row, start, start + q, block_size) for row in rows]
-        new = torch.tensor(lists, dtype=torch.long)
-        pads = any(0 in slots for slots in lists)
-    else:
-        new = torch.stack([column_slots(row.pad, row.table, start, start + q, block_size) for row in rows])
-        pads = bool((new == 0).any())
+    new = slot_table([row.pad for row in rows], [row.table for row in rows], start, start + q, block_size)
+    pads = any(row.pad > start for row in rows)  # a pad column reads slot 0; no table holds block 0
     return new, (new.reshape(-1) != 0).nonzero().view(-1) if pads else None
 
 
@@ -128,8 +113,8 @@ def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def layout(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int], list[list[int]]]:
-    """Each row's leading padding and its keys (:func:`key`) under ``mask`` (a bool tensor, ``None``: all
-    ones). Does not mutate."""
+    """Each row's leading padding and its keys (:func:`prefixkv.tokens.key`) under ``mask`` (a bool tensor,
+    ``None``: all ones). Does not mutate."""
     ids = input_ids.detach().cpu().tolist()
     if mask is None:
         return [0] * len(ids), ids

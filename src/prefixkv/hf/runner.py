@@ -15,8 +15,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .._compat import forward_cache_kwarg
 from ..kv.key_space import user_space
 from ..stats import CacheStats, RowStats
+from ..tokens import common_length
 from .cache import PagedPrefixCache, attach_prompt, publish_all
 from .parts import StoreParts
 
@@ -101,17 +103,10 @@ def forward_kwargs(model: torch.nn.Module, cache: PagedPrefixCache, *, logits_to
     """The keyword arguments that hand ``model``'s forward ``cache`` (by the name its signature takes: ``cache``,
     or ``past_key_values``) and ask for the last ``logits_to_keep`` rows of logits where it can. Does not mutate."""
     params = inspect.signature(model.forward).parameters
-    kwargs: dict[str, Any] = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    kwargs: dict[str, Any] = {forward_cache_kwarg(model.forward): cache, "use_cache": True}
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = logits_to_keep
     return kwargs
-
-
-def common_length(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` start with in common (the one definition: ``generate_many`` uses it too).
-    Does not mutate."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _shared_prefixes(rows: list[list[int]], block_size: int) -> list[tuple[list[int], list[int]]]:

@@ -25,9 +25,11 @@ from typing import Any, NamedTuple
 import torch
 from transformers import DynamicCache
 
+from .._compat import forward_cache_kwarg
 from ..errors import UnsupportedModelError
+from ..family import family
 from ..memory import AttentionShape
-from .support import eval_mode, family
+from .support import eval_mode
 
 
 class _Update(NamedTuple):
@@ -62,7 +64,7 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
     Does not mutate the model."""
     _check_cross_attention(model)
     cache = _Recording()
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    name = forward_cache_kwarg(model.forward)
     devices = [device] if device.type == "cuda" else []
     fed = (1, 2)
     with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():

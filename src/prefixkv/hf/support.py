@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from .._compat import CACHE_KWARGS
 from ..errors import UnsupportedModelError
+from ..family import family
 from ..kv.key_space import transformers_model
 from ..memory import attention_shape
 
@@ -36,12 +38,6 @@ _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 REFUSAL_ADVICE = "; generate without prefixkv (with a DynamicCache) for this model"
-
-
-def family(model: Any) -> str:
-    """The model's family as transformers names it (``config.model_type``). Does not mutate."""
-    config = getattr(model, "config", None)
-    return str(getattr(config, "model_type", None) or type(model).__name__)
 
 
 def check_supported(model: Any) -> None:
@@ -108,7 +104,7 @@ def _refusal(model: Any, config: Any) -> str | None:
             f"uses rope_type={rope!r}, whose rotary frequencies change with the length of each call, so a prefix "
             "gets other K/V in a call of another length and cannot be reused exactly"
         )
-    if not {"cache", "past_key_values"} & set(inspect.signature(transformers_model(model).forward).parameters):
+    if not set(CACHE_KWARGS) & set(inspect.signature(transformers_model(model).forward).parameters):
         return (
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"

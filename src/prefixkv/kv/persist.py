@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CapacityError
+from ..family import family
 from ..memory import format_bytes
 from ..settings import StoreSettings
 from .holdings import Holdings
@@ -43,7 +44,7 @@ def store_meta(
         "num_layers": str(len(specs)),
         "kv_heads": str(spec.kv_heads),
         "head_dim": str(spec.head_dim),
-        "model_type": str(getattr(model.config, "model_type", type(model).__name__)),
+        "model_type": family(model),
         "model_fingerprint": model_print,
     }
     if settings.kv_dtype is not None:  # absent in unquantized files, as in those written before quantization

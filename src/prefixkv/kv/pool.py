@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..slots import slot_view
 from .quantization import SCALE_DTYPE, check_kv_dtype, code_dtype, dequantize, quantize
 
 
@@ -124,13 +125,13 @@ class BlockPool:
     ) -> None:
         """Store new K/V. ``slots``: ``[B, q]``; ``key``/``value``: ``[B, kv_heads, q, head_dim]``; ``keep``:
         the positions (in ``B * q`` order) to store, ``None`` for all (padding is never stored). Mutates."""
-        k, v = self.keys[layer], self.values[layer]
+        k, v = self.slots(layer)
         flat = slots.reshape(-1)
         heads, dim = key.shape[1], key.shape[3]
         if keep is None and self.kv_dtype is None:
             # [B, H, q, D] -> [H, B*q, D] (a view for a decode step): the fewest calls for the step that runs most
-            _slots(k).index_copy_(1, flat, key.transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
-            _slots(v).index_copy_(1, flat, value.transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
+            k.index_copy_(1, flat, key.transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
+            v.index_copy_(1, flat, value.transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
             return
         # [B, H, q, D] -> [B*q, H, D]
         new_k = key.transpose(1, 2).reshape(-1, heads, dim)
@@ -140,14 +141,14 @@ class BlockPool:
         if self.kv_dtype is not None:
             self._write_quantized(layer, flat, new_k, new_v)
             return
-        _slots(k).index_copy_(1, flat, new_k.transpose(0, 1).to(k.dtype))
-        _slots(v).index_copy_(1, flat, new_v.transpose(0, 1).to(v.dtype))
+        k.index_copy_(1, flat, new_k.transpose(0, 1).to(k.dtype))
+        v.index_copy_(1, flat, new_v.transpose(0, 1).to(v.dtype))
 
     def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Quantize ``[N, kv_heads, head_dim]`` values and place codes and scales at ``flat`` slots. Mutates."""
         codes, scale = self._quantize(torch.stack((new_k, new_v)).to(torch.float32))  # K and V in one call
         for i, (stored, scales) in enumerate(((self.keys, self.key_scales), (self.values, self.value_scales))):
-            _slots(stored[layer]).index_copy_(1, flat, codes[i].transpose(0, 1))
+            slot_view(stored[layer]).index_copy_(1, flat, codes[i].transpose(0, 1))
             scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale[i].T)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,14 +159,20 @@ class BlockPool:
         assert self.kv_dtype is not None
         return dequantize(codes, scale, self.kv_dtype, dtype)
 
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V (their 8-bit codes in a quantized pool) indexed by slot, each ``[kv_heads,
+        num_blocks * block_size, head_dim]`` (:func:`prefixkv.slots.slot_view`): views, so a write through them
+        writes the pool."""
+        return slot_view(self.keys[layer]), slot_view(self.values[layer])
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
-        k, v = self.keys[layer], self.values[layer]
+        k, v = self.slots(layer)
         b, n = slots.shape
-        heads, dim = k.shape[0], k.shape[3]
+        heads, dim = k.shape[0], k.shape[2]
         flat = slots.reshape(-1)
-        keys = _slots(k).index_select(1, flat)  # [H, B*n, D]
-        values = _slots(v).index_select(1, flat)
+        keys = k.index_select(1, flat)  # [H, B*n, D]
+        values = v.index_select(1, flat)
         if self.kv_dtype is not None:
             dtype = self.specs[layer].dtype
             k_scale = self.key_scales[layer].view(heads, -1).index_select(1, flat)  # [H, B*n]
@@ -231,11 +238,6 @@ class BlockPool:
                 t.index_copy_(1, index, given.permute(2, 0, 1))
             else:
                 _put(t, index, given)
-
-
-def _slots(t: torch.Tensor) -> torch.Tensor:
-    """``[kv_heads, num_blocks * block_size, head_dim]`` view of a layer's K or V, indexed by slot."""
-    return t.view(t.shape[0], -1, t.shape[3])
 
 
 def _take(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import PersistError
+from ..family import family
 from .fingerprint import fingerprint, tensor_bytes
 from .pool import BlockPool, LayerSpec
 from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
@@ -417,7 +418,7 @@ def check_model(file: PrefixFile, path: PathLike, model: Any, specs: Sequence[La
             f"{path} was saved from a model with other weights or a config that changes K/V: its K/V would give "
             f"wrong output with this one (fingerprint {meta['model_fingerprint'][:12]} in the file, saved from a "
             f"{meta.get('model_type', '?')} model; {ours[:12]} for this "
-            f"{getattr(model.config, 'model_type', type(model).__name__)} model). Load it with the model (weights, "
+            f"{family(model)} model). Load it with the model (weights, "
             "config and adapter) it was saved from"
         )
 
