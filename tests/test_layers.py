@@ -408,3 +408,79 @@ def test_the_public_methods_of_pagedprefixcache_are_what_a_user_calls_and_the_ca
     interface = {n for n in dir(Cache) if not n.startswith("_")} | {"get_max_length"}
     assert public >= CACHE_USER_FACING
     assert public - CACHE_USER_FACING <= interface, f"not the Cache interface: {public - CACHE_USER_FACING - interface}"
+
+
+def decode_step_modules() -> tuple[set[str], set[str]]:
+    """The prefixkv modules whose code runs in one eager decode step of a warm ``generate`` call on a tiny llama with
+    a ``PagedPrefixCache`` (from one step's logits processor to the next one's: the rest of ``generate``'s step, the
+    next step's ``prepare_inputs_for_generation``, its forward and hooks), and those within layer 0's attention call.
+    Measured with ``sys.setprofile``, in this thread."""
+    import inspect
+    import sys
+
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import prefixkv
+    from prefixkv import models
+
+    model = models.tiny_model("llama", dtype=torch.float64)
+    attention = inspect.unwrap(type(model.model.layers[0].self_attn).forward).__code__
+    layer0 = model.model.layers[0].self_attn
+    total: set[str] = set()
+    per_layer: set[str] = set()
+    inside: list[object] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        name = frame.f_globals.get("__name__", "")  # type: ignore[attr-defined]
+        if event == "call" and frame.f_code is attention and frame.f_locals.get("self") is layer0:  # type: ignore[attr-defined]
+            inside.append(frame)
+        if name.startswith("prefixkv.") and event == "call":
+            total.add(name)
+            if inside:
+                per_layer.add(name)
+        if event == "return" and inside and frame is inside[-1]:
+            inside.pop()
+
+    class Profiling(LogitsProcessor):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 2:  # after the call's first decode step: the next one is a steady step
+                sys.setprofile(profile)
+            elif self.calls == 3:
+                sys.setprofile(None)
+            return scores
+
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(1, 12).unsqueeze(0)
+    for processors in ([], [Profiling()]):  # the first call makes the second one warm (its prefix cached)
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            kw = {"past_key_values" if "past_key_values" in _generate_kw() else "cache": cache}
+            model.generate(
+                ids, **kw, max_new_tokens=4, do_sample=False, logits_processor=LogitsProcessorList(processors)
+            )
+    sys.setprofile(None)
+    assert cache.stats.cached_tokens > 0, "the call was not warm"
+    return total, per_layer
+
+
+def _generate_kw() -> str:
+    from prefixkv._compat import GENERATE_CACHE_KWARG
+
+    return GENERATE_CACHE_KWARG
+
+
+# the prefixkv modules an eager decode step runs, and one layer's attention call (decode_step_modules), as they are;
+# issue 44 aims at 10 and 4
+DECODE_STEP_MODULES = 19
+LAYER_MODULES = 10
+
+
+def test_an_eager_decode_step_runs_few_modules() -> None:
+    total, per_layer = decode_step_modules()
+    assert per_layer <= total and per_layer, "the measure saw no layer"
+    assert len(total) <= DECODE_STEP_MODULES, f"an eager decode step runs {len(total)} modules: {sorted(total)}"
+    assert len(per_layer) <= LAYER_MODULES, f"one layer's attention runs {len(per_layer)}: {sorted(per_layer)}"
