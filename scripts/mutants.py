@@ -261,7 +261,7 @@ MUTATIONS = [
         "compiled-steps-in-eager-calls",
         "hf/forward.py",
         "        return self.asked is True or self._compiled_call is True or _compat.compiled_forward(",
-        "    return True or (",
+        "        return True or (",
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",
     ),
