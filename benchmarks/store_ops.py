@@ -4,9 +4,9 @@ the evictions, and the time spent in store operations per request: match + attac
 cache), allocate (with eviction), publish, release.
 
 Then the bookkeeping of one long sequence (512, 8k and 32k tokens), decoded token by token through the
-cache's forward protocol without the model: per step, ``begin_forward`` (allocate, prove) and ``end_forward``
-(publish the block the step filled), and the whole sequence's publishing. Publishing continues from the
-row's trie node, so its cost per block stays flat as the context grows.
+cache's forward protocol without the model: per step, ``cache.forward.begin`` (allocate, prove) and
+``cache.forward.end`` (publish the block the step filled), and the whole sequence's publishing. Publishing
+continues from the row's trie node, so its cost per block stays flat as the context grows.
 Run: ``python benchmarks/store_ops.py``."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from _common import machine, model_for, save, table, tokens
 
 import prefixkv
-from prefixkv.hf.cache import PagedPrefixCache, begin_forward, end_forward
+from prefixkv.hf.cache import PagedPrefixCache
 from prefixkv.hf.proof import ForwardInputs
 from prefixkv.hf.rows import RowSet
 from prefixkv.kv.room import Room
@@ -116,8 +116,8 @@ def run(
 
 def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str, Any]:
     """One row decoded token by token to ``length`` tokens through the cache's forward protocol, without the
-    model and without the attention read path (``decode.py`` measures those): seconds in ``begin_forward``
-    and in ``end_forward`` of :mod:`prefixkv.hf.cache` (which publishes each block as it fills), over the whole
+    model and without the attention read path (``decode.py`` measures those): seconds in ``Forward.begin``
+    and in ``Forward.end`` of :mod:`prefixkv.hf.forward` (which publishes each block as it fills), over the whole
     sequence and per step over its last ``window`` steps."""
     model = model_for("tiny")
     store = prefixkv.PrefixStore(model, block_size=block_size)
@@ -130,10 +130,10 @@ def sequence(length: int, block_size: int = 16, window: int = 1024) -> dict[str,
             # decode_step: as generate's decode steps, the namespace was checked at the first
             forward = ForwardInputs(x, decode_step=t > 0)
             a = time.perf_counter()
-            begin_forward(cache, forward)
+            cache.forward.begin(forward)
             b = time.perf_counter()
             cache._rowset.seen = [t + 1] * layers  # stands in for update(): every layer stored the step's column
-            end_forward(cache, True)
+            cache.forward.end(True)
             begin[t], end[t] = b - a, time.perf_counter() - b
         assert store.cached_length([int(x) for x in ids]) == length // block_size * block_size
     store.check_invariants()

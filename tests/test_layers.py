@@ -163,7 +163,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_import_graph_has_no_cycle() -> None:
     found = graph()
-    assert found["hf.cache"] >= {"hf.parts", "attention.reader"} and found["store"] >= {"hf.runner"}, "misses imports"
+    assert found["hf.forward"] >= {"hf.parts", "attention.reader"} and found["store"] >= {"hf.runner"}, "misses imports"
     assert find_cycle(found) is None, f"import cycle: {' -> '.join(find_cycle(found) or [])}"
 
 
@@ -197,7 +197,7 @@ WITHIN = {
     ],
     "hf": [
         *("hf.proof", "hf.support", "hf.shapes", "hf.parts", "hf.rows", "hf.call"),
-        *("hf.layers", "hf.cache", "hf.hooks", "hf.runner"),
+        *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "top": [
         "options",
@@ -415,3 +415,77 @@ def test_the_public_methods_of_pagedprefixcache_are_what_a_user_calls_and_the_ca
     interface = {n for n in dir(Cache) if not n.startswith("_")} | {"get_max_length"}
     assert public >= CACHE_USER_FACING
     assert public - CACHE_USER_FACING <= interface, f"not the Cache interface: {public - CACHE_USER_FACING - interface}"
+
+
+def decode_step_modules() -> tuple[set[str], set[str]]:
+    """The prefixkv modules whose code runs in one eager decode step of a warm ``generate`` call on a tiny llama with
+    a ``PagedPrefixCache`` (from one step's logits processor to the next one's: the rest of ``generate``'s step, the
+    next step's ``prepare_inputs_for_generation``, its forward and hooks), and those within layer 0's attention call.
+    Measured with ``sys.setprofile``, in this thread."""
+    import inspect
+    import sys
+    import types
+
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    import prefixkv
+    from prefixkv import models
+    from prefixkv._compat import GENERATE_CACHE_KWARG
+
+    model = models.tiny_model("llama", dtype=torch.float64)
+    attention = inspect.unwrap(type(model.model.layers[0].self_attn).forward).__code__
+    layer0 = model.model.layers[0].self_attn
+    total: set[str] = set()
+    per_layer: set[str] = set()
+    inside: list[types.FrameType] = []
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and frame.f_code is attention and frame.f_locals.get("self") is layer0:
+            inside.append(frame)
+        if name.startswith("prefixkv.") and event == "call":
+            total.add(name)
+            if inside:
+                per_layer.add(name)
+        if event == "return" and inside and frame is inside[-1]:
+            inside.pop()
+
+    class Profiling(LogitsProcessor):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 2:  # after the call's first decode step: the next one is a steady step
+                sys.setprofile(profile)
+            elif self.calls == 3:
+                sys.setprofile(None)
+            return scores
+
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = torch.arange(1, 12).unsqueeze(0)
+    for processors in ([], [Profiling()]):  # the first call makes the second one warm (its prefix cached)
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            kw = {GENERATE_CACHE_KWARG: cache, "logits_processor": LogitsProcessorList(processors)}
+            model.generate(ids, **kw, max_new_tokens=4, do_sample=False)
+    sys.setprofile(None)
+    assert cache.stats.cached_tokens > 0, "the call was not warm"
+    return total, per_layer
+
+
+# the prefixkv modules an eager decode step runs, and one layer's attention call (decode_step_modules), held where
+# they are: 19 and 10 before issue 44; 21 and 11 after it. The Forward (hf/forward.py) took hf/layers.py out of the
+# step, and the ground floor's one home for each shared fact put two small modules in (slots.py, a layer's slots;
+# tokens.py, a token's trie key). The issue aims at 10 and 4, which needs fewer modules below hf/: the attention
+# seam's four per layer (interface, blocks, kernels, reads, with _compat's CPU kernel) and the block layer's three
+# (manager, pool, slots)
+DECODE_STEP_MODULES = 21
+LAYER_MODULES = 11
+
+
+def test_an_eager_decode_step_runs_few_modules() -> None:
+    total, per_layer = decode_step_modules()
+    assert per_layer <= total and per_layer, "the measure saw no layer"
+    assert len(total) <= DECODE_STEP_MODULES, f"an eager decode step runs {len(total)} modules: {sorted(total)}"
+    assert len(per_layer) <= LAYER_MODULES, f"one layer's attention runs {len(per_layer)}: {sorted(per_layer)}"

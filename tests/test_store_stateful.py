@@ -2,8 +2,8 @@
 pins, unpins, evictions and clears, against a reference that only remembers which token sequences were
 computed and which must still be cached. ``check_invariants()`` runs after every step.
 
-The model's forward is simulated: each step calls the cache's forward protocol (``prefixkv.hf.cache.begin_forward``,
-``update`` per layer, ``prefixkv.hf.cache.end_forward``) with K set to a hash of the row's tokens up to that position
+The model's forward is simulated: each step calls the cache's forward protocol (``cache.forward.begin``,
+``update`` per layer, ``cache.forward.end``) with K set to a hash of the row's tokens up to that position
 and V to the position, so every block read back can be checked against the tokens it claims to hold:
 a block shared wrongly, freed while read, or overwritten without copy-on-write shows up as a wrong hash.
 """
@@ -24,7 +24,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import prefixkv
 from prefixkv import CapacityError
-from prefixkv.hf.cache import begin_forward, end_forward
 from prefixkv.hf.proof import ForwardInputs
 from prefixkv.kv.tier import chunk_keys
 
@@ -104,10 +103,10 @@ def feed(cache: prefixkv.PagedPrefixCache, rows: list[list[int]], new: list[list
     """One simulated forward of ``new[i]`` after ``rows[i]`` (which already holds them at the end)."""
     start = cache.get_seq_length()
     q = len(new[0])
-    begin_forward(cache, ForwardInputs(torch.tensor(new)))
+    cache.forward.begin(ForwardInputs(torch.tensor(new)))
     for layer, (k, v) in enumerate(layer_inputs(cache, rows, start, q)):
         cache.update(k, v, layer)
-    end_forward(cache, True)
+    cache.forward.end(True)
 
 
 class Fault(Exception):
@@ -312,7 +311,7 @@ class StoreMachine(RuleBasedStateMachine):
         def forward() -> None:
             start = cache.get_seq_length()
             try:
-                begin_forward(cache, ForwardInputs(torch.tensor(new)))
+                cache.forward.begin(ForwardInputs(torch.tensor(new)))
                 inputs = layer_inputs(cache, rows, start, q)
                 cache.update(*inputs[0], 0)
                 paused.append(True)
@@ -324,7 +323,7 @@ class StoreMachine(RuleBasedStateMachine):
                 outcome.append(e)
             finally:
                 inside.set()
-                end_forward(cache, False)  # what the always-called forward hook does after a raise
+                cache.forward.end(False)  # what the always-called forward hook does after a raise
 
         thread = threading.Thread(target=forward)
         thread.start()

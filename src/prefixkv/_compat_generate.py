@@ -36,10 +36,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from transformers import modeling_utils as _modeling
 from transformers.generation import utils as _generation
 
-from . import _compat  # noqa: F401  (the release check, with its message, as for every module that knows releases)
+from . import _compat, patching  # noqa: F401  (the release check, with its message, as for every module that knows releases)
 
 _KEEPS_CACHE_POSITION = hasattr(_generation.GenerationMixin, "_get_initial_cache_position")
 _PREPARE_PARAMETERS = inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
@@ -206,86 +205,27 @@ def _noting_start(initial: Callable[..., Any]) -> Callable[..., Any]:
     return noting
 
 
-def _noting_compile(
-    criteria: Callable[..., Any], note: Callable[[Any, dict[str, Any], bool | None], None]
-) -> Callable[..., Any]:
-    """``GenerationMixin._valid_auto_compile_criteria``, generate's choice to compile a decoding loop's forwards
-    (made before the loop's first forward, on every release prefixkv supports), that tells ``note`` it is about to
-    choose (``None``), then what it chose: a ``PagedPrefixCache`` takes its one-token forwards as steps of fixed
-    shapes when, and only when, they are compiled, and in a call that is not it says it is not compileable, so
-    that the call's masks are built as for any cache (docs/generate.md, "Compiled decoding"). Not a shim: no
-    release tells a cache whether it is compiled; the wrapper goes when one does."""
-
-    @functools.wraps(criteria)
-    def noting(self: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
-        note(self, model_kwargs, None)
-        compiled = criteria(self, model_kwargs, generation_config)
-        note(self, model_kwargs, bool(compiled))
-        return compiled
-
-    return noting
-
-
-def _stepping_compiled_call(
-    get_compiled_call: Callable[..., Any], runs_eagerly: Callable[[Any, dict[str, Any]], bool]
-) -> Callable[..., Any]:
-    """``PreTrainedModel.get_compiled_call``, the ``torch.compile``d call that ``generate`` runs a compiled call's
-    forwards with (its decoding loop's, and on 5.x the chunks of a chunked prefill and assisted decoding's
-    verifications, which feed several tokens): a forward for which ``runs_eagerly`` (the model, the forward's
-    keywords) says so runs the model's plain call instead, as ``generate`` runs its prefill. A ``PagedPrefixCache``
-    compiles its one-token steps only (docs/generate.md, "Compiled decoding"): its other forwards decide in Python
-    at every layer, which a compile with ``fullgraph=True`` refuses and one without breaks into many graphs. Other
-    caches' forwards run compiled as before. Not a shim: no release lets a cache say which forwards compile."""
-
-    @functools.wraps(get_compiled_call)
-    def getting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        compiled = get_compiled_call(self, *args, **kwargs)
-        plain = self.__call__
-        if compiled == plain:  # a model generate does not compile (Llama 4)
-            return compiled
-
-        def call(*a: Any, **k: Any) -> Any:
-            return (plain if runs_eagerly(self, k) else compiled)(*a, **k)
-
-        return call
-
-    return getting
-
-
 _installed = False
 
 
-def install_generation_patches(
-    plan_chunks: Callable[[Any, torch.Tensor, dict[str, Any]], None],
-    note_compile: Callable[[Any, dict[str, Any], bool | None], None],
-    runs_eagerly: Callable[[Any, dict[str, Any]], bool],
-) -> None:
+def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[str, Any]], None]) -> None:
     """Wrap the ``GenerationMixin`` methods this release needs for a cache that chooses its columns at the first
     step (:func:`_recording_past`, :func:`_keeping_embeds`, :func:`_planning_chunks` with ``plan_chunks``,
-    :func:`_noting_start`) and takes compiled steps only in a compiled loop (:func:`_noting_compile` with
-    ``note_compile``), and the compiled call ``generate`` gets, so that it compiles a cache's steps only
-    (:func:`_stepping_compiled_call` with ``runs_eagerly``); each wrapper changes nothing for other caches. Called
-    by every ``PrefixStore`` when it is built (no ``PagedPrefixCache`` exists before one), once per process.
-    Mutates ``transformers.generation.utils.GenerationMixin`` and ``transformers.modeling_utils.PreTrainedModel``."""
+    :func:`_noting_start`); each wrapper changes nothing for other caches. Called once per process, when the first
+    ``PrefixStore`` is built (:func:`prefixkv.hf.hooks.install_generation_wrappers`; no ``PagedPrefixCache`` exists
+    before one). Mutates ``transformers.generation.utils.GenerationMixin``, each change through
+    :func:`prefixkv.patching.install` (recorded, undoable)."""
     global _installed
     if _installed:
         return
     _installed = True
     mixin = _generation.GenerationMixin
-    mixin._valid_auto_compile_criteria = _noting_compile(  # type: ignore[method-assign]
-        mixin._valid_auto_compile_criteria, note_compile
-    )
-    pretrained = _modeling.PreTrainedModel
-    if hasattr(pretrained, "get_compiled_call"):  # every supported release has it; a later one may not
-        pretrained.get_compiled_call = _stepping_compiled_call(  # type: ignore[method-assign]
-            pretrained.get_compiled_call, runs_eagerly
-        )
     if "activate_past_recording" not in inspect.getsource(mixin._assisted_decoding):
-        mixin._assisted_decoding = _recording_past(mixin._assisted_decoding)  # type: ignore[method-assign]
+        patching.install(mixin, "_assisted_decoding", _recording_past(mixin._assisted_decoding))
     if hasattr(mixin, "_prefill") and "inputs_embeds[:, past_length:" in inspect.getsource(mixin._prefill):
-        mixin._prefill = _keeping_embeds(mixin._prefill)  # type: ignore[method-assign]
+        patching.install(mixin, "_prefill", _keeping_embeds(mixin._prefill))
     if hasattr(mixin, "_prefill") and "prefill_chunk_size" in inspect.getsource(mixin._prefill):
-        mixin._prefill = _planning_chunks(mixin._prefill, plan_chunks)  # type: ignore[method-assign]
+        patching.install(mixin, "_prefill", _planning_chunks(mixin._prefill, plan_chunks))
     if not _MARKS_FIRST_STEP:
         initial_positions = vars(mixin)["_get_initial_cache_position"]  # a name the newest transformers lacks
-        setattr(mixin, "_get_initial_cache_position", _noting_start(initial_positions))  # noqa: B010
+        patching.install(mixin, "_get_initial_cache_position", _noting_start(initial_positions))

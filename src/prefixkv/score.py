@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .hf.cache import PagedPrefixCache, attach_prompt
+from .hf.cache import PagedPrefixCache
 from .hf.runner import forward_kwargs
 from .store import PrefixStore
 from .tokens import as_token_list
@@ -133,7 +133,7 @@ def logprob_rows(
     with PagedPrefixCache(store, namespace=namespace) as cache:
         # the cache knows each row's context only: it matches (and reuses) at most all but its last token,
         # and checks the fed ids against it; the continuation is recorded as it is fed
-        attach_prompt(cache, pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
+        cache.forward.rows.attach(store, pads, [list(c) for c in contexts])  # its rows grow as tokens are fed
         start = cache.get_seq_length()
         kwargs = forward_kwargs(model, cache, logits_to_keep=keep)
         with torch.no_grad():

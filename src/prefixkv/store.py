@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from . import _compat_generate, display, files
+from . import display, files
 from .attention import interface
 from .errors import CacheMisuseError
 from .hf import shapes
-from .hf.hooks import attach_hooks, note_generate_compile, plan_chunked_prompt, runs_eagerly
+from .hf.hooks import attach_hooks, install_generation_wrappers
 from .hf.runner import ModelRunner
 from .kv import prefix_file
 from .kv.key_space import KeySpace, layer_devices, transformers_model, user_space
@@ -97,7 +97,7 @@ class PrefixStore:
             offload=offload, max_offload_memory=max_offload_memory, offload_dir=offload_dir, invariant=invariant,
             chunk_size=chunk_size, attention=attention,
         )  # fmt: skip
-        _compat_generate.install_generation_patches(plan_chunked_prompt, note_generate_compile, runs_eagerly)
+        install_generation_wrappers()
         self.model = model
         # the transformers model that computes (inside a PEFT wrapper, its base model): what is hooked and run
         self.hf_model = transformers_model(model)

@@ -52,11 +52,12 @@ class GenerateCall:
         refeed, self.refeed = self.refeed, False
         return refeed
 
-    def plan(
+    def fit(
         self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, length: int | None, kwargs: dict[str, Any]
     ) -> int | None:
-        """:func:`prefixkv.hf.cache.plan_call`: make what ``held`` holds fit the call, and return the
-        ``next_sequence_length`` (``length``: what ``generate`` asked for) to feed. Mutates ``held`` and this."""
+        """At the first step of a call (:meth:`prefixkv.hf.forward.Forward.fit_call`): make what ``held`` holds fit
+        the call, and return the ``next_sequence_length`` (``length``: what ``generate`` asked for) to feed. Mutates
+        ``held`` and this."""
         refeed = self.take_refeed()
         if input_ids.dim() != 2:
             return length
@@ -85,9 +86,7 @@ class GenerateCall:
             return None
         return input_ids.shape[1] - columns
 
-    def plan_prompt(
-        self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, kwargs: dict[str, Any]
-    ) -> None:
+    def fit_prompt(self, held: rows.RowSet, store: StoreParts, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """Before a chunked prefill (``prefill_chunk_size``) cuts the call's ``input_ids`` by the columns ``held``
         holds: redo or drop construction's reuse for the whole prompt and mask, as the first step of an unchunked
         call does (its first chunk shows only its own columns). Mutates ``held``."""

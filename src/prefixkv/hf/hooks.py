@@ -1,19 +1,26 @@
 """The model hooks of a store: how a ``PagedPrefixCache`` learns what a forward feeds.
 
 The forward pre-hook builds each forward's record (:class:`prefixkv.hf.proof.ForwardInputs`: the cache itself only
-ever sees K and V, docs/how-it-works.md, "Reuse, step by step") and begins the cache's forward; the
-forward hook ends it (publishing what the forward computed); a wrapper of ``prepare_inputs_for_generation`` shows
-the cache the whole sequence at the first step of each ``generate`` call, the only place where that sequence is
-visible, and tells the pre-hook which forwards are decode steps."""
+ever sees K and V, docs/how-it-works.md, "Reuse, step by step") and begins the cache's forward
+(:class:`prefixkv.hf.forward.Forward`, ``cache.forward``); the forward hook ends it (publishing what the forward
+computed); a wrapper of ``prepare_inputs_for_generation`` shows the cache the whole sequence at the first step of
+each ``generate`` call, the only place where that sequence is visible, and tells the pre-hook which forwards are
+decode steps. Two wrappers of ``generate``'s own methods, which no release makes unneeded
+(:func:`install_generation_wrappers`), tell a cache whether ``generate`` compiles its call
+(:func:`note_generate_compile`) and run its forwards that are not compiled steps outside ``generate``'s compiled
+call (:func:`runs_eagerly`)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import modeling_utils as _modeling
+from transformers.generation import utils as _generation
 
 from .. import _compat_generate, patching
 from .._compat import CACHE_KWARGS
@@ -21,27 +28,9 @@ from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
-from .cache import (
-    PagedPrefixCache,
-    begin_forward,
-    end_forward,
-    note_compile,
-    plan_call,
-    plan_prompt,
-    static_step,
-    takes_steps,
-)
+from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
-
-# caches whose next forward is a decode step of ``generate`` (noted by the prepare wrapper, taken by the pre-hook)
-_DECODE_STEPS: weakref.WeakSet[PagedPrefixCache] = weakref.WeakSet()
-# for a compileable cache: the 2-D mask (or ``None``) from which ``generate``'s prepare built 4-D masks, and what it
-# built (noted by the prepare wrapper, taken by the next pre-hook): the proof reads the 2-D mask in their place only
-# for a forward that got exactly what was built (docs/correctness.md, "Publish only what is proven")
-_GENERATE_MASKS: weakref.WeakKeyDictionary[PagedPrefixCache, tuple[torch.Tensor | None, Any]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
@@ -86,17 +75,18 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
                 "this PagedPrefixCache's PrefixStore was built for another model (this one is a copy.deepcopy of "
                 "it, which carries the store's hooks, not the store): build a PrefixStore for this model"
             )
-        decode_step = cache in _DECODE_STEPS
-        _DECODE_STEPS.discard(cache)
-        source, built = _GENERATE_MASKS.pop(cache, (None, None))
+        forward = cache.forward  # what generate's prepare noted for this forward, taken
+        decode_step, forward.next_decode_step = forward.next_decode_step, False
+        source, built = forward.built_masks or (None, None)
+        forward.built_masks = None
         if inputs.get("use_cache") is False and any(v is cache for v in kwargs.values()):
             # use_cache=False re-feeds the whole sequence at every step: stock generate then runs without a cache
             # (a cache passed along would hold every step's columns twice), and so does this forward
             return args, {k: None if v is cache else v for k, v in kwargs.items()}
         if built is not None and inputs.get("attention_mask") is built:
             inputs = {**inputs, "attention_mask": source}
-        begin_forward(cache, ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
-        if static_step(cache) and serves(model):
+        forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+        if forward.step is not None and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
             # (prefixkv.attention.static); the forward's masks are as wide as the step's slot table, a size of the
             # graph as the table's width is
@@ -108,7 +98,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         cache = _store_cache(store, named(args, kwargs))
         if cache is not None and module is model:
-            end_forward(cache, output is not None)  # torch passes None when the forward raised
+            cache.forward.end(output is not None)  # torch passes None when the forward raised
 
     return [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -126,10 +116,10 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     if cache is None or args or not isinstance(input_ids, torch.Tensor):
         return original(input_ids, *args, **kwargs)
     model = cache.store.hf_model
-    if has_open_store(model):
+    if patching.compiled_call(model) is not None and has_open_store(model):
         _StepsOnly.wrap(model)
     step = _compat_generate.generate_step(kwargs, cache, input_ids)
-    length = plan_call(cache, input_ids, step.columns, kwargs) if step.first else step.columns
+    length = cache.forward.fit_call(input_ids, step.columns, kwargs) if step.first else step.columns
     _compat_generate.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
     mask = kwargs.get("attention_mask")
     inputs = original(input_ids, *args, **kwargs)
@@ -141,18 +131,15 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     # a decode step of generate, whose mask is the one checked at the first step grown by ones: generate's decode
     # loops pass one new column and no is_first_iteration, assisted decoding is_first_iteration=False; a call of
     # one's own without either is checked in full
-    if step.first is False or (step.first is None and step.columns == 1):
-        _DECODE_STEPS.add(cache)
-    else:
-        _DECODE_STEPS.discard(cache)
+    cache.forward.next_decode_step = step.first is False or (step.first is None and step.columns == 1)
     # for a compileable cache generate replaces the 2-D mask by the 4-D masks it builds from it (one per kind of
     # layer); those show the same columns, and the proof reads the 2-D one
     built = inputs.get("attention_mask") if isinstance(inputs, dict) else None
     two_d = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
     if cache.is_compileable and built is not mask and two_d and _four_d(built):
-        _GENERATE_MASKS[cache] = (mask, built)
+        cache.forward.built_masks = (mask, built)
     else:
-        _GENERATE_MASKS.pop(cache, None)
+        cache.forward.built_masks = None
     return inputs
 
 
@@ -164,39 +151,104 @@ def _four_d(masks: Any) -> bool:
     return isinstance(masks, torch.Tensor) and masks.dim() == 4
 
 
-def plan_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+def fit_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
     """Before ``generate`` on ``model`` cuts ``input_ids`` into the chunks of a chunked prefill (by the columns the
     cache holds, read before any ``prepare_inputs_for_generation``): let a ``PagedPrefixCache`` of a store on
     ``model`` fit its reuse to the whole prompt and mask, which no chunk shows (the ``_prefill`` wrapper of
     :func:`prefixkv._compat_generate.install_generation_patches` calls this). Mutates the cache."""
     cache = paged_cache(kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
-        plan_prompt(cache, input_ids, kwargs)
+        cache.forward.fit_prompt(input_ids, kwargs)
 
 
 def note_generate_compile(model: torch.nn.Module, model_kwargs: dict[str, Any], compiled: bool | None) -> None:
     """``generate`` on ``model`` chose whether to compile the forwards of the call whose arguments are
-    ``model_kwargs`` (``None``: it is about to choose; the ``_valid_auto_compile_criteria`` wrapper of
-    :func:`prefixkv._compat_generate.install_generation_patches` calls this): a ``PagedPrefixCache`` of a store on
+    ``model_kwargs`` (``None``: it is about to choose; the ``_valid_auto_compile_criteria`` wrapper,
+    :func:`_noting_compile`, calls this): a ``PagedPrefixCache`` of a store on
     ``model`` takes its one-token forwards as compiled steps if so (docs/generate.md, "Compiled decoding"). Mutates
     the cache."""
     cache = paged_cache(model_kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
-        note_compile(cache, compiled)
+        cache.forward.note_compile(compiled)
 
 
 def runs_eagerly(model: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether a forward of ``model`` with the keywords ``kwargs`` must run outside ``generate``'s compiled call
-    (the ``get_compiled_call`` wrapper of :func:`prefixkv._compat_generate.install_generation_patches` asks): one
-    with a ``PagedPrefixCache`` of a store on ``model`` that is not a compiled step (a step feeds one token,
-    :func:`prefixkv.hf.cache.takes_steps`). Does not mutate."""
+    (the ``get_compiled_call`` wrapper, :func:`_stepping_compiled_call`, asks): one with a ``PagedPrefixCache`` of a
+    store on ``model`` that is not a compiled step (a step feeds one token,
+    :meth:`prefixkv.hf.forward.Forward.takes_steps`). Does not mutate."""
     cache = paged_cache(kwargs)
     if cache is None or not has_open_store(model) or cache.store.hf_model is not model:
         return False
     fed = kwargs.get("input_ids")
     if not isinstance(fed, torch.Tensor):
         fed = kwargs.get("inputs_embeds")
-    return not (isinstance(fed, torch.Tensor) and fed.dim() >= 2 and fed.shape[1] == 1 and takes_steps(cache))
+    return not (isinstance(fed, torch.Tensor) and fed.dim() >= 2 and fed.shape[1] == 1 and cache.forward.takes_steps())
+
+
+def _noting_compile(criteria: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._valid_auto_compile_criteria``, generate's choice to compile a decoding loop's forwards
+    (made before the loop's first forward, on every release prefixkv supports), that tells the call's cache it is
+    about to choose (``None``), then what it chose (:func:`note_generate_compile`): a ``PagedPrefixCache`` takes its
+    one-token forwards as steps of fixed shapes when, and only when, they are compiled, and in a call that is not it
+    says it is not compileable, so that the call's masks are built as for any cache (docs/generate.md, "Compiled
+    decoding"). Not a shim: no release tells a cache whether it is compiled; the wrapper goes when one does."""
+
+    @functools.wraps(criteria)
+    def noting(self: Any, model_kwargs: dict[str, Any], generation_config: Any) -> Any:
+        note_generate_compile(self, model_kwargs, None)
+        compiled = criteria(self, model_kwargs, generation_config)
+        note_generate_compile(self, model_kwargs, bool(compiled))
+        return compiled
+
+    return noting
+
+
+def _stepping_compiled_call(get_compiled_call: Callable[..., Any]) -> Callable[..., Any]:
+    """``PreTrainedModel.get_compiled_call``, the ``torch.compile``d call that ``generate`` runs a compiled call's
+    forwards with (its decoding loop's, and on 5.x the chunks of a chunked prefill and assisted decoding's
+    verifications, which feed several tokens): a forward that :func:`runs_eagerly` runs the model's plain call
+    instead, as ``generate`` runs its prefill. A ``PagedPrefixCache`` compiles its one-token steps only
+    (docs/generate.md, "Compiled decoding"): its other forwards decide in Python at every layer, which a compile with
+    ``fullgraph=True`` refuses and one without breaks into many graphs. Other caches' forwards run compiled as
+    before. Not a shim: no release lets a cache say which forwards compile."""
+
+    @functools.wraps(get_compiled_call)
+    def getting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        compiled = get_compiled_call(self, *args, **kwargs)
+        plain = self.__call__
+        if compiled == plain:  # a model generate does not compile (Llama 4)
+            return compiled
+
+        def call(*a: Any, **k: Any) -> Any:
+            return (plain if runs_eagerly(self, k) else compiled)(*a, **k)
+
+        return call
+
+    return getting
+
+
+_installed = False
+
+
+def install_generation_wrappers() -> None:
+    """Wrap ``generate``'s methods for ``PagedPrefixCache`` calls: those this transformers release needs
+    (:func:`prefixkv._compat_generate.install_generation_patches`, with :func:`fit_chunked_prompt`), and generate's
+    choice to compile a call (:func:`_noting_compile`) and the compiled call it gets (:func:`_stepping_compiled_call`),
+    which every release needs; each wrapper changes nothing for other caches. Called by every ``PrefixStore`` when it
+    is built (no ``PagedPrefixCache`` exists before one), once per process. Mutates
+    ``transformers.generation.utils.GenerationMixin`` and ``transformers.modeling_utils.PreTrainedModel``, through
+    :func:`prefixkv.patching.install`."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _compat_generate.install_generation_patches(fit_chunked_prompt)
+    mixin = _generation.GenerationMixin
+    patching.install(mixin, "_valid_auto_compile_criteria", _noting_compile(mixin._valid_auto_compile_criteria))
+    pretrained = _modeling.PreTrainedModel
+    if hasattr(pretrained, "get_compiled_call"):  # every supported release has it; a later one may not
+        patching.install(pretrained, "get_compiled_call", _stepping_compiled_call(pretrained.get_compiled_call))
 
 
 class _CompiledCall:

@@ -181,7 +181,7 @@ class RowSet:
         after ``pads`` leading pad columns: match each row, keep the batch to one offset, share or copy blocks. Rows
         that share a prefix the store does not hold yet get it computed once, first (in-batch sharing, by the
         store's runner). With ``count=False`` the lookup stays out of the store's statistics (that inner prefill).
-        What :func:`prefixkv.hf.cache.attach_prompt` does to a cache. Mutates.
+        Mutates.
 
         In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has its
         canonical chunks computed (:func:`chunk_end`, by the store's runner), reuses exactly those, and the cache
@@ -329,7 +329,9 @@ class RowSet:
                 row.published = full
 
     def publish_all(self) -> None:
-        """:func:`prefixkv.hf.cache.publish_all`. Mutates."""
+        """Publish every token of the one row, a last part-filled block included (what ``PrefixStore.pin`` keeps; a
+        forward publishes whole blocks only). Raises :class:`CacheMisuseError` when its K/V could not be proven to be
+        those of its ids. Mutates."""
         (row,) = self.rows
         if not row.proven:
             raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")

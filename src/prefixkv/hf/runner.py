@@ -19,7 +19,7 @@ from .._compat import forward_cache_kwarg
 from ..kv.key_space import user_space
 from ..stats import CacheStats, RowStats
 from ..tokens import common_length
-from .cache import PagedPrefixCache, attach_prompt, publish_all
+from .cache import PagedPrefixCache
 from .parts import StoreParts
 
 
@@ -44,10 +44,10 @@ def prefill(
     ids = torch.tensor([tokens], dtype=torch.long) if count else None
     with PagedPrefixCache(store, ids, namespace=namespace) as cache:
         if not count:
-            attach_prompt(cache, [0], [tokens], count=False)
+            cache.forward.rows.attach(store, [0], [tokens], count=False)
         _forward(cache, tokens[cache.get_seq_length() :])
         if keep_partial:
-            publish_all(cache)
+            cache.forward.rows.publish_all()
         yield cache.stats.per_row[0]
 
 
@@ -69,12 +69,13 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
         for tokens in prefixes:  # every prefix's cached part locked first: computing the others must not evict it
             cache = holds.enter_context(PagedPrefixCache(store, namespace=namespace))
             if tokens:
-                attach_prompt(cache, [0], [tokens], count=False, chunks=True)
+                cache.forward.rows.attach(store, [0], [tokens], count=False, chunks=True)
             held.append(cache.get_seq_length())
         for tokens, before in zip(prefixes, held):
             if before < len(tokens):
                 cache = holds.enter_context(PagedPrefixCache(store, namespace=namespace))
-                attach_prompt(cache, [0], [tokens], count=False, chunks=True)  # with what earlier prefixes computed
+                # with what earlier prefixes computed
+                cache.forward.rows.attach(store, [0], [tokens], count=False, chunks=True)
                 for start in range(cache.get_seq_length(), len(tokens), chunk):
                     _forward(cache, tokens[start : start + chunk])
         yield held
