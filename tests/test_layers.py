@@ -181,6 +181,7 @@ WITHIN = {
     "base": ["errors", "memory", "stats", "display_text", "display", "_compat", "_compat_generate", "patching"],
     "kv": [
         *("kv.allocator", "kv.eviction", "kv.nodes", "kv.trie", "kv.quantization", "kv.pool"),
+        "kv.ranks",
         *("kv.fingerprint", "kv.prefix_file", "kv.persist", "kv.namespace", "kv.tier", "kv.room", "kv.ledger"),
         "kv.blocks",
     ],
@@ -195,6 +196,7 @@ WITHIN = {
     ],
     "top": [
         "options",
+        "parallel",
         "files",
         "store",
         "enabling",
