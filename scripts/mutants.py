@@ -499,6 +499,31 @@ MUTATIONS = [
         ),
         "a store built on a model in training mode refuses padded reuse on dropout's noise",
     ),
+    # -- tensor parallelism (issue 47): torchrun with 2 processes on CPU, about a minute each
+    Mutation(
+        "tp-weights-state-of-the-whole-dtensor",
+        "kv/namespace.py",
+        "        t = local_part(t)\n",
+        "",
+        ("tests/test_tensor_parallel.py",),
+        "the namespace samples a split weight as a DTensor: 'as_strided not supported with DTensor'",
+    ),
+    Mutation(
+        "tp-budget-not-agreed",
+        "parallel.py",
+        "    return least if bounded else None",
+        "    return max_blocks",
+        ("tests/test_tensor_parallel.py",),
+        "each process keeps the budget it was given: one evicts where the other does not, and their stores part",
+    ),
+    Mutation(
+        "tp-file-of-another-rank",
+        "files.py",
+        "    _check_ranks(file, path, model)\n",
+        "",
+        ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
+        "a file of another rank is refused only as 'another model', without saying to load each rank's own",
+    ),
 ]
 
 

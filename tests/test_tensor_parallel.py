@@ -1,9 +1,10 @@
 """prefixkv under transformers' tensor parallelism (docs/getting-started.md, "Several GPUs"): ``torchrun
 --nproc-per-node 2`` on CPU (gloo) runs tests/tp_worker.py, a tiny float64 Llama (4 heads, 2 K/V heads) split with
 ``tp_plan="auto"``. Each process's store pools its own K/V head, and every public path (greedy, sampling, beams, a
-padded batch, pins, enable, generate_many, score, save/load, the disk tier, invariant mode, an agreed budget) gives
-stock ``generate``'s tokens and logits (within 1e-6) on an untouched twin split alike, the stores' decisions equal in
-both processes after every call, and an ordinary request after every odd path."""
+padded batch, pins, enable, generate_many, score, save/load, the disk tier, invariant mode, the compiled step, an
+agreed budget) gives stock ``generate``'s tokens and logits (within 1e-6) on an untouched twin split alike, the
+stores' decisions equal in both processes after every call, and an ordinary request after every odd path. Skipped
+where torch has no gloo backend; transformers 4.57.1 (torch 2.6) and 5.24 (torch 2.13) both split on CPU."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def test_every_public_path_matches_stock_under_tensor_parallelism(result: dict[s
     assert isinstance(checked, dict)
     paths = ["greedy, cold", "greedy, warm", "sampling", "beams", "padded batch", "pinned prefix", "enable"]
     paths += ["generate_many", "score", "loaded from this rank's file", "disk tier, restored", "invariant, cold"]
+    paths += ["compiled step, cold", "compiled step, warm"]
     assert set(paths) <= set(checked), set(paths) - set(checked)
     assert all(0 <= diff <= 1e-6 for diff in checked.values()), checked
     odd = ["beams and a padded batch", "pin and unpin", "enable and disable", "generate_many", "score"]
-    odd += ["the other rank's file refused", "the disk tier", "invariant mode"]
+    odd += ["the other rank's file refused", "the disk tier", "invariant mode", "the compiled step"]
     assert all(f"{name}, then an ordinary request" in checked for name in odd), checked
 
 
