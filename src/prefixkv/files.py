@@ -149,15 +149,16 @@ def _check_ranks(file: prefix_file.PrefixFile, path: str | os.PathLike[str], mod
     ours = None if ranks is None else f"{ranks.rank}/{ranks.size}"
     theirs = file.meta.get("tensor_parallel")
     if theirs != ours:
-
-        def said(split: str | None) -> str:
-            if split is None:
-                return "a whole model (one process)"
-            rank, size = split.split("/")
-            return f"rank {rank} of {size} processes of a tensor-parallel model"
-
         raise PersistError(
-            f"{path} holds the K/V of {said(theirs)}, this store's model is {said(ours)}: each process holds its own "
-            "share of the K/V heads. Save from every process to its own path (one per rank) and load each in the "
-            "process of the same rank, at the same number of processes"
+            f"{path} holds the K/V of {_split(theirs)}, this store's model is {_split(ours)}: each process holds "
+            "its own share of the K/V heads. Save from every process to its own path (one per rank) and load each in "
+            "the process of the same rank, at the same number of processes"
         )
+
+
+def _split(split: str | None) -> str:
+    """A file's ``tensor_parallel`` metadata (``rank/size``, ``None``: absent) in words."""
+    if split is None:
+        return "a whole model (one process)"
+    rank, size = split.split("/")
+    return f"rank {rank} of {size} processes of a tensor-parallel model"

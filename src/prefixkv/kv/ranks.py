@@ -8,7 +8,8 @@ is agreed here (the budget) or checked (:func:`prefixkv.parallel.check_ranks_agr
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import sys
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -30,18 +31,24 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     >>> local_part(torch.ones(2)).shape
     torch.Size([2])
     """
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) and hasattr(t, "device_mesh") else t
+    dtensor = _dtensor_class()
+    if dtensor is None or not isinstance(t, dtensor):
+        return t
+    shard: torch.Tensor = cast(Any, t).to_local()
+    return shard
 
 
 def model_ranks(model: Any) -> Ranks | None:
     """Where this process stands among those ``model`` is split over (the mesh of its first ``DTensor``
     parameter, the tensor-parallel dimension of a mesh of several), or ``None``: the model is whole here. Does
     not mutate."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return None
     for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is None or not hasattr(p, "to_local"):
+        if not isinstance(p, dtensor):
             continue
+        mesh = cast(Any, p).device_mesh
         names: tuple[str, ...] = tuple(getattr(mesh, "mesh_dim_names", None) or ())
         if mesh.ndim > 1 and names:
             mesh = mesh["tp" if "tp" in names else names[-1]]
@@ -65,3 +72,9 @@ def gathered(value: Any, ranks: Ranks) -> list[Any]:
     out: list[Any] = [None] * ranks.size
     torch.distributed.all_gather_object(out, value, group=ranks.group)
     return out
+
+
+def _dtensor_class() -> type | None:
+    """torch's ``DTensor`` where something imported it (transformers does, to split a model), else ``None``: no
+    tensor can be one then, and prefixkv does not pay the import (nor need a torch built with torch.distributed)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
