@@ -547,6 +547,31 @@ MUTATIONS = [
         ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
         "prefixkv's attention enters transformers' registry with no record: nothing can take it out again",
     ),
+    # -- tensor parallelism (issue 47): torchrun with 2 processes on CPU, about a minute each
+    Mutation(
+        "tp-weights-state-of-the-whole-dtensor",
+        "kv/key_space.py",
+        "        t = local_part(t)\n",
+        "",
+        ("tests/test_tensor_parallel.py",),
+        "the key space samples a split weight as a DTensor: 'as_strided not supported with DTensor'",
+    ),
+    Mutation(
+        "tp-budget-not-agreed",
+        "parallel.py",
+        "    return least if bounded else None",
+        "    return max_blocks",
+        ("tests/test_tensor_parallel.py",),
+        "each process keeps the budget it was given: one evicts where the other does not, and their stores part",
+    ),
+    Mutation(
+        "tp-file-of-another-rank",
+        "files.py",
+        "    _check_ranks(file, path, model)\n",
+        "",
+        ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
+        "a file of another rank is refused only as 'another model', without saying to load each rank's own",
+    ),
 ]
 
 

@@ -186,7 +186,8 @@ WITHIN = {
         *("patching", "_compat", "_compat_generate"),
     ],
     "kv": [
-        *("kv.allocator", "kv.nodes", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.fingerprint"),
+        *("kv.allocator", "kv.nodes", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.ranks"),
+        "kv.fingerprint",
         *("kv.prefix_file", "kv.key_space", "kv.tier", "kv.holdings", "kv.room", "kv.persist", "kv.ledger"),
         "kv.manager",
     ],
@@ -201,6 +202,7 @@ WITHIN = {
     ],
     "top": [
         "options",
+        "parallel",
         "files",
         "store",
         "enabling",

@@ -18,6 +18,7 @@ from .kv.fingerprint import fingerprint
 from .kv.key_space import autocast_in
 from .kv.manager import BlockManager
 from .kv.pool import LayerSpec
+from .kv.ranks import model_ranks
 from .kv.tier import BLOCK_FORMAT, OffloadTier
 from .memory import parse_bytes
 from .settings import StoreSettings
@@ -32,6 +33,9 @@ def file_meta(
     meta = persist.store_meta(settings, specs, model, model_print, format)
     if settings.chunk_size is not None:
         meta["chunk_size"] = str(settings.chunk_size)
+    ranks = model_ranks(model)
+    if ranks is not None:  # a split model's process holds its share of the heads: its K/V are its own
+        meta["tensor_parallel"] = f"{ranks.rank}/{ranks.size}"
     return meta
 
 
@@ -110,6 +114,7 @@ def add_file(
     (:func:`prefixkv.kv.prefix_file.check_model`). Mutates ``blocks``
     only once the file is known to fit (:meth:`prefixkv.kv.persist.Archive.merge`)."""
     _check_schedule(chunk_size, file, path)
+    _check_ranks(file, path, model)
     _outside_autocast(blocks, "load")
     prefix_file.check_model(file, path, model, blocks.pool.specs)
     return blocks.archive.merge(file, blocks.space())
@@ -136,3 +141,25 @@ def _check_schedule(chunk_size: int | None, file: prefix_file.PrefixFile, path: 
             f"{path} holds K/V computed in {kept}, this store uses {ours}: they are other K/V, whose reuse "
             "would change outputs. Load it into a store with the file's schedule, or compute the prefixes again"
         )
+
+
+def _check_ranks(file: prefix_file.PrefixFile, path: str | os.PathLike[str], model: Any) -> None:
+    """Refuse a file written by another process of a split model, or by a model split otherwise (or whole): it
+    holds another share of the K/V heads. Does not mutate."""
+    ranks = model_ranks(model)
+    ours = None if ranks is None else f"{ranks.rank}/{ranks.size}"
+    theirs = file.meta.get("tensor_parallel")
+    if theirs != ours:
+        raise PersistError(
+            f"{path} holds the K/V of {_split(theirs)}, this store's model is {_split(ours)}: each process holds "
+            "its own share of the K/V heads. Save from every process to its own path (one per rank) and load each in "
+            "the process of the same rank, at the same number of processes"
+        )
+
+
+def _split(split: str | None) -> str:
+    """A file's ``tensor_parallel`` metadata (``rank/size``, ``None``: absent) in words."""
+    if split is None:
+        return "a whole model (one process)"
+    rank, size = split.split("/")
+    return f"rank {rank} of {size} processes of a tensor-parallel model"

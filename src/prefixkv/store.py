@@ -28,6 +28,7 @@ from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.tier import OffloadTier
 from .memory import attention_shape, format_bytes
 from .options import check_options, check_priority, max_blocks, offload_kind
+from .parallel import agreed_budget
 from .stats import CacheStats, StoreStats
 from .tokens import as_token_list
 
@@ -110,7 +111,8 @@ class PrefixStore:
         shape = shapes.measure(self.hf_model, estimate, devices[0])
         specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
-        self.max_blocks = max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size)
+        # per process of a split model, the same in each (docs/getting-started.md, "Several GPUs")
+        self.max_blocks = agreed_budget(max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size), model)
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
         kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
         tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import PersistError
+from .ranks import local_part
 
 _SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models
 
@@ -36,6 +37,7 @@ def fingerprint(model: Any, *, adapters: bool = True) -> str:
         tensor = params[name]
         if tensor.device.type == "meta":
             tensor = _offloaded_tensor(model, name)
+        tensor = local_part(tensor)  # a split model's process: its own shard, which its K/V come from
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
         digest.update(tensor_bytes(_sample(tensor.detach())))
     digest.update(config_state(model.config).encode())

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .fingerprint import adapter_space, config_state, tuner_layers
+from .ranks import local_part
 
 # values of each parameter and buffer compared per call, at fixed evenly spaced places (docs/correctness.md)
 _SAMPLED = 4
@@ -41,6 +42,7 @@ def _weights_state(model: Any) -> int:
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     buffers = {id(b) for b in model.buffers()}
     for t in itertools.chain(model.parameters(), model.buffers()):
+        t = local_part(t)
         version = 0
         with contextlib.suppress(RuntimeError):
             version = t._version
