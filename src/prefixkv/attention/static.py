@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from ..settings import StoreSettings
 from ..slots import slot_table, slot_view
+from .reads import PoolView
 
 # the keyword argument the store's forward pre-hook adds to a forward whose steps are of this module, so that
 # ``prefixkv`` attention hands the call to the model's own implementation without looking for a read plan
@@ -37,9 +39,9 @@ def width(columns: int, block_size: int) -> int:
     return -(-columns // step) * step
 
 
-def refusal(store: Any) -> str | None:
-    """Why the caches of ``store`` cannot take compiled decode steps (``None``: they can). Does not mutate."""
-    settings, pool = store.settings, store.blocks.pool
+def refusal(settings: StoreSettings, pool: PoolView) -> str | None:
+    """Why the caches of a store of these ``settings`` and ``pool`` cannot take compiled decode steps (``None``: they
+    can). Does not mutate."""
     if settings.invariant:
         return (
             "an invariant store reads every row's K/V in its canonical order through its own attention, outside "
@@ -89,7 +91,7 @@ class StaticStep:
     column's slot of each row (``slots``, ``[B]``) and the slot table (``table``, ``[B, W]``). :meth:`update` is
     all that runs in the graph. Read-only after construction."""
 
-    def __init__(self, pool: Any, slots: torch.Tensor, table: torch.Tensor, position: torch.Tensor) -> None:
+    def __init__(self, pool: PoolView, slots: torch.Tensor, table: torch.Tensor, position: torch.Tensor) -> None:
         self.keys: list[torch.Tensor] = list(pool.keys)
         self.values: list[torch.Tensor] = list(pool.values)
         self.slots = slots
@@ -116,7 +118,7 @@ class StaticStep:
         values = v.index_select(1, flat).view(heads, b, w, v.shape[2]).transpose(0, 1)
         return keys.to(key.dtype), values.to(value.dtype)
 
-    def carry_over(self, pool: Any) -> None:
+    def carry_over(self, pool: PoolView) -> None:
         """Copy what :meth:`update` wrote (every layer's slots of the new column) into ``pool``'s tensors where they
         are no longer the ones this step was given (the pool grew meanwhile: a growth copies every layer into new
         tensors, and the copy may predate the write). The caller holds the store's lock. Mutates the pool."""

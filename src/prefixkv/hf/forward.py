@@ -377,4 +377,4 @@ def compile_refusal(store: StoreParts) -> str | None:
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "
             "its compiled step is not one of prefixkv's"
         )
-    return static.refusal(store)
+    return static.refusal(store.settings, store.blocks.pool)
