@@ -278,8 +278,9 @@ def _generate(
             if refill:
                 waiting = row_order(rows, built, new_tokens, namespace)[::-1]
                 scheduler = Scheduler(
-                    run, rows, masks, built, namespace, batch_size, new_tokens, room(built), eos, stop, waiting
-                )
+                    run.call, run.take, rows, masks, built, namespace, batch_size, new_tokens, room(built), eos, stop,
+                    waiting,
+                )  # fmt: skip
                 work = map(run.result, scheduler.rows())
             else:
                 work = run.batches(batch_rows(rows, run.store, batch_size, new_tokens, namespace))

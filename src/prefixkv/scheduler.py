@@ -17,9 +17,9 @@ against what the store holds: which prompts join, and so every row's results, fo
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -44,22 +44,6 @@ class Row:
     tokens: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
-
-
-class Calls(Protocol):
-    """What the scheduler runs on: one left-padded ``generate`` call and the taking of a row's new tokens from its
-    output (``generate_many``'s run)."""
-
-    def call(
-        self, prompts: list[list[int]], masks: list[list[int]], sources: list[list[int]], **more: Any
-    ) -> tuple[Any, int, list[int]]:
-        """The call's output, its padded width and each row's cached prompt tokens (``sources``: each row's prompt
-        in the input, for the processors that read it). Mutates the store."""
-        ...
-
-    def take(self, row: Row, out: Any, j: int, width: int, budget: int) -> bool:
-        """Add batch row ``j``'s new tokens to ``row``; whether it is done. Mutates ``row``."""
-        ...
 
 
 class EndEarly(StoppingCriteria):
@@ -93,7 +77,11 @@ class Scheduler:
     needed, the next one last) and ``running`` (rows with the blocks they need), at most ``batch_size`` rows and
     ``room`` blocks at a time (``None``: no budget). :meth:`rows` runs them all."""
 
-    calls: Calls
+    # one left-padded generate call (generate_many's run): its output, padded width and each row's cached prompt
+    # tokens (sources: each row's prompt in the input, for the processors that read it); and the taking of batch row
+    # j's new tokens from an output, whether the row is done
+    call: Callable[..., tuple[Any, int, list[int]]]
+    take: Callable[[Row, Any, int, int, int], bool]
     prompts: list[list[int]]
     masks: list[list[int]]  # each prompt's attention mask as generate infers it
     store: PrefixStore
@@ -182,7 +170,7 @@ class Scheduler:
         prompts = [r.prompt + r.tokens for r in rows]
         width = max(len(p) for p in prompts)
         end = EndEarly(width, budgets, self.eos, self.stop, -(-len(rows) // 2) if end_early else None)
-        out, width, cached = self.calls.call(
+        out, width, cached = self.call(
             prompts,
             masks=[self.masks[r.index] + [1] * len(r.tokens) for r in rows],
             sources=[r.prompt for r in rows],
@@ -200,6 +188,6 @@ class Scheduler:
         for j, ((row, blocks), budget) in enumerate(zip(self.running, budgets)):
             if row.cached is None:
                 row.cached = cached[j]
-            (done if self.calls.take(row, out, j, width, budget) else still).append((row, blocks))
+            (done if self.take(row, out, j, width, budget) else still).append((row, blocks))
         self.running = still
         return [row for row, _ in done]
