@@ -58,37 +58,84 @@ def attention_shape(config: Any) -> AttentionShape:
         config = config.get_text_config(decoder=True)
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
     heads = _first(config, "num_attention_heads", "n_head", "num_heads")
-    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = _read(config, "num_key_value_heads")
     if getattr(config, "new_decoder_architecture", False):
         kv_heads = heads  # Falcon's new decoder architecture caches its KV heads broadcast to every query head
     elif kv_heads is None:
         kv_heads = 1 if getattr(config, "multi_query", False) else heads
-    head_dim = getattr(config, "head_dim", None)
+    head_dim = _read(config, "head_dim")
     if head_dim is None:
         hidden = _first(config, "hidden_size", "n_embd", "d_model")
         head_dim = hidden // heads
     return AttentionShape(int(layers), int(kv_heads), int(head_dim))
 
 
+class LayerShape(NamedTuple):
+    """What one layer that keeps K/V hands its cache per token: K's and V's (heads, head size)."""
+
+    key: tuple[int, int]
+    value: tuple[int, int]
+
+
+def layer_shapes(config: Any) -> list[LayerShape]:
+    """Per layer that keeps K/V of its own, its K and V shapes as a transformers config names them: an estimate, as
+    :func:`attention_shape` is (docs/memory.md). Multi-head latent attention (``kv_lora_rank``) keeps a latent of
+    ``kv_lora_rank`` and a rotary key of ``qk_rope_head_dim``, one head each; ``v_head_dim`` sizes V's heads; a
+    per-layer config (``per_layer_config``) sizes each layer; a layer that reuses another's K/V
+    (``kv_sharing_modes``) keeps none.
+
+    >>> from transformers import DeepseekV3Config
+    >>> layer_shapes(DeepseekV3Config(num_hidden_layers=1, kv_lora_rank=16, qk_rope_head_dim=8))
+    [LayerShape(key=(1, 16), value=(1, 8))]
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    uniform = attention_shape(config)
+    rank = getattr(text, "kv_lora_rank", None)
+    if rank is not None:
+        return [LayerShape((1, int(rank)), (1, int(text.qk_rope_head_dim)))] * uniform.num_layers
+    per_layer = list(getattr(text, "per_layer_config", None) or []) if getattr(text, "is_heterogeneous", False) else []
+    modes = list(getattr(text, "kv_sharing_modes", None) or [None] * uniform.num_layers)
+    shapes = []
+    for i in range(uniform.num_layers):
+        layer = per_layer[i] if i < len(per_layer) else text
+        heads = int(_read(layer, "num_key_value_heads") or uniform.kv_heads)
+        dim = int(_read(layer, "head_dim") or uniform.head_dim)
+        value = int(_read(text, "v_head_dim") or dim)
+        if i >= len(modes) or modes[i] != "reuse":
+            shapes.append(LayerShape((heads, dim), (heads, value)))
+    return shapes
+
+
+def _read(config: Any, name: str) -> Any:
+    """``config.name`` (``None`` where absent); of a per-layer config, a field that differs between layers is the
+    first layer's (transformers 5.x raises on reading it from the whole config)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError: a field of each layer's own config
+        return getattr(config.per_layer_config[0], name, None)
+
+
 def _first(config: Any, *names: str) -> Any:
     for name in names:
-        value = getattr(config, name, None)
+        value = _read(config, name)
         if value is not None:
             return value
     raise ValueError(f"{type(config).__name__} has none of {names}; prefixkv cannot size its KV cache")
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
-    """KV bytes one token occupies: 2 (K and V) x layers x kv_heads x head_dim x bytes per element, as the config
-    names them (an estimate: a store measures the heads from its model's tensors, ``store.bytes_per_block``).
+    """KV bytes one token occupies: over the layers that keep K/V, K's heads x head size plus V's, x bytes per
+    element (2 x layers x kv_heads x head_dim where every layer is alike), as the config names them
+    (:func:`layer_shapes`; an estimate: a store measures the shapes from its model's tensors,
+    ``store.bytes_per_block``).
 
     >>> from transformers import LlamaConfig
     >>> cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     >>> kv_bytes_per_token(cfg, torch.float16)
     256
     """
-    s = attention_shape(config)
-    return 2 * s.num_layers * s.kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
+    elements = sum(k[0] * k[1] + v[0] * v[1] for k, v in layer_shapes(config))
+    return elements * torch.empty((), dtype=dtype).element_size()
 
 
 def estimate(config: Any, tokens: int, dtype: torch.dtype = torch.float32) -> int:

@@ -23,7 +23,16 @@ from ..memory import format_bytes
 from ..settings import StoreSettings
 from .holdings import Holdings
 from .pool import LayerSpec
-from .prefix_file import FORMAT, FORMAT_VERSION, PersistStats, PrefixFile, Saved, blocks_of, trie_tensors
+from .prefix_file import (
+    FORMAT,
+    FORMAT_VERSION,
+    PersistStats,
+    PrefixFile,
+    Saved,
+    blocks_of,
+    shapes_meta,
+    trie_tensors,
+)
 from .room import Room
 from .trie import Node, RadixTrie
 
@@ -34,7 +43,6 @@ def store_meta(
     """The metadata that ties K/V to the store that computed them (format, shapes, dtypes, quantization,
     model fingerprint): its ``settings``, the ``specs`` of its pool's layers and its ``model``, without the
     checksum. Does not mutate."""
-    spec = specs[0]
     meta = {
         "format": format,
         "format_version": str(FORMAT_VERSION),
@@ -42,8 +50,7 @@ def store_meta(
         "dtype": _dtype_name(settings.dtype),
         "model_dtype": _dtype_name(settings.model_dtype),
         "num_layers": str(len(specs)),
-        "kv_heads": str(spec.kv_heads),
-        "head_dim": str(spec.head_dim),
+        **shapes_meta(specs),
         "model_type": family(model),
         "model_fingerprint": model_print,
     }

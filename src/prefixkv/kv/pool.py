@@ -40,16 +40,44 @@ def _normal_tensors() -> Iterator[None]:
 
 
 class LayerSpec(NamedTuple):
-    """Where and how one attention layer's KV is kept (``dtype``: what reads return)."""
+    """Where and how one attention layer's KV is kept (``dtype``: what reads return): K of ``kv_heads`` heads of
+    ``head_dim``, and V of ``value_heads`` heads of ``value_dim``, ``None`` where V is shaped as K (multi-head latent
+    attention hands ``update`` a latent and a rotary key of other sizes, docs/architectures.md, "Latent attention and
+    mixed shapes").
+
+    >>> LayerSpec(1, 8, torch.device("cpu"), torch.float32, value_dim=32).value_shape
+    (1, 32)
+    """
 
     kv_heads: int
     head_dim: int
     device: torch.device
     dtype: torch.dtype
+    value_heads: int | None = None
+    value_dim: int | None = None
+
+    @property
+    def key_shape(self) -> tuple[int, int]:
+        """K's heads and head size."""
+        return self.kv_heads, self.head_dim
+
+    @property
+    def value_shape(self) -> tuple[int, int]:
+        """V's heads and head size."""
+        heads = self.kv_heads if self.value_heads is None else self.value_heads
+        return heads, self.head_dim if self.value_dim is None else self.value_dim
+
+
+def layer_spec(key: tuple[int, int], value: tuple[int, int], device: torch.device, dtype: torch.dtype) -> LayerSpec:
+    """The spec of a layer whose K is ``key`` and V ``value`` (heads, head size), V's fields left ``None`` where it is
+    shaped as K (so a uniform model's specs, and the files they write, are what they were)."""
+    if value == key:
+        return LayerSpec(*key, device, dtype)
+    return LayerSpec(*key, device, dtype, *value)
 
 
 def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = None) -> int:
-    """K and V bytes of one block across all layers, scales included.
+    """K and V bytes of one block across all layers, scales included, each layer at its own K and V sizes.
 
     >>> spec = LayerSpec(2, 64, torch.device("cpu"), torch.float32)
     >>> block_bytes([spec], 16), block_bytes([spec], 16, "int8")
@@ -57,10 +85,11 @@ def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = 
     """
     total = 0
     for s in specs:
-        if kv_dtype is None:
-            total += 2 * block_size * s.kv_heads * s.head_dim * s.dtype.itemsize
-        else:  # 1-byte codes and a scale per token and head
-            total += 2 * block_size * s.kv_heads * (s.head_dim + SCALE_DTYPE.itemsize)
+        for heads, dim in (s.key_shape, s.value_shape):
+            if kv_dtype is None:
+                total += block_size * heads * dim * s.dtype.itemsize
+            else:  # 1-byte codes and a scale per token and head
+                total += block_size * heads * (dim + SCALE_DTYPE.itemsize)
     return total
 
 
@@ -88,13 +117,15 @@ class BlockPool:
 
     def _allocate(self, layers: list[LayerSpec], block_size: int, capacity: int, kv_dtype: str | None) -> None:
         for s in layers:
-            shape = (s.kv_heads, capacity, block_size, s.head_dim)
             store = s.dtype if kv_dtype is None else code_dtype(kv_dtype)
-            # zeros, not empty: the null block stands in for padding and must hold finite values
-            self.keys.append(torch.zeros(shape, device=s.device, dtype=store))
-            self.values.append(torch.zeros(shape, device=s.device, dtype=store))
-            if kv_dtype is not None:
-                for scales in (self.key_scales, self.value_scales):
+            for (heads, dim), tensors, scales in (
+                (s.key_shape, self.keys, self.key_scales),
+                (s.value_shape, self.values, self.value_scales),
+            ):
+                shape = (heads, capacity, block_size, dim)
+                # zeros, not empty: the null block stands in for padding and must hold finite values
+                tensors.append(torch.zeros(shape, device=s.device, dtype=store))
+                if kv_dtype is not None:
                     scales.append(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE))
 
     @property
@@ -123,19 +154,19 @@ class BlockPool:
     def write(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None
     ) -> None:
-        """Store new K/V. ``slots``: ``[B, q]``; ``key``/``value``: ``[B, kv_heads, q, head_dim]``; ``keep``:
-        the positions (in ``B * q`` order) to store, ``None`` for all (padding is never stored). Mutates."""
+        """Store new K/V. ``slots``: ``[B, q]``; ``key``/``value``: ``[B, kv_heads, q, head_dim]`` (each of its own
+        heads and size, :class:`LayerSpec`); ``keep``: the positions (in ``B * q`` order) to store, ``None`` for all
+        (padding is never stored). Mutates."""
         k, v = self.slots(layer)
         flat = slots.reshape(-1)
-        heads, dim = key.shape[1], key.shape[3]
         if keep is None and self.kv_dtype is None:
             # [B, H, q, D] -> [H, B*q, D] (a view for a decode step): the fewest calls for the step that runs most
-            k.index_copy_(1, flat, key.transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
-            v.index_copy_(1, flat, value.transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
+            k.index_copy_(1, flat, key.transpose(0, 1).reshape(key.shape[1], -1, key.shape[3]).to(k.dtype))
+            v.index_copy_(1, flat, value.transpose(0, 1).reshape(value.shape[1], -1, value.shape[3]).to(v.dtype))
             return
         # [B, H, q, D] -> [B*q, H, D]
-        new_k = key.transpose(1, 2).reshape(-1, heads, dim)
-        new_v = value.transpose(1, 2).reshape(-1, heads, dim)
+        new_k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[3])
+        new_v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[3])
         if keep is not None:
             flat, new_k, new_v = flat[keep], new_k[keep], new_v[keep]
         if self.kv_dtype is not None:
@@ -146,10 +177,16 @@ class BlockPool:
 
     def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Quantize ``[N, kv_heads, head_dim]`` values and place codes and scales at ``flat`` slots. Mutates."""
-        codes, scale = self._quantize(torch.stack((new_k, new_v)).to(torch.float32))  # K and V in one call
-        for i, (stored, scales) in enumerate(((self.keys, self.key_scales), (self.values, self.value_scales))):
-            slot_view(stored[layer]).index_copy_(1, flat, codes[i].transpose(0, 1))
-            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale[i].T)
+        if new_k.shape == new_v.shape:  # K and V in one call
+            codes, scale = self._quantize(torch.stack((new_k, new_v)).to(torch.float32))
+            coded = [(codes[0], scale[0]), (codes[1], scale[1])]
+        else:  # each token's codes come from its own values alone, so apart they are what they are together
+            coded = [self._quantize(t.to(torch.float32)) for t in (new_k, new_v)]
+        for (codes_i, scale_i), stored, scales in zip(
+            coded, (self.keys, self.values), (self.key_scales, self.value_scales), strict=True
+        ):
+            slot_view(stored[layer]).index_copy_(1, flat, codes_i.transpose(0, 1))
+            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale_i.T)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.kv_dtype is not None
@@ -166,40 +203,48 @@ class BlockPool:
         return slot_view(self.keys[layer]), slot_view(self.values[layer])
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors."""
-        k, v = self.slots(layer)
-        b, n = slots.shape
-        heads, dim = k.shape[0], k.shape[2]
+        """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors (each of its
+        own heads and size)."""
         flat = slots.reshape(-1)
-        keys = k.index_select(1, flat)  # [H, B*n, D]
-        values = v.index_select(1, flat)
-        if self.kv_dtype is not None:
-            dtype = self.specs[layer].dtype
-            k_scale = self.key_scales[layer].view(heads, -1).index_select(1, flat)  # [H, B*n]
-            v_scale = self.value_scales[layer].view(heads, -1).index_select(1, flat)
-            keys = self._dequantize(keys.transpose(0, 1), k_scale.T, dtype)  # [B*n, H, D]
-            values = self._dequantize(values.transpose(0, 1), v_scale.T, dtype)
-            return keys.view(b, n, heads, dim).transpose(1, 2), values.view(b, n, heads, dim).transpose(1, 2)
-        return keys.view(heads, b, n, dim).transpose(0, 1), values.view(heads, b, n, dim).transpose(0, 1)
+        k, v = self.slots(layer)
+        if self.kv_dtype is None:
+            return _gathered(k, flat, slots.shape), _gathered(v, flat, slots.shape)
+        dtype = self.specs[layer].dtype
+        return (
+            self._gathered_codes(k, self.key_scales[layer], flat, slots.shape, dtype),
+            self._gathered_codes(v, self.value_scales[layer], flat, slots.shape, dtype),
+        )
+
+    def _gathered_codes(
+        self, codes: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """:meth:`gather` of one quantized tensor, ``codes`` ``[H, slots, D]``: ``[B, H, L, D]`` in ``dtype``."""
+        heads, dim = codes.shape[0], codes.shape[2]
+        taken = codes.index_select(1, flat)  # [H, B*n, D]
+        scale = scales.view(heads, -1).index_select(1, flat)  # [H, B*n]
+        values = self._dequantize(taken.transpose(0, 1), scale.T, dtype)  # [B*n, H, D]
+        return values.view(shape[0], shape[1], heads, dim).transpose(1, 2)
 
     def gather_blocks(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first ``length`` columns when column ``c`` sits in block ``table[:, c // block_size]`` at
         offset ``c % block_size``: whole blocks are copied, a ``block_size`` times shorter index than
         :meth:`gather`. ``table``: ``[B, C]`` -> two ``[B, kv_heads, length, head_dim]`` tensors."""
-        k, v = self.keys[layer], self.values[layer]
-        b, c = table.shape
-        heads, dim = k.shape[0], k.shape[3]
         flat = table.reshape(-1)
+        b, c = table.shape
+        pairs = ((self.keys, self.key_scales), (self.values, self.value_scales))
         if self.kv_dtype is not None:
             dtype = self.specs[layer].dtype
-            keys = self._dequantize(_take(k, flat), _take_scales(self.key_scales[layer], flat), dtype)
-            values = self._dequantize(_take(v, flat), _take_scales(self.value_scales[layer], flat), dtype)
-            keys = keys.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
-            values = values.view(b, c * self.block_size, heads, dim)[:, :length].transpose(1, 2)
-            return keys, values
-        keys = k.index_select(1, flat).view(heads, b, c * self.block_size, dim)[:, :, :length].transpose(0, 1)
-        values = v.index_select(1, flat).view(heads, b, c * self.block_size, dim)[:, :, :length].transpose(0, 1)
-        return keys, values
+            out = []
+            for tensors, scales in pairs:
+                t = tensors[layer]
+                values = self._dequantize(_take(t, flat), _take_scales(scales[layer], flat), dtype)
+                out.append(values.view(b, c * self.block_size, t.shape[0], t.shape[3])[:, :length].transpose(1, 2))
+            return out[0], out[1]
+        k, v = (
+            t.index_select(1, flat).view(t.shape[0], b, c * self.block_size, t.shape[3])[:, :, :length].transpose(0, 1)
+            for t in (self.keys[layer], self.values[layer])
+        )
+        return k, v
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int, n: int) -> None:
@@ -238,6 +283,12 @@ class BlockPool:
                 t.index_copy_(1, index, given.permute(2, 0, 1))
             else:
                 _put(t, index, given)
+
+
+def _gathered(t: torch.Tensor, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Slots ``flat`` of a layer's K or V ``[H, slots, D]`` as ``[B, H, L, D]`` (``shape``: ``[B, L]``)."""
+    heads, dim = t.shape[0], t.shape[2]
+    return t.index_select(1, flat).view(heads, shape[0], shape[1], dim).transpose(0, 1)
 
 
 def _take(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

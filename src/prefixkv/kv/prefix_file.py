@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from ..errors import PersistError
 from ..family import family
 from .fingerprint import fingerprint, tensor_bytes
-from .pool import BlockPool, LayerSpec
+from .pool import BlockPool, LayerSpec, layer_spec
 from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 
 FORMAT = "prefixkv.prefixes"
@@ -142,8 +142,7 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     check_kv_dtype(kv_dtype)
     file = read(path)
     bs, count = file.block_size, file.keys[0].shape[0]
-    spec = LayerSpec(int(file.meta["kv_heads"]), int(file.meta["head_dim"]), torch.device("cpu"), file.dtype)
-    specs = [spec] * len(file.keys)
+    specs = [layer_spec(k, v, torch.device("cpu"), file.dtype) for k, v in file_shapes(file.meta, path)]
     source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
     everything = list(range(count))
     if count:
@@ -312,14 +311,17 @@ def kv_tensors(
             raise bad(f"tensor {name} is missing")
     keys = [tensors[f"k.{i}"] for i in range(num_layers)]
     values = [tensors[f"v.{i}"] for i in range(num_layers)]
-    shape = (bs, _int(meta, "kv_heads", path), _int(meta, "head_dim", path))
+    layers = file_shapes(meta, path)
+    if len(layers) != num_layers:
+        raise PersistError(f"{path} names {len(layers)} layers' shapes for its {num_layers} layers; it is corrupted")
     dtype = _dtype(meta, "dtype", path)
     kv_dtype = meta.get("kv_dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
     stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
     count = keys[0].shape[0] if keys[0].dim() == 4 else -1
-    for t in (*keys, *values):
+    expected = [(t, (bs, *shape)) for pair in zip(keys, values, layers) for t, shape in zip(pair[:2], pair[2])]
+    for t, shape in expected:
         if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
             raise bad(
                 f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
@@ -327,11 +329,13 @@ def kv_tensors(
             )
     scales = {}
     if kv_dtype is not None:
-        for name in (f"{kv}_scale.{i}" for i in range(num_layers) for kv in "kv"):
-            scale = tensors.get(name)
-            if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, *shape[:2]):
-                raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {shape[1]}]")
-            scales[name] = scale
+        for i, layer in enumerate(layers):
+            for kv, (heads, _) in zip("kv", layer):
+                name = f"{kv}_scale.{i}"
+                scale = tensors.get(name)
+                if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, bs, heads):
+                    raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {heads}]")
+                scales[name] = scale
     return KV(keys, values, scales, count, dtype, kv_dtype)
 
 
@@ -405,12 +409,12 @@ def check_model(file: PrefixFile, path: PathLike, model: Any, specs: Sequence[La
     Does not mutate."""
     meta = file.meta
     where = Path(path)
-    theirs = (_int(meta, "num_layers", where), _int(meta, "kv_heads", where), _int(meta, "head_dim", where))
-    shape = (len(specs), specs[0].kv_heads, specs[0].head_dim)
-    if theirs != shape:
+    theirs = file_shapes(meta, where)
+    shapes = [(s.key_shape, s.value_shape) for s in specs]
+    if theirs != shapes:
         raise PersistError(
-            f"{path} was saved from a model with {theirs[0]} layers of {theirs[1]} KV heads x {theirs[2]}, this "
-            f"model has {shape[0]} x {shape[1]} x {shape[2]}: it belongs to another model"
+            f"{path} was saved from a model with {len(theirs)} layers of K/V {_shapes_text(theirs)}, this model has "
+            f"{len(shapes)} of {_shapes_text(shapes)}: it belongs to another model"
         )
     ours = fingerprint(model)
     if meta["model_fingerprint"] != ours:
@@ -421,6 +425,43 @@ def check_model(file: PrefixFile, path: PathLike, model: Any, specs: Sequence[La
             f"{family(model)} model). Load it with the model (weights, "
             "config and adapter) it was saved from"
         )
+
+
+LayerShapes = list[tuple[tuple[int, int], tuple[int, int]]]
+
+
+def shapes_meta(specs: Sequence[LayerSpec]) -> dict[str, str]:
+    """The metadata naming each layer's K and V shapes: ``kv_heads`` and ``head_dim`` (of every layer, as files
+    written before per-layer shapes name them), and where layers or K and V differ, ``layer_shapes``: per layer
+    ``"K heads,K size,V heads,V size"``, joined by ``;``. Does not mutate."""
+    first = specs[0]
+    meta = {"kv_heads": str(first.kv_heads), "head_dim": str(first.head_dim)}
+    if any(s.key_shape != first.key_shape or s.value_shape != first.key_shape for s in specs):
+        meta["layer_shapes"] = ";".join(",".join(map(str, (*s.key_shape, *s.value_shape))) for s in specs)
+    return meta
+
+
+def file_shapes(meta: dict[str, str], path: PathLike) -> LayerShapes:
+    """Each layer's K and V shapes (heads, head size) as :func:`shapes_meta` wrote them. Raises
+    :class:`PersistError` for metadata that names none. Does not mutate."""
+    text = meta.get("layer_shapes")
+    if text is None:
+        shape = (_int(meta, "kv_heads", path), _int(meta, "head_dim", path))
+        return [(shape, shape)] * _int(meta, "num_layers", path)
+    try:
+        numbers = [tuple(int(n) for n in layer.split(",")) for layer in text.split(";")]
+    except ValueError:
+        numbers = []
+    if not numbers or any(len(n) != 4 for n in numbers):
+        raise PersistError(f"{path} has no valid 'layer_shapes' in its metadata ({text!r}); the file is corrupted")
+    return [((n[0], n[1]), (n[2], n[3])) for n in numbers]
+
+
+def _shapes_text(shapes: LayerShapes) -> str:
+    """``shapes`` as a reader follows them: "2 x 16" for every layer alike, else per layer "K 2 x 16, V 2 x 8"."""
+    if len(set(shapes)) == 1 and shapes[0][0] == shapes[0][1]:
+        return "{} heads x {}".format(*shapes[0][0])
+    return "; ".join(f"K {k[0]} x {k[1]}, V {v[0]} x {v[1]}" for k, v in shapes)
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
