@@ -321,30 +321,7 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
-    "deepseek_v2": ({}, transformers.AutoModelForCausalLM, r"multi-head latent attention \(MLA\)"),
-    "deepseek_v3": ({}, transformers.AutoModelForCausalLM, r"multi-head latent attention \(MLA\)"),
-    "minicpm3": ({}, transformers.AutoModelForCausalLM, r"multi-head latent attention \(MLA\)"),
-    "mimo_v2_flash": (
-        {},
-        transformers.AutoModelForCausalLM,
-        r"value heads of size 128 \(v_head_dim\) and key heads of size 192",
-    ),
     "deepseek_v32": ({}, transformers.AutoModelForCausalLM, r"layers of kind \['indexed_attention'\]"),
-    "gemma3n_text": (
-        {
-            "num_hidden_layers": 4,
-            "num_kv_shared_layers": 2,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "intermediate_size": [128] * 4,
-            "activation_sparsity_pattern": [0.0] * 4,
-            "hidden_size_per_layer_input": 16,
-            "vocab_size_per_layer_input": 128,
-            "laurel_rank": 8,
-        },
-        transformers.AutoModelForCausalLM,
-        "reuse the K/V of other layers",
-    ),
-    "gemma4_text": ({}, transformers.AutoModelForCausalLM, r"layers of different shapes"),
 }
 _SMALL = {
     "vocab_size": 128,

@@ -83,13 +83,21 @@ def test_a_file_saved_with_measured_shapes_loads_again(tmp_path: Path) -> None:
     assert warm.max_diff <= TOL and warm.same_tokens and warm.cache.stats.cached_tokens == SHARED
 
 
-def test_layers_of_different_shapes_are_refused() -> None:
+def test_layers_of_different_shapes_are_served() -> None:
+    """Each layer's pool is shaped as what that layer hands over (docs/architectures.md, "Latent attention and mixed
+    shapes"): cold and warm as stock, the blocks read in place."""
     model = prefixkv.models.tiny_model("gpt2", dtype=torch.float64)
     model.transformer.h[1].attn.head_dim = 8  # layer 1 now hands K of 8 heads x 8, layer 0 of 4 x 16
     model(torch.ones((1, 3), dtype=torch.long))  # stock runs it
-    with pytest.raises(prefixkv.UnsupportedModelError, match=r"layer 0: K \(4, 16\).*layer 1: K \(8, 8\)"):
-        prefixkv.PrefixStore(model)
-    assert model.config._attn_implementation != interface.NAME and not model._forward_pre_hooks
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert [tuple(k.shape[::3]) for k in store.blocks.pool.keys] == [(4, 16), (8, 8)]
+    first, second = _prompts()
+    cold = compare(model, store, first, max_new_tokens=4, do_sample=False)
+    warm = compare(model, store, second, max_new_tokens=4, do_sample=False)
+    assert cold.max_diff <= TOL and cold.same_tokens and warm.max_diff <= TOL and warm.same_tokens
+    assert warm.cache.stats.cached_tokens == SHARED
+    assert model.config._attn_implementation == interface.NAME and interface.verified(model)
+    store.close()
 
 
 # -- models whose cache columns are not one per id fed ------------------------------------------------------------

@@ -110,6 +110,34 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "zamba": {"layer_types": ["linear_attention", "hybrid"]},
     "zamba2": {"layer_types": ["linear_attention", "hybrid"]},
     "mamba2": {"num_heads": 8, "head_dim": 16},
+    # Gemma 3n and 4: layers that read an earlier layer's K/V (the last 2 of 4), per-layer inputs from a table of the
+    # tiny vocabulary's size, full-attention layers wider than sliding ones (Gemma 4)
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "vocab_size_per_layer_input": 256,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "head_dim": 16,
+    },
+    "gemma4_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 256,
+        "hidden_size_per_layer_input": 16,
+        "head_dim": 16,
+        "global_head_dim": 32,
+    },
+    # multi-head latent attention expands its latent to every query head: transformers' sdpa repeats K/V by
+    # heads // num_key_value_heads all the same, so a resumed forward of several ids fails unless they are equal (as
+    # in every released checkpoint)
+    **{
+        t: {"num_key_value_heads": 4}
+        for t in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu")
+    },
 }
 
 

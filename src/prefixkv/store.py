@@ -24,9 +24,9 @@ from .hf.runner import ModelRunner
 from .kv import prefix_file
 from .kv.key_space import KeySpace, layer_devices, transformers_model, user_space
 from .kv.manager import BlockManager
-from .kv.pool import BlockPool, LayerSpec, block_bytes
+from .kv.pool import BlockPool, block_bytes, layer_spec
 from .kv.tier import OffloadTier
-from .memory import attention_shape, format_bytes
+from .memory import attention_shape, format_bytes, layer_shapes
 from .options import check_options, check_priority, max_blocks, offload_kind
 from .parallel import agreed_budget
 from .stats import CacheStats, StoreStats
@@ -108,8 +108,8 @@ class PrefixStore:
         self.model_dtype, self.kv_dtype, self.attention = settings.model_dtype, settings.kv_dtype, settings.attention
         devices = layer_devices(model, estimate.num_layers)
         # heads and sizes as the layers hand K/V over, not as the config names them (docs/how-it-works.md)
-        shape = shapes.measure(self.hf_model, estimate, devices[0])
-        specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
+        measured = shapes.measure(self.hf_model, layer_shapes(model.config), devices[0])
+        specs = [layer_spec(s.key, s.value, d, self.dtype) for s, d in zip(measured, devices)]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         # per process of a split model, the same in each (docs/getting-started.md, "Several GPUs")
         self.max_blocks = agreed_budget(max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size), model)

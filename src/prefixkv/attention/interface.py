@@ -98,7 +98,9 @@ def paged_attention(
         backend = forward.backend
         if forward.in_place and backend is not None:
             call = AttentionCall(module, query, key, value, attention_mask, kwargs)
-            if backend.servable(forward, call):
+            # a query per new column, as the plan is made; a layer that reads another's K/V may attend fewer
+            # (Gemma 4's KV-shared layers attend only a prompt's last position): whole rows
+            if query.shape[-2] == key.shape[-2] and backend.servable(forward, call):
                 return backend.attend(forward, layer, call), None
             key, value = forward.gather(layer)
         elif forward.canonical:
@@ -190,14 +192,28 @@ def _switch(model: Any) -> Callable[[], None]:
     """Switch ``model`` to ``prefixkv`` attention, unless it runs it already (a deep copy of a model with a store
     carries the switch), and return what switches it back. Mutates the model's config."""
     config = model.config
+    before = _implementations(config)
     if config._attn_implementation != NAME:
         setattr(config, _BASE, config._attn_implementation)
         model.set_attn_implementation(NAME)
-    return functools.partial(_switch_back, model)  # a partial: a deep copy's switches the copy back
+    return functools.partial(_switch_back, model, before)  # a partial: a deep copy's switches the copy back
 
 
-def _switch_back(model: Any) -> None:
-    model.set_attn_implementation(_base(model.config))
+def _switch_back(model: Any, before: str | dict[str, Any]) -> None:
+    model.set_attn_implementation(before if isinstance(before, dict) else _base(model.config))
+
+
+def _implementations(config: Any) -> str | dict[str, Any]:
+    """``config``'s attention implementation and its sub-configs', as ``set_attn_implementation`` takes them: the name
+    where every sub-config has it (or none), else by sub-config name (``""``: the config's own). A multimodal model's
+    tower may run another (Gemma 4's audio tower: ``eager``, which has no ``sdpa``), and the switch back gives each
+    its own. Does not mutate."""
+    own: str = config._attn_implementation
+    subs = {key: _implementations(sub) for key in config.sub_configs if (sub := getattr(config, key, None)) is not None}
+    subs = {key: own if sub is None else sub for key, sub in subs.items()}  # unset: it takes the model's, as before
+    if all(sub == own for sub in subs.values()):
+        return own
+    return {"": own, **subs}
 
 
 def uninstall(model: Any) -> None:

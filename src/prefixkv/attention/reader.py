@@ -13,7 +13,7 @@ from ..settings import StoreSettings
 from ..slots import slot_table
 from . import registry
 from .interface import READ_DEVICES, serves, verified
-from .reads import ForwardReads, Layout, PoolView
+from .reads import ForwardReads, Layout, PoolView, shapes_differ
 
 Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -92,6 +92,7 @@ class Reader:
         self._whole = WholeRows(gather, settings.block_size)
         self._backend = registry.build(settings.backend, settings.block_size)
         self._run: tuple[int, int, int] | None = None  # a lone row's consecutive blocks: first, count, columns
+        self._whole_rows_only = shapes_differ(pool)  # K and V of other shapes: the backends read one head size
 
     def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
         """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads
@@ -103,7 +104,7 @@ class Reader:
             # computes what it computes without a cache (docs/correctness.md, "Autocast")
             self._run = None
             return ForwardReads(self._pool, start + q, gather, in_place=False)
-        if self._backend.name == "gather" or not serves(self._model):
+        if self._backend.name == "gather" or not serves(self._model) or self._whole_rows_only:
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
             return ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical)
@@ -117,10 +118,9 @@ class Reader:
         so the same kernel call, without the copy."""
         if self._run is not None:
             first, count, columns = self._run
-            heads, _, bs, dim = self._pool.keys[layer].shape
             k, v = (t[layer][:, first : first + count] for t in (self._pool.keys, self._pool.values))
-            shape = (heads, count * bs, dim)
-            return k.reshape(shape)[None, :, :columns], v.reshape(shape)[None, :, :columns]
+            k, v = (t.reshape(t.shape[0], -1, t.shape[3]) for t in (k, v))
+            return k[None, :, :columns], v[None, :, :columns]
         return self._whole.read(layer, self._pool.specs[layer].device)
 
 

@@ -77,6 +77,19 @@ class LayerView(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    @property
+    def key_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def value_shape(self) -> tuple[int, int]: ...
+
+
+def shapes_differ(pool: PoolView) -> bool:
+    """Whether a layer of ``pool`` keeps K and V of other shapes (multi-head latent attention's latent and rotary key,
+    V heads of another size): such a model's layers take the ``update`` path, whole rows, and no compiled step
+    (docs/architectures.md, "Latent attention and mixed shapes"). Does not mutate."""
+    return any(s.key_shape != s.value_shape for s in pool.specs)
+
 
 class PoolView(Protocol):
     """What the attention reads of a store's pool (:class:`prefixkv.kv.pool.BlockPool`; the attention never writes

@@ -18,7 +18,7 @@ import torch
 
 from ..settings import StoreSettings
 from ..slots import slot_table, slot_view
-from .reads import PoolView
+from .reads import PoolView, shapes_differ
 
 # the keyword argument the store's forward pre-hook adds to a forward whose steps are of this module, so that
 # ``prefixkv`` attention hands the call to the model's own implementation without looking for a read plan
@@ -49,6 +49,11 @@ def refusal(settings: StoreSettings, pool: PoolView) -> str | None:
         )
     if pool.kv_dtype is not None:
         return f"the pool stores {pool.kv_dtype} blocks, which are dequantized outside the graph"
+    if shapes_differ(pool):
+        return (
+            "its layers hand K and V of other shapes (multi-head latent attention's latent and rotary key, V heads of "
+            "another size), which take the update path, whole rows, outside the graph"
+        )
     specs = pool.specs
     if not specs or len({s.device for s in specs}) > 1 or len({s.dtype for s in specs}) > 1:
         return "the pool's layers lie on several devices or dtypes"
@@ -109,13 +114,13 @@ class StaticStep:
         is detached, as the eager write is made under ``no_grad``, or the pool, which every request shares, would
         join this forward's autograd graph (and another request's backward run through it)."""
         k, v = slot_view(self.keys[layer]), slot_view(self.values[layer])
-        heads, dim = k.shape[0], k.shape[2]
+        heads, dim = k.shape[0], k.shape[2]  # a layer's own: layers may differ, a layer's K and V do not (refusal)
         k.index_copy_(1, self.slots, key.detach().transpose(0, 1).reshape(heads, -1, dim).to(k.dtype))
         v.index_copy_(1, self.slots, value.detach().transpose(0, 1).reshape(heads, -1, dim).to(v.dtype))
         b, w = self.table.shape
         flat = self.table.reshape(-1)
         keys = k.index_select(1, flat).view(heads, b, w, dim).transpose(0, 1)
-        values = v.index_select(1, flat).view(heads, b, w, v.shape[2]).transpose(0, 1)
+        values = v.index_select(1, flat).view(heads, b, w, dim).transpose(0, 1)
         return keys.to(key.dtype), values.to(value.dtype)
 
     def carry_over(self, pool: PoolView) -> None:

@@ -284,11 +284,10 @@ def check_layer(
     if layer_idx >= len(specs):
         raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
     spec = specs[layer_idx]
-    if key_states.shape[1] != spec.kv_heads or key_states.shape[-1] != spec.head_dim:
-        raise CacheMisuseError(
-            f"layer {layer_idx} gives K of {key_states.shape[1]} heads x {key_states.shape[-1]}, but the store "
-            f"was built for {spec.kv_heads} x {spec.head_dim}: this cache's store belongs to another model"
-        )
+    if (key_states.shape[1], key_states.shape[-1]) != spec.key_shape:
+        _wrong_shape(layer_idx, "K", key_states, spec.key_shape)
+    if value_states is not None and (value_states.shape[1], value_states.shape[-1]) != spec.value_shape:
+        _wrong_shape(layer_idx, "V", value_states, spec.value_shape)
     for t in (key_states,) if value_states is None else (key_states, value_states):
         if t.device == spec.device and t.dtype == store.settings.model_dtype:
             continue
@@ -310,6 +309,14 @@ def check_layer(
     q = key_states.shape[-2]
     if seen + q != length:
         raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
+
+
+def _wrong_shape(layer: int, name: str, given: torch.Tensor, built: tuple[int, int]) -> None:
+    """Raise :class:`CacheMisuseError`: ``layer`` hands ``name`` (K or V) of another shape than the store's."""
+    raise CacheMisuseError(
+        f"layer {layer} gives {name} of {given.shape[1]} heads x {given.shape[-1]}, but the store was built for "
+        f"{built[0]} x {built[1]}: this cache's store belongs to another model"
+    )
 
 
 def _holds_exactly(pool: torch.dtype, dtype: torch.dtype) -> bool:

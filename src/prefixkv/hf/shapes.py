@@ -11,6 +11,12 @@ and a forward of several ids resumes a cache. A model that does otherwise (learn
 the whole sequence fed every step, recurrent loops that write a layer twice) is refused with what it did, and so
 is a decoder with cross-attention layers (Mllama), whose cache holds an image's K/V.
 
+Each layer's K and V are measured apart (docs/architectures.md, "Latent attention and mixed shapes"): multi-head
+latent attention hands ``update`` a latent and a rotary key of other sizes, one head each; MiMo's V heads are
+narrower than its K heads; Gemma 4's full-attention layers are wider than its sliding ones. A layer that reads
+another's K/V (Gemma 3n and 4's KV-shared layers, ``kv_sharing_modes`` ``"reuse"``) hands ``update`` nothing and
+keeps no K/V of its own: it reads what its producer layer's ``update`` returned.
+
 The config (:func:`prefixkv.memory.attention_shape`) is only an estimate, for ``kv_bytes_per_token`` before a model
 exists and for a model that cannot run on ids alone (then the first forward's ``update`` checks the estimate and
 names any difference).
@@ -28,7 +34,7 @@ from transformers import DynamicCache
 from .._compat import forward_cache_kwarg
 from ..errors import UnsupportedModelError
 from ..family import family
-from ..memory import AttentionShape
+from ..memory import LayerShape
 from .support import eval_mode
 
 
@@ -56,10 +62,10 @@ class _Recording(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def measure(model: Any, estimate: AttentionShape, device: torch.device) -> AttentionShape:
-    """The model's KV shape as its layers hand K/V over, from two forwards (one id, then two more that resume the
-    cache) on ``device`` without gradients and with the random state restored (dropout draws nothing a later call
-    would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
+def measure(model: Any, estimate: list[LayerShape], device: torch.device) -> list[LayerShape]:
+    """Per layer that keeps K/V, its K and V shapes as the layer hands them over, from two forwards (one id, then two
+    more that resume the cache) on ``device`` without gradients and with the random state restored (dropout draws
+    nothing a later call would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
     :class:`UnsupportedModelError` when the layers do what prefixkv's cache cannot follow (the module's docstring).
     Does not mutate the model."""
     _check_cross_attention(model)
@@ -81,19 +87,40 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
                     f"{e}), which every reuse of a prefix does; generate without prefixkv (with a DynamicCache) for "
                     "this model"
                 ) from e
+    own = _own_kv_layers(model, len(estimate))
     for n, updates in zip(fed, cache.forwards, strict=True):
-        _check_forward(model, estimate.num_layers, n, updates)
-    shapes = {(u.key, u.value) for forward in cache.forwards for u in forward}
-    if len(shapes) > 1 or any(key != value for key, value in shapes):
-        per_layer = ", ".join(f"layer {u.layer}: K {u.key}, V {u.value}" for u in cache.forwards[0])
-        raise UnsupportedModelError(
-            f"{family(model)} has layers whose K/V differ in shape ({per_layer}; heads, head size); prefixkv keeps "
-            "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
-        )
-    (heads, dim), _ = shapes.pop()
+        _check_forward(model, own, n, updates)
+    shapes = [LayerShape(u.key, u.value) for u in sorted(cache.forwards[0])]
+    for u in cache.forwards[1]:
+        if shapes[u.layer] != (u.key, u.value):
+            raise UnsupportedModelError(
+                f"{family(model)}'s layer {u.layer} hands K {u.key} and V {u.value} (heads, head size) in a forward "
+                f"that resumes its cache, {shapes[u.layer]} in the first; prefixkv keeps one K/V shape per layer; "
+                "generate without prefixkv (with a DynamicCache) for this model"
+            )
     with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         _PADDED[model] = _padded_resumption(model, name, device)
-    return AttentionShape(estimate.num_layers, heads, dim)
+    return shapes
+
+
+def _own_kv_layers(model: Any, estimated: int) -> int:
+    """How many layers keep K/V of their own: the layers up to the first that reuses another's K/V (transformers'
+    ``kv_sharing_modes``, ``"reuse"``: Gemma 3n and 4 share from a point on), ``estimated`` (the config's count of
+    such layers) where none does. Raises :class:`UnsupportedModelError` where a layer that keeps K/V comes after one
+    that reuses, since a cache's layers are the model's first ones. Does not mutate."""
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    modes = list(getattr(text, "kv_sharing_modes", None) or [])
+    if "reuse" not in modes:
+        return estimated
+    first = modes.index("reuse")
+    if any(mode != "reuse" for mode in modes[first:]):
+        raise UnsupportedModelError(
+            f"{family(model)} has layers that keep K/V after layers that reuse another's (kv_sharing_modes={modes}); "
+            "prefixkv keeps the K/V of the model's first layers; generate without prefixkv (with a DynamicCache) "
+            "for this model"
+        )
+    return first
 
 
 # per model measured: why a left-padded row's reuse is not what stock computes (None: it is)

@@ -1,10 +1,12 @@
 """Which models prefixkv can cache exactly, decided when a ``PrefixStore`` is built.
 
-prefixkv keeps, per attention layer, one K and one V vector per token, all layers alike
-(``[num_blocks, block_size, kv_heads, head_dim]``), and reuses a prefix by handing those back. A model
-is supported when that is all its cache holds: every layer attends with full, sliding-window or chunked
-attention over per-token K/V of one shape. Everything else is refused with the family and the reason
-(docs/architectures.md, "Refused families"), never served with wrong output; that page lists the families.
+prefixkv keeps, per attention layer, one K and one V vector per token, each of the shape that layer hands its
+cache (``[kv_heads, num_blocks, block_size, head_dim]``, K and V apart: multi-head latent attention, value heads of
+another size, layers of different sizes; docs/architectures.md, "Latent attention and mixed shapes"), and reuses a
+prefix by handing those back. A model is supported when that is all its cache holds: every layer attends with full,
+sliding-window or chunked attention over per-token K/V, or reads the K/V of an earlier layer (KV sharing).
+Everything else is refused with the family and the reason (docs/architectures.md, "Refused families"), never served
+with wrong output; that page lists the families.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from .._compat import CACHE_KWARGS
 from ..errors import UnsupportedModelError
 from ..family import family
 from ..kv.key_space import transformers_model
-from ..memory import attention_shape
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``
@@ -89,15 +90,6 @@ def _refusal(model: Any, config: Any) -> str | None:
             f"has layers of kind {unknown}; prefixkv caches only {sorted(KV_LAYER_TYPES)} layers "
             "(attention over per-token K/V)"
         )
-    if "reuse" in (getattr(text, "kv_sharing_modes", None) or []) or getattr(text, "num_kv_shared_layers", None):
-        return "has layers that reuse the K/V of other layers; prefixkv keeps K/V for every layer itself"
-    if getattr(text, "kv_lora_rank", None) is not None:
-        return (
-            "uses multi-head latent attention (MLA), whose cache is a compressed latent, "
-            "not K/V heads; not supported yet"
-        )
-    if getattr(text, "is_heterogeneous", False):
-        return "has layers of different shapes (a per-layer config); prefixkv needs one KV shape for all layers"
     rope = _length_dependent_rope(text)
     if rope is not None:
         return (
@@ -109,14 +101,6 @@ def _refusal(model: Any, config: Any) -> str | None:
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"
         )
-    head_dim = attention_shape(text).head_dim
-    for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
-        other = getattr(text, field, None)
-        if other is not None and other != head_dim:
-            return (
-                f"has {kind} heads of size {other} ({field}) and key heads of size {head_dim}; "
-                "prefixkv keeps K and V of one head size in every layer"
-            )
     if _sees_later_tokens(model):
         return (
             "attends to later tokens (its attention over a prompt is not causal, as in an encoder family's model built "
