@@ -572,6 +572,39 @@ MUTATIONS = [
         ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
         "a file of another rank is refused only as 'another model', without saying to load each rank's own",
     ),
+    # -- issue 45: latent attention and mixed shapes, K and V kept per layer at their own shapes
+    Mutation(
+        "v-stored-with-k-shape",
+        "kv/pool.py",
+        "    return LayerSpec(*key, device, dtype, *value)\n",
+        "    return LayerSpec(*key, device, dtype)\n",
+        ("tests/test_latent.py::test_each_layer_keeps_the_shapes_it_hands_over",),
+        "V is kept at K's heads and size: MLA's rotary key and MiMo's narrower V do not fit their pool",
+    ),
+    Mutation(
+        "layer-spec-from-layer-0",
+        "store.py",
+        "specs = [layer_spec(s.key, s.value, d, self.dtype) for s, d in zip(measured, devices)]",
+        "specs = [layer_spec(measured[0].key, measured[0].value, d, self.dtype) for d in devices]",
+        ("tests/test_family_defects.py::test_layers_of_different_shapes_are_served",),
+        "every layer's pool is shaped as layer 0's: a layer of other heads or size does not fit it",
+    ),
+    Mutation(
+        "shared-kv-query-read-in-place",
+        "attention/interface.py",
+        "            if query.shape[-2] == key.shape[-2] and backend.servable(forward, call):",
+        "            if backend.servable(forward, call):",
+        ("tests/test_latent.py::test_cold_then_warm",),
+        "Gemma 4's KV-shared layers, attending a prompt's last position, read the blocks by a plan of every column",
+    ),
+    Mutation(
+        "switch-back-one-name",
+        "attention/interface.py",
+        "    model.set_attn_implementation(before if isinstance(before, dict) else _base(model.config))",
+        "    model.set_attn_implementation(_base(model.config))",
+        ("tests/test_latent.py::test_towers_on_other_attention_are_switched_back",),
+        "a store's close sets every sub-model to the text model's sdpa: Gemma 4's eager-only audio tower raises",
+    ),
 ]
 
 

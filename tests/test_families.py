@@ -302,6 +302,7 @@ def diverged_at(result: Any) -> int:
 # -- refusals -----------------------------------------------------------------------------------------
 
 _STATE = "state-space, linear-attention or recurrent layers"
+_INDEXED = r"layers of kind \['indexed_attention'\].*keys of a top-k indexer per token .*update_indexer"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "mamba": ({}, transformers.AutoModelForCausalLM, _STATE),
@@ -321,7 +322,8 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
-    "deepseek_v32": ({}, transformers.AutoModelForCausalLM, r"layers of kind \['indexed_attention'\]"),
+    "deepseek_v32": ({}, transformers.AutoModelForCausalLM, _INDEXED),
+    "hy_v4": ({}, transformers.AutoModelForCausalLM, _INDEXED),
 }
 _SMALL = {
     "vocab_size": 128,

@@ -136,7 +136,16 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # in every released checkpoint)
     **{
         t: {"num_key_value_heads": 4}
-        for t in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu")
+        for t in (
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm4_moe_lite",
+            "minicpm3",
+            "sarvam_mla",
+            "youtu",
+            "deepseek_v32",
+            "glm_moe_dsa",
+        )
     },
 }
 

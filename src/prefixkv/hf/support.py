@@ -84,6 +84,12 @@ def _refusal(model: Any, config: Any) -> str | None:
     no_kv = sorted(set(layer_types) & _NO_KV_LAYER_TYPES)
     if no_kv:
         return f"has layers of kind {no_kv} without attention of their own; prefixkv needs K/V in every layer"
+    if "indexed_attention" in layer_types:
+        return (
+            "has layers of kind ['indexed_attention'] (DeepSeek sparse attention), whose cache keeps, beside K/V, "
+            "the keys of a top-k indexer per token (transformers' DynamicIndexedLayer, read through "
+            "`update_indexer`), which prefixkv's pool does not keep yet"
+        )
     unknown = sorted(set(layer_types) - KV_LAYER_TYPES)
     if unknown:
         return (
