@@ -203,3 +203,34 @@ def test_towers_on_other_attention_are_switched_back() -> None:
         if hasattr(m, "_can_set_attn_implementation")
     }
     assert after == before
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4_text"])
+def test_tier_generate_many_and_score_carry_per_layer_shapes(family: str, tmp_path: Any) -> None:
+    """A disk tier's blocks of per-layer shapes come back exactly after eviction; generate_many and score over them
+    give stock's logits and log-probabilities."""
+    model = tiny(family)
+    with prefixkv.PrefixStore(model, block_size=4, num_blocks=16, offload="disk", offload_dir=tmp_path) as store:
+        prompts = [random_tokens(37, seed=s)[None] for s in range(3)]  # 9 blocks each: the first is evicted
+        for ids in prompts:
+            assert compare(model, store, ids, max_new_tokens=4, do_sample=False).max_diff <= TOL
+        assert store.stats.evictions > 0 and store.stats.offload is not None
+        again = compare(model, store, prompts[0], max_new_tokens=4, do_sample=False)
+        assert again.cache.stats.cached_tokens == 36 and again.max_diff <= TOL and again.same_tokens
+        system = random_tokens(SHARED, seed=1)
+        rows = [torch.cat([system, random_tokens(n, seed=20 + n)]) for n in (3, 6)]
+        many = prefixkv.generate_many(
+            model, rows, store=store, progress=False, max_new_tokens=3, do_sample=False, output_logits=True
+        )
+        for row, got in zip(rows, many):
+            alone = model.generate(
+                row[None], max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+            )
+            assert got.tokens == alone.sequences[0, len(row) :].tolist()
+            assert float((got.logits - torch.cat(alone.logits).to(got.logits.dtype)).abs().max()) <= TOL
+        continuation = random_tokens(5, seed=30)
+        (scored,) = prefixkv.score(model, store, [system], [continuation])
+        full = torch.cat([system, continuation])[None]
+        logits = model(full, use_cache=False).logits.log_softmax(-1)[0, SHARED - 1 : -1]
+        expected = logits.gather(-1, continuation[:, None])[:, 0]
+        assert float((torch.as_tensor(scored.logprobs) - expected).abs().max()) <= TOL
