@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import cache_kw, compare, left_pad, random_tokens
+from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens, stock_twin
+from transformers import DynamicCache
 
 import prefixkv
 from prefixkv import census
+from prefixkv.attention import static
 from prefixkv.errors import PersistError
 
 LATENT = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu"]
@@ -234,3 +236,27 @@ def test_tier_generate_many_and_score_carry_per_layer_shapes(family: str, tmp_pa
         logits = model(full, use_cache=False).logits.log_softmax(-1)[0, SHARED - 1 : -1]
         expected = logits.gather(-1, continuation[:, None])[:, 0]
         assert float((torch.as_tensor(scored.logprobs) - expected).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "gemma3n_text"])
+def test_steps_of_layers_of_two_sizes_and_shared_layers(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled step (run eagerly: its tensors, as in tests/test_compiled.py) writes and reads each layer's pool
+    at that layer's own size, and a KV-shared layer attends its producer's rows: stock's tokens and logits, cold, then
+    warm in a left-padded batch."""
+    model = tiny(family)
+    steps: list[int] = []
+    update = static.StaticStep.update
+    monkeypatch.setattr(static.StaticStep, "update", lambda self, *a: steps.append(1) or update(self, *a))
+    system = random_tokens(SHARED, seed=1)
+    rows = [torch.cat([system, random_tokens(4, seed=11)]), torch.cat([system, random_tokens(7, seed=12)])]
+    twin = stock_twin(model)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        for ids, mask in [(torch.cat([system, random_tokens(6, seed=2)])[None], None), left_pad(rows)]:
+            ref = twin.generate(ids, attention_mask=mask, **cache_kw(DynamicCache(config=twin.config)), **kw)
+            with prefixkv.PagedPrefixCache(store, ids, mask, compileable=True) as cache:
+                assert cache.is_compileable, cache.compile_reason
+                out = model.generate(ids, attention_mask=mask, **cache_kw(cache), **kw)
+            assert torch.equal(out.sequences, ref.sequences) and max_logit_diff(out.logits, ref.logits) <= TOL
+        assert [r.cached_tokens for r in cache.stats.per_row] == [SHARED - 3, SHARED]
+    assert steps
