@@ -1,4 +1,5 @@
-"""The KV tensors: per attention layer, K and V as ``[kv_heads, num_blocks, block_size, head_dim]``.
+"""The KV tensors: per attention layer, K and V as ``[kv_heads, num_blocks, block_size, head_dim]``, each of the heads
+and size that layer hands its cache (:class:`LayerSpec`: a layer's V may differ from its K, a layer from another).
 
 Head-major: the slots of one head are contiguous across blocks, so the K/V of a run of consecutive blocks is a
 view ``[kv_heads, tokens, head_dim]`` whose every head is one contiguous range, which attention reads as fast as
