@@ -376,6 +376,11 @@ def compile_refusal(store: StoreParts) -> str | None:
     release = _compat.compile_refusal(store.hf_model)
     if release is not None:
         return release
+    if store.layer_kinds is not None:
+        return (
+            f"this {family(store.hf_model)} model has recurrent layers, whose states the compiled step does not carry "
+            "(their cache layers are selected and snapshotted in Python)"
+        )
     if not interface.serves(store.hf_model):
         return (
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "
