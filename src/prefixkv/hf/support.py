@@ -133,7 +133,7 @@ def _common_refusal(model: Any, text: Any) -> str | None:
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"
         )
-    head_dim = attention_shape(text).head_dim if getattr(text, "num_attention_heads", None) else None
+    head_dim = attention_shape(text).head_dim or None  # None: no attention heads (a Mamba model)
     for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
         other = getattr(text, field, None)
         if other is not None and head_dim is not None and other != head_dim:
