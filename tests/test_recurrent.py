@@ -165,6 +165,7 @@ def test_eviction_drops_snapshots_with_their_prefixes(lfm2: Any) -> None:
     assert held and all(store.cached_length(list(path), space) >= len(path) for _, path in held)
     assert store.snapshots.dropped > 0
     assert store.snapshots.bytes_used == sum(s.nbytes for s in store.snapshots._held.values())
+    assert (store.stats.snapshots, store.stats.snapshot_bytes) == (len(held), store.snapshots.bytes_used)
     store.clear()
     assert len(store.snapshots) == 0 and store.snapshots.bytes_used == 0
     later = compare(lfm2, store, random_tokens(14, seed=10)[None])
