@@ -253,11 +253,12 @@ class RowSet:
         self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool, split: bool
     ) -> None:
         """:meth:`attach` for a model with recurrent layers: a row reuses a prefix only up to a position where the
-        store holds a snapshot of its states (and the K/V before it), the same position for every row (one offset
-        per batch). With ``split``, first each row's prompt up to its last token is computed by the runner, stopping
-        at every position a later prompt may resume from (where the store's match ends: a junction; where two rows
-        of the batch part), each stop snapshotted: the call then resumes at its last token. A left-padded batch
-        reuses nothing (its stats say why). Mutates."""
+        store holds a snapshot of its states (and the K/V before it), at one column for every row (one offset per
+        batch; a left-padded row at that column less its pads, where the store measured that the model keeps pads out
+        of its state, else a padded batch reuses nothing and its stats say why). With ``split``, first each row's
+        prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
+        from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
+        call then resumes at its last token. Mutates."""
         snapshots, n = store.snapshots, len(rows)
         states.clear(self.states)
         self.publishes = True
