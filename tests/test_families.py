@@ -308,8 +308,13 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "rwkv": ({}, transformers.AutoModelForCausalLM, _STATE),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
     "minimax": ({}, transformers.AutoModelForCausalLM, _STATE),
-    # recurrent layers transformers describes are served (tests/test_recurrent.py), but not value heads of another size
-    "kimi_linear": ({}, transformers.AutoModelForCausalLM, r"value heads of size \d+ \(v_head_dim\)"),
+    # recurrent layers transformers describes are served (tests/test_recurrent.py), but not value heads of another
+    # size; transformers 4.57 keeps its state in a cache of its own
+    "kimi_linear": (
+        {},
+        transformers.AutoModelForCausalLM,
+        r"(value heads of size \d+ \(v_head_dim\)|state-space, linear-attention or recurrent layers)",
+    ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "deepseek_v2": ({}, transformers.AutoModelForCausalLM, r"multi-head latent attention \(MLA\)"),
