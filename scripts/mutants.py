@@ -605,6 +605,31 @@ MUTATIONS = [
         ("tests/test_latent.py::test_towers_on_other_attention_are_switched_back",),
         "a store's close sets every sub-model to the text model's sdpa: Gemma 4's eager-only audio tower raises",
     ),
+    # -- recurrent layers' state snapshots (issue 45)
+    Mutation(
+        "states-snapshot-one-token-late",
+        "hf/rows.py",
+        "states.take(self.states, 0, end), store_held",
+        "states.take(self.states, 0, end - 1), store_held",
+        ("tests/test_recurrent.py::test_cold_warm_beams_and_a_padded_batch_match_stock",),
+        "the runner's snapshot holds the states after one more token than its position says",
+    ),
+    Mutation(
+        "states-snapshot-of-another-prefix",
+        "hf/states.py",
+        "found = self._held.get(key)",
+        "found = next((v for (sp, path), v in self._held.items() if sp == space and len(path) == p), None)",
+        ("tests/test_recurrent.py::test_a_snapshot_is_never_used_for_another_prefix_or_namespace",),
+        "a snapshot is looked up by its position alone, so a prompt resumes from another prefix's states",
+    ),
+    Mutation(
+        "states-padded-rows-always-reuse",
+        "hf/shapes.py",
+        "_PADDED[model] = _padded_states(model, text, name, device)",
+        "_PADDED[model] = None",
+        ("tests/test_recurrent.py::test_padded_rows_reuse_nothing_where_pads_reach_the_state",),
+        "left-padded rows resume their unpadded prefix's state in a model whose pads reach the state",
+    ),
 ]
 
 
