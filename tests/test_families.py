@@ -19,6 +19,7 @@ from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
+from prefixkv import _compat
 from prefixkv.attention import blocks, interface
 
 FAMILIES = [
@@ -309,12 +310,12 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "rwkv": ({}, transformers.AutoModelForCausalLM, _STATE),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
     "minimax": ({}, transformers.AutoModelForCausalLM, _STATE),
-    # recurrent layers transformers describes are served (tests/test_recurrent.py), but not value heads of another
-    # size; transformers 4.57 keeps its state in a cache of its own
-    "kimi_linear": (
-        {},
-        transformers.AutoModelForCausalLM,
-        r"(value heads of size \d+ \(v_head_dim\)|state-space, linear-attention or recurrent layers)",
+    # served from transformers 5 (tests/test_recurrent.py, the census); transformers 4.57 keeps its state in a cache
+    # of its own
+    **(
+        {}
+        if _compat.LINEAR_ATTENTION_LAYER is not None
+        else {"kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE)}
     ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),

@@ -4,7 +4,9 @@ For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` i
 family's own config class (2 layers, hidden size 64, random weights; the families of :func:`prefixkv.models.families`
 with their own tiny configs), runs stock ``generate`` with a ``DynamicCache`` on an untouched copy, and prefixkv cold,
 warm (45 shared prompt tokens), with beam search and with a left-padded batch, comparing every step's logits
-(float64 within 1e-6; float32 within 1e-4 where the family's kernels refuse float64). One line per family:
+(float64 within 1e-6; float32 within 1e-4 where the family's kernels refuse float64); a model with recurrent layers
+first gets a prompt that leaves the cold one's path at the shared prefix (it takes the state snapshot the warm call
+resumes from). One line per family:
 
 - ``exact``: every check within the bound, and the warm call reused the shared prefix;
 - ``exact, no reuse``: every check within the bound, nothing reused, and the cache's stats say why
@@ -102,7 +104,9 @@ _TINY_FIELDS: dict[str, Any] = {
 # layer of each kind, named as each family's config names them
 _ONE_OF_EACH = ["linear_attention", "full_attention"]
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text", "kimi_linear", "bailing_hybrid")},
+    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text")},
+    # hybrids whose attention layers are latent (MLA): as many KV heads as query heads, as below
+    **{t: {"layer_types": _ONE_OF_EACH, "num_key_value_heads": 4} for t in ("kimi_linear", "bailing_hybrid")},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "bamba": {"attn_layer_indices": [1]},
     "lfm2": {"full_attn_idxs": [1]},
@@ -329,7 +333,13 @@ def _compare(
     name = str(dtype).removeprefix("torch.")
     diffs: dict[str, float] = {}
     reused, why = 0, None
-    for label, ids, ref in (("cold", cold, refs[0]), ("warm", warm, refs[1])):
+    calls = [("cold", cold, refs[0]), ("warm", warm, refs[1])]
+    if store.layer_kinds is not None:
+        # recurrent layers resume only where a state snapshot was taken: the first prompt that leaves the cold one's
+        # path at the shared prefix takes it there (docs/architectures.md, "Recurrent and hybrid layers"), so that
+        # the warm call resumes at the shared prefix
+        calls.insert(1, ("junction", beams, _generate(twin, beams, None)))
+    for label, ids, ref in calls:
         with PagedPrefixCache(store, ids) as cache:
             diffs[label] = _diff(ref, _generate(model, ids, None, cache))
         reused, why = cache.stats.cached_tokens, why or cache.stats.not_cached
@@ -356,6 +366,8 @@ def _compare(
         detail = ", ".join(f"{k} {diffs[k]:.1e}" for k in bad)
         return FamilyResult(model_type, "wrong", f"logits off stock: {detail} ({name})", name, worst, reused)
     path = "the model's own attention on whole rows" if not _reads_blocks(model) else "reads the blocks"
+    if store.layer_kinds is not None:
+        path += "; recurrent layers resume from state snapshots"
     if reused == 0 and why is not None:
         return FamilyResult(model_type, "exact, no reuse", f"{path}; not cached: {why}", name, worst, reused)
     if reused == 0:
