@@ -108,8 +108,34 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "lfm2": {"full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "zamba": {"layer_types": ["linear_attention", "hybrid"]},
-    "zamba2": {"layer_types": ["linear_attention", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its hybrid_layer_ids are read from this name
     "mamba2": {"num_heads": 8, "head_dim": 16},
+    # families whose tiny config, not stock, was what failed: a head size or rotary size left at the real model's,
+    # expert groups more than the 4 experts, per-layer-kind rotary parameters, a vision tower left full size
+    **{t: {"head_dim": 16} for t in ("helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
+    "codegen": {"rotary_dim": 8},
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 24,
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    # DBRX maps hidden_size to d_model only after sizing its experts; its attention reads rope_theta and clip_qkv
+    # from attn_config (the class declares neither)
+    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "gemma3": {
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            **{k: _TINY_FIELDS[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+            **{k: _TINY_FIELDS[k] for k in ("num_attention_heads", "image_size", "patch_size")},
+        },
+        "mm_tokens_per_image": 16,  # (image_size / patch_size) ** 2
+    },
+    # latent attention expands its latent to every query head (num_key_value_heads equal, as in the released
+    # checkpoints); DeepSeek's grouped routing needs no more groups than experts
+    **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
+    "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
 }
 
 
