@@ -572,6 +572,23 @@ MUTATIONS = [
         ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
         "a file of another rank is refused only as 'another model', without saying to load each rank's own",
     ),
+    # -- the families of issue 45 with a cache of their own kind (tests/test_oddballs.py)
+    Mutation(
+        "oddball-refusals-generic",
+        "hf/support.py",
+        "    own = _cache_of_its_own(model, text)\n",
+        "    own = None\n",
+        ("tests/test_oddballs.py",),
+        "RWKV, MiniMax, DeepSeek-V4, sparse attention refused with a generic reason, not what their cache holds",
+    ),
+    Mutation(
+        "later-tokens-checked-in-one-batch",
+        "hf/support.py",
+        "first, second = (model(input_ids=row[None], use_cache=False).logits for row in ids)",
+        "first, second = model(input_ids=ids, use_cache=False).logits[:, None]",
+        ("tests/test_oddballs.py::test_dbrx_is_served_exactly",),
+        "the check for attention to later tokens runs both sequences in one batch: DBRX's experts move a row by 4e-16",
+    ),
 ]
 
 

@@ -315,9 +315,9 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "nemotron_h": ({}, transformers.AutoModelForCausalLM, _STATE),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, transformers.AutoModelForCausalLM, _STATE),
     "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "rwkv": ({}, transformers.AutoModelForCausalLM, _STATE),
+    "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "minimax": ({}, transformers.AutoModelForCausalLM, _STATE),
+    "minimax": ({}, transformers.AutoModelForCausalLM, "accepts no cache but its own MiniMaxCache"),
     "kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
@@ -329,7 +329,11 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
         transformers.AutoModelForCausalLM,
         r"value heads of size 128 \(v_head_dim\) and key heads of size 192",
     ),
-    "deepseek_v32": ({}, transformers.AutoModelForCausalLM, r"layers of kind \['indexed_attention'\]"),
+    "deepseek_v32": (
+        {},
+        transformers.AutoModelForCausalLM,
+        r"DeepSeek Sparse Attention layers \('indexed_attention'\)",
+    ),
     "gemma3n_text": (
         {
             "num_hidden_layers": 4,

@@ -72,6 +72,9 @@ def _refusal(model: Any, config: Any) -> str | None:
             "prefixkv caches decoder-only causal LMs only"
         )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    own = _cache_of_its_own(model, text)
+    if own is not None:
+        return own
     layer_types = list(getattr(text, "layer_types", None) or [])
     stateful = getattr(model, "_is_stateful", False) or any(getattr(text, f, None) is not None for f in _STATE_FIELDS)
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
@@ -125,12 +128,53 @@ def _refusal(model: Any, config: Any) -> str | None:
     return None
 
 
+# -- families whose cache is neither per-token K/V nor a transformers state layer: what each keeps instead ---------
+
+_COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_compressed_attention"})
+
+
+def _cache_of_its_own(model: Any, text: Any) -> str | None:
+    """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
+    ``state`` argument, MiniMax's own cache class, DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer.
+    Does not mutate."""
+    forward = inspect.signature(transformers_model(model).forward).parameters
+    if "state" in forward and not set(CACHE_KWARGS) & set(forward):
+        return (
+            "carries its recurrent state in a `state` argument of its own (per-layer tensors that generate passes from "
+            "step to step), not in a transformers Cache, so there is no cache that prefixkv's could stand in for"
+        )
+    if getattr(text, "model_type", None) == "minimax":
+        return (
+            "accepts no cache but its own MiniMaxCache (its forward raises ValueError for any other): its "
+            "lightning-attention layers keep a running key-value product per layer there, which prefixkv's cache "
+            "does not hold"
+        )
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    compressed = sorted(layer_types & _COMPRESSED_LAYER_TYPES)
+    if compressed:
+        rates = getattr(text, "compress_rates", None) or {}
+        every = ", ".join(f"{rates[kind]} ({kind})" for kind in compressed if kind in rates)
+        return (
+            f"has compressed-attention layers {compressed} whose cache holds, besides a sliding window of K/V, a "
+            f"compressor's running entries (one per {every or 'several'} tokens) and the tokens not yet compressed: "
+            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
+        )
+    if "indexed_attention" in layer_types:
+        return (
+            "has DeepSeek Sparse Attention layers ('indexed_attention'): a lightning indexer keeps keys of its own per "
+            f"token in the cache (`update_indexer`) to pick the {getattr(text, 'index_topk', 'top-k')} earlier tokens "
+            "each query attends to; prefixkv's cache keeps K/V only, with no indexer keys"
+        )
+    return None
+
+
 def _sees_later_tokens(model: Any) -> bool:
     """Whether ``model``'s outputs at a position change with a later token: two forwards that differ only in the last
     of 4 tokens, compared at the first 3 (in eval mode, without a cache, the random stream untouched). Proven on the
     model itself, whatever its config says: the models of encoder families (BERT, RoBERTa, ...) built as causal LMs
-    attend both ways unless ``is_decoder=True``. ``False`` for a model without weights (the ``meta`` device) or
-    whose forward cannot run on bare ids. Does not mutate."""
+    attend both ways unless ``is_decoder=True``. Each sequence runs alone: in one batch, a row's outputs may move
+    with the other rows (DBRX's experts group the batch's tokens by expert, ~4e-16 in float64). ``False`` for a model
+    without weights (the ``meta`` device) or whose forward cannot run on bare ids. Does not mutate."""
     model = transformers_model(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
@@ -139,10 +183,10 @@ def _sees_later_tokens(model: Any) -> bool:
     ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
     try:
         with eval_mode(model), torch.random.fork_rng(devices=[]), torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
+            first, second = (model(input_ids=row[None], use_cache=False).logits for row in ids)
     except Exception:
         return False
-    return not torch.equal(logits[0, :3], logits[1, :3])
+    return not torch.equal(first[0, :3], second[0, :3])
 
 
 @contextlib.contextmanager
