@@ -315,7 +315,7 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "nemotron_h": ({}, transformers.AutoModelForCausalLM, _STATE),
     "lfm2": ({"layer_types": ["conv", "full_attention"]}, transformers.AutoModelForCausalLM, _STATE),
     "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state in a `state` argument of its own"),
+    "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
     "minimax": ({}, transformers.AutoModelForCausalLM, "accepts no cache but its own MiniMaxCache"),
     "kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE),

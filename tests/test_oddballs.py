@@ -46,12 +46,20 @@ def _still_stock(model: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(out.logits, ref.logits))
 
 
-def test_rwkv_is_refused_for_its_state_argument() -> None:
-    model = _tiny("rwkv")
+@pytest.mark.parametrize(
+    ("family", "argument", "what", "dtype"),
+    [
+        ("rwkv", "state", "its recurrent state", torch.float64),
+        ("xlnet", "mems", "its memory", torch.float32),  # its relative positions are float32
+        ("reformer", "past_buckets_states", "each layer's hash buckets", torch.float64),
+    ],
+)
+def test_a_state_argument_of_its_own_is_refused(family: str, argument: str, what: str, dtype: torch.dtype) -> None:
+    model = _tiny(family, dtype)
     reason = _refused(model)
-    assert reason.startswith("rwkv carries its recurrent state in a `state` argument of its own")
+    assert reason.startswith(f"{family} carries {what}") and f"in a `{argument}` argument of its own" in reason
     forward = inspect.signature(model.forward).parameters  # what the reason says, read off the model
-    assert "state" in forward and "cache" not in forward and "past_key_values" not in forward
+    assert argument in forward and "cache" not in forward and "past_key_values" not in forward
     _still_stock(model)
 
 

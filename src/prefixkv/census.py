@@ -136,6 +136,11 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # checkpoints); DeepSeek's grouped routing needs no more groups than experts
     **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
     "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
+    "longcat_flash": {"num_layers": 1, "head_dim": 8},  # 2 layers: it builds 2 per num_layers
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
+    "xlnet": {"d_head": 16},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    **{t: {"unpadded_vocab_size": 256, "eos_token_id": 2} for t in ("inkling2_text", "inkling2_loop_text")},
 }
 
 

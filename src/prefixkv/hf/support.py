@@ -131,17 +131,24 @@ def _refusal(model: Any, config: Any) -> str | None:
 # -- families whose cache is neither per-token K/V nor a transformers state layer: what each keeps instead ---------
 
 _COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_compressed_attention"})
+# what a model's forward argument of its own carries from step to step, in place of a cache
+_OWN_STATE_ARGUMENTS = {
+    "state": "its recurrent state (per-layer tensors that generate passes from step to step)",
+    "mems": "its memory (each layer's hidden states of earlier tokens, from which it attends)",
+    "past_buckets_states": "each layer's hash buckets and hidden states of earlier tokens",
+}
 
 
 def _cache_of_its_own(model: Any, text: Any) -> str | None:
     """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
-    ``state`` argument, MiniMax's own cache class, DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer.
-    Does not mutate."""
+    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, MiniMax's own cache class,
+    DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer. Does not mutate."""
     forward = inspect.signature(transformers_model(model).forward).parameters
-    if "state" in forward and not set(CACHE_KWARGS) & set(forward):
+    own = [name for name in _OWN_STATE_ARGUMENTS if name in forward]
+    if own and not set(CACHE_KWARGS) & set(forward):
         return (
-            "carries its recurrent state in a `state` argument of its own (per-layer tensors that generate passes from "
-            "step to step), not in a transformers Cache, so there is no cache that prefixkv's could stand in for"
+            f"carries {_OWN_STATE_ARGUMENTS[own[0]]} in a `{own[0]}` argument of its own, not in a transformers Cache, "
+            "so there is no cache that prefixkv's could stand in for"
         )
     if getattr(text, "model_type", None) == "minimax":
         return (
