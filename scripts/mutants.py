@@ -589,6 +589,23 @@ MUTATIONS = [
         ("tests/test_oddballs.py::test_dbrx_is_served_exactly",),
         "the check for attention to later tokens runs both sequences in one batch: DBRX's experts move a row by 4e-16",
     ),
+    # -- recurrent layers' state snapshots (issue 45)
+    Mutation(
+        "states-snapshot-one-token-late",
+        "hf/rows.py",
+        "states.take(self.states, 0, end), store_held",
+        "states.take(self.states, 0, end - 1), store_held",
+        ("tests/test_recurrent.py::test_cold_warm_beams_and_a_padded_batch_match_stock",),
+        "the runner's snapshot holds the states after one more token than its position says",
+    ),
+    Mutation(
+        "states-snapshot-of-another-prefix",
+        "hf/states.py",
+        "found = self._held.get(key)",
+        "found = next((v for (sp, path), v in self._held.items() if sp == space and len(path) == p), None)",
+        ("tests/test_recurrent.py::test_a_snapshot_is_never_used_for_another_prefix_or_namespace",),
+        "a snapshot is looked up by its position alone, so a prompt resumes from another prefix's states",
+    ),
 ]
 
 

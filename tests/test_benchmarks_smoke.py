@@ -55,14 +55,16 @@ def test_ttft_smoke() -> None:
 
 def test_hybrid_smoke() -> None:
     """Both models timed and their hit rates measured on one stream; prefixkv's reuse on the attention model is
-    token-granular (all that any earlier prompt shares), which the block grid of 528 tokens never reaches here."""
+    token-granular (all that any earlier prompt shares), which the block grid of 528 tokens never reaches here; the
+    hybrid reuses the whole prefix of the timed calls."""
     r = hybrid.run(True, 48, 1, 6, 4, 20, 60, 528)
     s = r["stream"]
     assert s["prompt_tokens"] == sum(len(p) for p in hybrid.stream(512, 6, 4, 20, 60))
     assert r["attention"]["hits"]["cached"] == s["token_granular"] > s["block_grid"] == 0
     assert r["attention"]["ttft"]["reused"] == 48 and r["attention"]["ttft"]["prefixkv"] > 0
-    hybrid_hits = r["hybrid"]["hits"]
-    assert hybrid_hits["cached"] == s["token_granular"] or "qwen3_next" in hybrid_hits["refused"]
+    # the hybrid resumes only where a state snapshot was taken (where an earlier prompt parted or ended): some of it
+    assert r["hybrid"]["hits"]["refused"] is None and 0 < r["hybrid"]["hits"]["cached"] <= s["token_granular"]
+    assert r["hybrid"]["ttft"]["reused"] == 48
     times, hits = _cells(hybrid.report(r))[:2], _cells(hybrid.report(r))[2:]
     assert [row[0].split(",")[0] for row in times] == ["hybrid (Qwen3-Next-shaped)", "attention (Llama-shaped)"]
     assert hits[1][1] == f"{100 * s['token_granular'] / s['prompt_tokens']:.1f}%" == hits[2][1]

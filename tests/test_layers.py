@@ -197,7 +197,7 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.proof", "hf.support", "hf.shapes", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows", "hf.call"),
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "top": [

@@ -66,3 +66,6 @@ class CacheStats:
     computed_tokens: int
     per_row: tuple[RowStats, ...]
     not_cached: str | None = None
+    split_tokens: int = 0
+    """Of ``computed_tokens``: those computed, for a model with recurrent layers, by forwards of their own that end
+    where a later prompt can resume (a snapshot of the states there: docs/how-it-works.md, "Layer kinds")."""
