@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 import prefixkv
 from prefixkv import census
+from prefixkv.hf import support
 from prefixkv.hf.layers import PagedLayer
 
 TOL = 1e-6
@@ -91,8 +92,8 @@ def test_sparse_attention_is_refused_for_its_indexer(family: str) -> None:
 
 
 def test_dbrx_is_served_exactly() -> None:
-    """DBRX's experts group a batch's tokens by expert, so a row's logits move by ~4e-16 with the other rows of its
-    batch: the check for attention to later tokens runs each sequence alone, and DBRX (causal) is served."""
+    """DBRX's experts group a batch's tokens by expert, so in the check for attention to later tokens its first rows
+    move by 4e-16 with the last token (of 0.7 at the last row): rounding, not attention; DBRX is served exactly."""
     model = _tiny("dbrx")
     store = prefixkv.PrefixStore(model, block_size=4)
     system = random_tokens(SHARED, seed=1, vocab=200)
@@ -101,3 +102,40 @@ def test_dbrx_is_served_exactly() -> None:
         result = compare(model, store, ids, max_new_tokens=4, do_sample=False)
         assert result.max_diff <= TOL and result.same_tokens
     assert result.cache.stats.cached_tokens == SHARED  # the second prompt reused the shared tokens
+
+
+def _earlier_and_last(model: Any, alone: bool) -> tuple[float, float]:
+    """How far the first 3 rows' and the last row's logits move when the last of 4 tokens changes."""
+    ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]])
+    with torch.no_grad():
+        if alone:
+            logits = torch.cat([model(input_ids=row[None], use_cache=False).logits for row in ids]).double()
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits.double()
+    moved = (logits[0] - logits[1]).abs().amax(dim=-1)
+    return float(moved[:3].max()), float(moved[3])
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype", "encoder"),
+    [
+        ("bert", torch.float32, True),
+        ("roberta", torch.bfloat16, True),
+        ("qwen3_moe", torch.float32, False),
+        ("mixtral", torch.float32, False),
+        ("dbrx", torch.float64, False),
+    ],
+)
+def test_encoders_and_experts_are_told_apart(family: str, dtype: torch.dtype, encoder: bool) -> None:
+    """An encoder's earlier rows move with a later token by far more than the check's share of the last row's move;
+    a mixture of experts' rows move by rounding only (its tokens grouped by expert), far less, run alone or batched."""
+    model = _tiny(family, dtype)
+    assert support._sees_later_tokens(model) is encoder
+    for alone in (False, True):
+        earlier, last = _earlier_and_last(model, alone)
+        if encoder:
+            assert earlier > 10 * support._LATER_TOKEN_SHARE * last
+        else:
+            assert earlier < support._LATER_TOKEN_SHARE * last / 100
+    if not encoder:
+        prefixkv.PrefixStore(model).close()
