@@ -609,6 +609,14 @@ MUTATIONS = [
         ("tests/test_recurrent.py::test_a_snapshot_is_never_used_for_another_prefix_or_namespace",),
         "a snapshot is looked up by its position alone, so a prompt resumes from another prefix's states",
     ),
+    Mutation(
+        "states-padded-rows-always-reuse",
+        "hf/shapes.py",
+        "_PADDED[model] = _padded_states(model, text, name, device)",
+        "_PADDED[model] = None",
+        ("tests/test_recurrent.py::test_padded_rows_reuse_nothing_where_pads_reach_the_state",),
+        "left-padded rows resume their unpadded prefix's state in a model whose pads reach the state",
+    ),
 ]
 
 

@@ -108,7 +108,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "lfm2": {"full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "zamba": {"layer_types": ["linear_attention", "hybrid"]},
-    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its hybrid_layer_ids are read from this name
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its layer_types alias comes too late
     "mamba2": {"num_heads": 8, "head_dim": 16},
     # families whose tiny config, not stock, was what failed: a head size or rotary size left at the real model's,
     # expert groups more than the 4 experts, per-layer-kind rotary parameters, a vision tower left full size

@@ -44,6 +44,10 @@ class StoreStats:
     cached_tokens: int
     nodes: int
     offload: TierStats | None = None
+    snapshots: int = 0
+    """Recurrent-state snapshots held (a model with recurrent layers: docs/memory.md, "Recurrent state")."""
+    snapshot_bytes: int = 0
+    """Their bytes, beside ``bytes_used`` (the pool's)."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ a disk tier's metadata) go through :mod:`prefixkv.files`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
@@ -167,8 +168,12 @@ class PrefixStore:
 
     @property
     def stats(self) -> StoreStats:
-        """A consistent snapshot of the counters. Does not mutate."""
-        return self.blocks.ledger.stats()
+        """A consistent snapshot of the counters (the recurrent-state snapshots' beside the pool's). Does not
+        mutate."""
+        snapshots = self.snapshots
+        return dataclasses.replace(
+            self.blocks.ledger.stats(), snapshots=len(snapshots), snapshot_bytes=snapshots.bytes_used
+        )
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live

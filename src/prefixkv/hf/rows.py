@@ -31,7 +31,7 @@ from ..kv.manager import BlockManager
 from ..slots import slot_table
 from ..stats import CacheStats, RowStats
 from ..tokens import common_length, key
-from . import proof, states
+from . import proof, shapes, states
 from .parts import StoreParts
 
 
@@ -261,8 +261,9 @@ class RowSet:
         snapshots, n = store.snapshots, len(rows)
         states.clear(self.states)
         self.publishes = True
-        padded = any(pads)
-        caps = [0 if padded else len(r) - 1 for r in rows]
+        # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
+        refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
+        caps = [0 if refusal is not None else len(r) - 1 for r in rows]
         computed = [0] * n
         junction = 0  # the deepest stop short of a row's last token: where a match ended without a snapshot
         chosen: list[states.Snapshot | None] = [None] * n
@@ -270,19 +271,23 @@ class RowSet:
 
         def choose(lengths: list[int]) -> list[int]:
             nonlocal offset, chosen
-            c = min(min(m, cap) for m, cap in zip(lengths, caps))
-            while c > 0:  # the deepest position every row holds a snapshot at
-                found = [snapshots.find(self.space, r, c) for r in rows]
-                lowest = min(0 if f is None else f.position for f in found)
+            # the deepest column where every row holds a snapshot (at that column less its pads)
+            c = min(p + min(m, cap) for p, m, cap in zip(pads, lengths, caps))
+            while c > 0:
+                if any(c - p < 1 for p in pads):
+                    c = 0
+                    break
+                found = [snapshots.find(self.space, r, c - p) for r, p in zip(rows, pads)]
+                lowest = min(0 if f is None else p + f.position for f, p in zip(found, pads))
                 if lowest == c:
                     chosen = found
                     break
                 c = lowest
             offset = c
-            return [c] * n
+            return [max(0, c - p) for p in pads]
 
         with contextlib.ExitStack() as prefills:
-            if split and not padded:
+            if split and refusal is None:
                 for i, prompt in enumerate(rows):
                     stops = self._stops(store, rows, i, caps[i])
                     if stops:
@@ -304,9 +309,8 @@ class RowSet:
             sum(cached),
             sum(x.computed_tokens for x in per_row),
             per_row,
-            "a left-padded batch of a model with recurrent layers reuses no prefix (their state is resumed for "
-            "unpadded rows only); it is computed whole and its K/V are kept"
-            if padded
+            f"a left-padded batch of this model reuses no prefix: {refusal[0]}; it is computed whole, its K/V kept"
+            if refusal is not None
             else f"the cached prefix ends at token {junction}, where no recurrent-state snapshot was taken yet: it was "
             "computed up to there by a forward of its own and snapshotted, so the next prompt with that prefix resumes "
             "there"

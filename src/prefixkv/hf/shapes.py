@@ -105,6 +105,7 @@ def measure(
             _check_kinds(model, layer_kinds, n, updates, stated)
         with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
             _check_resumes(model, text, name, device)
+            _PADDED[model] = _padded_states(model, text, name, device)
         if not any(cache.forwards[0]):
             return AttentionShape(estimate.num_layers, 0, 0)
     else:
@@ -288,3 +289,41 @@ def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device
             "mixers scan in float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; "
             "generate without prefixkv (with a DynamicCache) for this model"
         )
+
+
+def _padded_states(model: Any, text_config: Any, name: str, device: torch.device) -> tuple[str, bool] | None:
+    """For a model with recurrent layers: whether a left-padded row that resumes what an unpadded call computed (a
+    pad column of zeros ahead of the K/V, the recurrent states as they are: a snapshot) gives what one forward of the
+    whole padded row gives, where the model's dtype rounds little enough to tell (:data:`_RESUME_TOLERANCE`). A model
+    that masks its pads out of the state (``apply_mask_to_padding_states`` before any bias) does; ``(why, False)``
+    where it does not: its padded rows then reuse nothing. Does not mutate the model."""
+    params = next(model.parameters(), None)
+    tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
+    if tolerance is None:
+        return None
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = torch.tensor([[pad if isinstance(pad, int) else 0, 3, 4, 5, 6]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1, 1]], device=device)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    try:
+        whole = torch.as_tensor(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1])
+        cache = DynamicCache(config=text_config)
+        model(input_ids=ids[:, 1:4], use_cache=True, **{name: cache})
+        for layer in cache.layers:  # a pad column of zeros ahead of the K/V, as the pool's null block
+            for field in ("keys", "values"):
+                held = getattr(layer, field, None)
+                if isinstance(held, torch.Tensor) and held.dim() == 4:
+                    setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+        extra = {"position_ids": torch.tensor([[3]], device=device)} if takes_positions else {}
+        out = model(input_ids=ids[:, 4:], attention_mask=mask, use_cache=True, **{name: cache}, **extra)
+        resumed = torch.as_tensor(out.logits[:, -1])
+    except Exception as e:
+        return f"a left-padded row cannot resume this model's recurrent state ({type(e).__name__}: {e})", False
+    diff = float((whole - resumed).abs().max())
+    if diff <= tolerance:
+        return None
+    return (
+        f"a left-padded row that resumes the recurrent state of its unpadded prefix gives other logits ({diff:.1e} "
+        "off) than the whole padded row (the model does not keep its pads out of the state), so padded rows reuse "
+        "nothing"
+    ), False

@@ -84,10 +84,9 @@ def _refusal(model: Any, config: Any) -> str | None:
     stateful = getattr(model, "_is_stateful", False) or any(getattr(text, f, None) is not None for f in _STATE_FIELDS)
     if stateful or set(layer_types) & _STATE_LAYER_TYPES or own_cache:
         return (
-            "has state-space, linear-attention or recurrent layers with a cache of its own (or layer kinds that the "
-            "installed transformers does not describe with its LinearAttentionLayer: prefixkv serves recurrent layers "
-            "from transformers 5 on, through the layer kinds it reads from the config), whose state is not one K/V "
-            "vector per token, so prefixkv cannot share or resume a prefix of it"
+            "has state-space, linear-attention or recurrent layers whose state it keeps its own way (a cache of its "
+            "own, or state held in its modules) rather than in transformers' cache layers (LinearAttentionLayer, which "
+            "prefixkv serves from transformers 5 on), so prefixkv cannot share or resume a prefix of it"
         )
     no_kv = sorted(set(layer_types) & _NO_KV_LAYER_TYPES)
     if no_kv:
@@ -137,7 +136,7 @@ def _common_refusal(model: Any, text: Any) -> str | None:
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"
         )
-    head_dim = attention_shape(text).head_dim if getattr(text, "num_attention_heads", None) else None
+    head_dim = attention_shape(text).head_dim or None  # None: no attention heads (a Mamba model)
     for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
         other = getattr(text, field, None)
         if other is not None and head_dim is not None and other != head_dim:
