@@ -141,6 +141,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "xlnet": {"d_head": 16},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
     **{t: {"unpadded_vocab_size": 256, "eos_token_id": 2} for t in ("inkling2_text", "inkling2_loop_text")},
+    "xlstm": {"num_heads": 4, "qk_dim_factor": 1.0},  # its cache's matrix state is sized for query heads of v's size
 }
 
 
