@@ -439,8 +439,8 @@ MUTATIONS = [
     Mutation(
         "shapes-from-the-config",
         "store.py",
-        "shape = shapes.measure(self.hf_model, estimate, devices[0])",
-        "shape = estimate",
+        "measured = shapes.measure(self.hf_model, layer_shapes(model.config), devices[0], self.layer_kinds)",
+        "measured = layer_shapes(model.config)",
         ("tests/test_family_defects.py::test_a_config_that_misnames_the_heads_is_served_from_the_tensors",),
         "the pool sized from config fields the layers do not use: a store that crashes on its own model",
     ),
@@ -584,8 +584,8 @@ MUTATIONS = [
     Mutation(
         "layer-spec-from-layer-0",
         "store.py",
-        "specs = [layer_spec(s.key, s.value, d, self.dtype) for s, d in zip(measured, devices)]",
-        "specs = [layer_spec(measured[0].key, measured[0].value, d, self.dtype) for d in devices]",
+        "            layer_spec(s.key, s.value, d, self.dtype)\n",
+        "            layer_spec(measured[0].key, measured[0].value, d, self.dtype)\n",
         ("tests/test_family_defects.py::test_layers_of_different_shapes_are_served",),
         "every layer's pool is shaped as layer 0's: a layer of other heads or size does not fit it",
     ),
@@ -604,6 +604,26 @@ MUTATIONS = [
         "    model.set_attn_implementation(_base(model.config))",
         ("tests/test_latent.py::test_towers_on_other_attention_are_switched_back",),
         "a store's close sets every sub-model to the text model's sdpa: Gemma 4's eager-only audio tower raises",
+    ),
+    # -- the families of issue 45 with a cache of their own kind (tests/test_oddballs.py)
+    Mutation(
+        "oddball-refusals-generic",
+        "hf/support.py",
+        "    own = _cache_of_its_own(model, text)\n",
+        "    own = None\n",
+        ("tests/test_oddballs.py",),
+        "RWKV, MiniMax, DeepSeek-V4, sparse attention refused with a generic reason, not what their cache holds",
+    ),
+    Mutation(
+        "later-tokens-any-change",
+        "hf/support.py",
+        "return bool(earlier.max() > _LATER_TOKEN_SHARE * last.max())",
+        "return bool(earlier.max() > 0)",
+        (
+            "tests/test_oddballs.py::test_dbrx_is_served_exactly",
+            "tests/test_oddballs.py::test_encoders_and_experts_are_told_apart",
+        ),
+        "any change of an earlier row counts as attention to later tokens: DBRX's experts' rounding (4e-16) refuses it",
     ),
     # -- recurrent layers' state snapshots (issue 45)
     Mutation(

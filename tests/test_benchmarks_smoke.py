@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import compiled
 import decode
 import gpu_check
+import hybrid
 import memory
 import quant
 import store_ops
@@ -50,6 +51,34 @@ def test_ttft_smoke() -> None:
     assert times == ["48", *(f"{row[k]:.1f}" for k in ("none", "deepcopy", "prefixkv", "bare"))]
     assert ratios[:4] == ["48", f"{row['none'] / row['deepcopy']:.1f}x", f"{row['none'] / row['prefixkv']:.1f}x", "2x"]
     assert ratios[4].startswith(f"{row['prefixkv'] / row['bare']:.2f} (")
+
+
+def test_hybrid_smoke() -> None:
+    """Both models timed and their hit rates measured on one stream; prefixkv's reuse on the attention model is
+    token-granular (all that any earlier prompt shares), which the block grid of 528 tokens never reaches here; the
+    hybrid reuses the whole prefix of the timed calls."""
+    r = hybrid.run(True, 48, 1, 6, 4, 20, 60, 528)
+    s = r["stream"]
+    assert s["prompt_tokens"] == sum(len(p) for p in hybrid.stream(512, 6, 4, 20, 60))
+    assert r["attention"]["hits"]["cached"] == s["token_granular"] > s["block_grid"] == 0
+    assert r["attention"]["ttft"]["reused"] == 48 and r["attention"]["ttft"]["prefixkv"] > 0
+    # the hybrid resumes only where a state snapshot was taken (where an earlier prompt parted or ended): some of it
+    assert r["hybrid"]["hits"]["refused"] is None and 0 < r["hybrid"]["hits"]["cached"] <= s["token_granular"]
+    assert r["hybrid"]["ttft"]["reused"] == 48
+    times, hits = _cells(hybrid.report(r))[:2], _cells(hybrid.report(r))[2:]
+    assert [row[0].split(",")[0] for row in times] == ["hybrid (Qwen3-Next-shaped)", "attention (Llama-shaped)"]
+    assert hits[1][1] == f"{100 * s['token_granular'] / s['prompt_tokens']:.1f}%" == hits[2][1]
+
+
+def test_hybrid_reachable_counts_the_block_grid() -> None:
+    """A prompt sharing 600 tokens with an earlier one: 600 reachable token by token, 528 on a grid of 528; one
+    sharing all of an earlier prompt but its last token: all but its own last token, never all of it."""
+    doc = torch.arange(3, 1203)
+    first, second = torch.cat([doc[:600], torch.tensor([1])]), torch.cat([doc[:1100], torch.tensor([2])])
+    assert hybrid.reachable([first, second]) == [0, 600]
+    assert hybrid.reachable([first, second], 528) == [0, 528]
+    assert hybrid.reachable([second, doc[:1100]]) == [0, 1099]
+    assert hybrid.reachable([second, doc[:1100]], 528) == [0, 1056]
 
 
 def test_compiled_smoke() -> None:

@@ -303,13 +303,13 @@ def diverged_at(result: Any) -> int:
 # -- refusals -----------------------------------------------------------------------------------------
 
 _STATE = "state-space, linear-attention or recurrent layers"
-_INDEXED = r"layers of kind \['indexed_attention'\].*keys of a top-k indexer per token .*update_indexer"
+_INDEXED = r"DeepSeek Sparse Attention layers \('indexed_attention'\)"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "rwkv": ({}, transformers.AutoModelForCausalLM, _STATE),
+    "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "minimax": ({}, transformers.AutoModelForCausalLM, _STATE),
+    "minimax": ({}, transformers.AutoModelForCausalLM, "accepts no cache but its own MiniMaxCache"),
     # served from transformers 5 (tests/test_recurrent.py, the census); transformers 4.57 keeps its state in a cache
     # of its own
     **(

@@ -113,7 +113,7 @@ def test_a_differently_seeded_model_is_refused(saved: Path) -> None:
     [
         (lambda: llama(dtype=torch.float32), {}, r"computed by a model in torch\.float64"),
         (lambda: llama(num_key_value_heads=4), {}, "another model"),
-        (lambda: llama(num_hidden_layers=3), {}, "3 x 2 x 16"),
+        (lambda: llama(num_hidden_layers=3), {}, "this model has 3 of 2 heads x 16"),
         (llama, {"block_size": 8}, "block_size=4"),
         (llama, {"dtype": torch.float32}, "dtype=torch.float64"),
     ],

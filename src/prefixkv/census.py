@@ -151,6 +151,38 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
             "glm_moe_dsa",
         )
     },
+    # families whose tiny config, not stock, was what failed: a head size or rotary size left at the real model's,
+    # expert groups more than the 4 experts, per-layer-kind rotary parameters, a vision tower left full size
+    **{t: {"head_dim": 16} for t in ("helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
+    "codegen": {"rotary_dim": 8},
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 24,
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    # DBRX maps hidden_size to d_model only after sizing its experts; its attention reads rope_theta and clip_qkv
+    # from attn_config (the class declares neither)
+    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "gemma3": {
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            **{k: _TINY_FIELDS[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+            **{k: _TINY_FIELDS[k] for k in ("num_attention_heads", "image_size", "patch_size")},
+        },
+        "mm_tokens_per_image": 16,  # (image_size / patch_size) ** 2
+    },
+    # latent attention expands its latent to every query head (num_key_value_heads equal, as in the released
+    # checkpoints); DeepSeek's grouped routing needs no more groups than experts
+    **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
+    "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
+    "longcat_flash": {"num_layers": 1, "head_dim": 8},  # 2 layers: it builds 2 per num_layers
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
+    "xlnet": {"d_head": 16},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    **{t: {"unpadded_vocab_size": 256, "eos_token_id": 2} for t in ("inkling2_text", "inkling2_loop_text")},
+    "xlstm": {"num_heads": 4, "qk_dim_factor": 1.0},  # its cache's matrix state is sized for query heads of v's size
 }
 
 

@@ -213,19 +213,60 @@ def demo_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     return build(config, dtype=dtype, seed=seed)
 
 
-def bench_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
-    """A ~100M-parameter Llama-shaped model (12 layers, hidden 768, 12 heads, 4 KV heads)."""
-    config = tiny_config(
+# the ~100M benchmark models: Llama-shaped attention, and a hybrid with Qwen3-Next's layer pattern (3 Gated DeltaNet
+# linear-attention layers to 1 full-attention layer, gated attention with partial rotary, 2 KV heads), its head sizes
+# scaled down and dense MLPs in place of its experts (``mlp_only_layers``), at the attention model's widths
+_BENCH: dict[str, tuple[str, dict[str, Any]]] = {
+    "attention": (
         "llama",
-        vocab_size=8192,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-    )
-    return build(config, dtype=dtype, seed=seed)
+        {
+            "vocab_size": 8192,
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 8192,
+        },
+    ),
+    "hybrid": (
+        "Qwen3NextConfig",
+        {
+            **_COMMON,
+            "vocab_size": 8192,
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "full_attention_interval": 4,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 6,
+            "linear_num_value_heads": 12,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "mlp_only_layers": list(range(12)),
+            "max_position_embeddings": 8192,
+        },
+    ),
+}
+
+
+def bench_config(kind: str = "attention", **overrides: Any) -> Any:
+    """The config of :func:`bench_model` ``kind``, with ``overrides`` (a smaller model of the same shape)."""
+    if kind not in _BENCH:
+        raise ValueError(f"unknown benchmark model {kind!r}; choose one of {sorted(_BENCH)}")
+    family_or_class, sizes = _BENCH[kind]
+    if family_or_class in _TINY:
+        return tiny_config(family_or_class, **{**sizes, **overrides})
+    return getattr(transformers, family_or_class)(**{**sizes, **overrides})
+
+
+def bench_model(kind: str = "attention", *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> Any:
+    """A ~100M-parameter benchmark model: ``"attention"``, Llama-shaped (12 layers, hidden 768, 12 heads, 4 KV
+    heads), or ``"hybrid"``, Qwen3-Next-shaped (12 layers: 9 Gated DeltaNet linear-attention layers and 3
+    full-attention layers, 3 to 1 as in Qwen3-Next, hidden 768, dense MLPs). ``overrides`` change config fields."""
+    return build(bench_config(kind, **overrides), dtype=dtype, seed=seed)
 
 
 def load_local(path: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any]:

@@ -74,6 +74,9 @@ def _refusal(model: Any, config: Any) -> str | None:
             "prefixkv caches decoder-only causal LMs only"
         )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    own = _cache_of_its_own(model, text)
+    if own is not None:
+        return own
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
     own_cache = supports_cache is not None and not supports_cache()
     if kinds.layer_kinds(text) is not None and not own_cache and _calls_state_layers(model):
@@ -89,12 +92,6 @@ def _refusal(model: Any, config: Any) -> str | None:
     no_kv = sorted(set(layer_types) & _NO_KV_LAYER_TYPES)
     if no_kv:
         return f"has layers of kind {no_kv} without attention of their own; prefixkv needs K/V in every layer"
-    if "indexed_attention" in layer_types:
-        return (
-            "has layers of kind ['indexed_attention'] (DeepSeek sparse attention), whose cache keeps, beside K/V, "
-            "the keys of a top-k indexer per token (transformers' DynamicIndexedLayer, read through "
-            "`update_indexer`), which prefixkv's pool does not keep yet"
-        )
     unknown = sorted(set(layer_types) - KV_LAYER_TYPES)
     if unknown:
         return (
@@ -139,12 +136,62 @@ def _common_refusal(model: Any, text: Any) -> str | None:
     return None
 
 
+# -- families whose cache is neither per-token K/V nor a transformers state layer: what each keeps instead ---------
+
+_COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_compressed_attention"})
+# what a model's forward argument of its own carries from step to step, in place of a cache
+_OWN_STATE_ARGUMENTS = {
+    "state": "its recurrent state (per-layer tensors that generate passes from step to step)",
+    "mems": "its memory (each layer's hidden states of earlier tokens, from which it attends)",
+    "past_buckets_states": "each layer's hash buckets and hidden states of earlier tokens",
+}
+
+
+def _cache_of_its_own(model: Any, text: Any) -> str | None:
+    """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
+    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, MiniMax's own cache class,
+    DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer. Does not mutate."""
+    forward = inspect.signature(transformers_model(model).forward).parameters
+    own = [name for name in _OWN_STATE_ARGUMENTS if name in forward]
+    if own and not set(CACHE_KWARGS) & set(forward):
+        return (
+            f"carries {_OWN_STATE_ARGUMENTS[own[0]]} in a `{own[0]}` argument of its own, not in a transformers Cache, "
+            "so there is no cache that prefixkv's could stand in for"
+        )
+    if getattr(text, "model_type", None) == "minimax":
+        return (
+            "accepts no cache but its own MiniMaxCache (its forward raises ValueError for any other): its "
+            "lightning-attention layers keep a running key-value product per layer there, which prefixkv's cache "
+            "does not hold"
+        )
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    compressed = sorted(layer_types & _COMPRESSED_LAYER_TYPES)
+    if compressed:
+        rates = getattr(text, "compress_rates", None) or {}
+        every = ", ".join(f"{rates[kind]} ({kind})" for kind in compressed if kind in rates)
+        return (
+            f"has compressed-attention layers {compressed} whose cache holds, besides a sliding window of K/V, a "
+            f"compressor's running entries (one per {every or 'several'} tokens) and the tokens not yet compressed: "
+            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
+        )
+    if "indexed_attention" in layer_types:
+        return (
+            "has DeepSeek Sparse Attention layers ('indexed_attention'): a lightning indexer keeps keys of its own per "
+            f"token in the cache (`update_indexer`) to pick the {getattr(text, 'index_topk', 'top-k')} earlier tokens "
+            "each query attends to; prefixkv's cache keeps K/V only, with no indexer keys"
+        )
+    return None
+
+
 def _sees_later_tokens(model: Any) -> bool:
     """Whether ``model``'s outputs at a position change with a later token: two forwards that differ only in the last
     of 4 tokens, compared at the first 3 (in eval mode, without a cache, the random stream untouched). Proven on the
     model itself, whatever its config says: the models of encoder families (BERT, RoBERTa, ...) built as causal LMs
-    attend both ways unless ``is_decoder=True``. ``False`` for a model without weights (the ``meta`` device) or
-    whose forward cannot run on bare ids. Does not mutate."""
+    attend both ways unless ``is_decoder=True``. A change counts when it passes :data:`_LATER_TOKEN_SHARE` of the
+    change at the last position itself: a mixture of experts groups the batch's tokens by expert, so rounding moves
+    a causal model's earlier rows (DBRX: 4e-16 of 0.7 in float64; Mixtral, Qwen3-MoE: ~1e-7 in float32 when each
+    input runs alone), where an encoder's earlier rows move by 0.5% to 30% of it. ``False`` for a model without
+    weights (the ``meta`` device) or whose forward cannot run on bare ids. Does not mutate."""
     model = transformers_model(model)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embeddings, "weight", None)
@@ -153,10 +200,16 @@ def _sees_later_tokens(model: Any) -> bool:
     ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
     try:
         with eval_mode(model), torch.random.fork_rng(devices=[]), torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(input_ids=ids, use_cache=False).logits.double()
     except Exception:
         return False
-    return not torch.equal(logits[0, :3], logits[1, :3])
+    earlier, last = (logits[0] - logits[1]).abs().amax(dim=-1).split([3, 1])  # [3], [1]
+    return bool(earlier.max() > _LATER_TOKEN_SHARE * last.max())
+
+
+# how much of the change at the changed position an earlier position must show to count as attention to later
+# tokens (causal models' rounding: at most 3e-7 of it; encoders: at least 5e-3, in float64, float32 and bfloat16)
+_LATER_TOKEN_SHARE = 1e-4
 
 
 @contextlib.contextmanager
