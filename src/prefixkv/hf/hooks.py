@@ -28,6 +28,7 @@ from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
+from . import vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
@@ -85,14 +86,30 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             return args, {k: None if v is cache else v for k, v in kwargs.items()}
         if built is not None and inputs.get("attention_mask") is built:
             inputs = {**inputs, "attention_mask": source}
-        forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+        keyed: frozenset[str] = frozenset()
+        plan = forward.rows.images
+        if plan is not None:  # a prompt's images, keyed by what they are: this forward gets those it feeds only
+            keyed = vision.KEYED
+            held = forward.rows
+            fed = inputs.get("input_ids")
+            batch = fed.shape[0] if isinstance(fed, torch.Tensor) else len(held.rows)
+            per = max(1, batch // max(1, len(held.rows)))
+            starts = [held.length - held.rows[b // per].pad for b in range(batch)] if held.rows else []
+            try:
+                sliced = plan.feed(starts, kwargs) if starts else kwargs
+            except ValueError as e:
+                raise CacheMisuseError(str(e)) from None
+            if sliced is not kwargs:
+                kwargs = sliced
+                inputs = {**inputs, **{k: v for k, v in sliced.items() if k in vision.KEYED}}
+        forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step, keyed=keyed))
         if forward.step is not None and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
             # (prefixkv.attention.static); the forward's masks are as wide as the step's slot table, a size of the
             # graph as the table's width is
             mark_width(kwargs.get("attention_mask"))
             return args, {**kwargs, STEP_KWARG: True}
-        return None
+        return (args, kwargs) if plan is not None else None
 
     @outside_compile
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -228,6 +245,29 @@ def _stepping_compiled_call(get_compiled_call: Callable[..., Any]) -> Callable[.
     return getting
 
 
+_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
+
+
+def _checking_images(encode: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation``, where ``generate`` encodes a prompt's
+    images before its prefill, that first checks they are those a ``PagedPrefixCache`` of the call keyed the prompt
+    by (docs/generate.md, "Images"): other images under its keys would reuse and publish K/V that are not theirs. Not
+    a shim: no release tells a cache what images a call has."""
+
+    @functools.wraps(encode)
+    def checking(self: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        cache = paged_cache(model_kwargs)
+        plan = None if cache is None else cache.forward.rows.images
+        if plan is not None:
+            try:
+                plan.check(model_kwargs)
+            except ValueError as e:
+                raise CacheMisuseError(str(e)) from None
+        return encode(self, model_kwargs, *args, **kwargs)
+
+    return checking
+
+
 _installed = False
 
 
@@ -246,6 +286,9 @@ def install_generation_wrappers() -> None:
     _compat_generate.install_generation_patches(fit_chunked_prompt)
     mixin = _generation.GenerationMixin
     patching.install(mixin, "_valid_auto_compile_criteria", _noting_compile(mixin._valid_auto_compile_criteria))
+    encode = getattr(mixin, _ENCODE, None)
+    if encode is not None:  # transformers 5 encodes a prompt's images before its prefill
+        patching.install(mixin, _ENCODE, _checking_images(encode))
     pretrained = _modeling.PreTrainedModel
     if hasattr(pretrained, "get_compiled_call"):  # every supported release has it; a later one may not
         patching.install(pretrained, "get_compiled_call", _stepping_compiled_call(pretrained.get_compiled_call))

@@ -30,8 +30,8 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from ..slots import slot_table
 from ..stats import CacheStats, RowStats
-from ..tokens import key
-from . import proof
+from ..tokens import is_image_key, key, relabel
+from . import proof, vision
 from .parts import StoreParts
 
 
@@ -94,8 +94,9 @@ def new_slots(rows: list[Row], start: int, q: int, block_size: int) -> tuple[tor
 def chunk_end(keys: list[int], chunk: int) -> int:
     """Where the canonical chunks of a prompt row end in an invariant store: after the whole chunks before the
     one that holds its last token (generate's own forward computes that one) and before its first token the mask
-    hides (a prefill without the row's mask would compute other K/V). Does not mutate."""
-    hidden = next((t for t, k in enumerate(keys) if k < 0), len(keys))
+    hides (a prefill without the row's mask would compute other K/V) or its first image placeholder (a prefill of ids
+    alone has no image). Does not mutate."""
+    hidden = next((t for t, k in enumerate(keys) if k < 0 or is_image_key(k)), len(keys))
     return min(len(keys) - 1, hidden) // chunk * chunk
 
 
@@ -171,6 +172,7 @@ class RowSet:
         # in an invariant store only the runner's chunk forwards publish
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
+        self.images: vision.ImagePlan | None = None  # the prompt's images, keyed by what they are
 
     # -- a prompt --------------------------------------------------------------------------------
 
@@ -190,6 +192,9 @@ class RowSet:
         chunk the store holds, and its forwards publish."""
         bs, chunk = self.block_size, store.settings.chunk_size
         self.publishes = chunk is None or chunks
+        plan = self.images
+        if plan is not None:  # an image's placeholders are keyed by the image (hf/vision.py)
+            rows = [relabel(r, known) for r, known in zip(rows, plan.keys)]
         # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
         caps = [len(r) - 1 for r in rows]
         held: list[int] | None = None
@@ -201,6 +206,11 @@ class RowSet:
             if chunk is not None:
                 matched = [m // chunk * chunk for m in matched]
             offset = min(p + m for p, m in zip(pads, matched))  # one offset per batch
+            while plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
+                snapped = min(p + plan.snap(i, max(0, offset - p)) for i, p in enumerate(pads))
+                if snapped == offset:
+                    break
+                offset = snapped
             return [max(0, offset - p) for p in pads]
 
         with contextlib.ExitStack() as prefills:

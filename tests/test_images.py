@@ -1,0 +1,201 @@
+"""Images in the prompt (docs/generate.md, "Images"): a vision-language model's placeholders are keyed by a digest of
+their image's processed inputs, so K/V are reused only for the same image processed alike; every call is compared with
+stock generate on an untouched twin, every step's logits, float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import cache_kw, max_logit_diff, stock_twin
+
+import prefixkv
+from prefixkv.errors import CacheMisuseError
+from prefixkv.hf import vision
+
+IMAGE = 250
+FAMILIES = ["llava", "qwen2_vl", "qwen3_vl", "gemma3", "mistral3"]
+
+
+def _image_tokens(family: str) -> list[int]:
+    """The tokens of one image in a prompt of the tiny ``family`` (prefixkv.models): placeholders and their frame."""
+    if family == "llava":
+        return [IMAGE] * 16
+    if family in ("qwen2_vl", "qwen3_vl"):
+        return [252, *[IMAGE] * 4, 253]
+    if family == "gemma3":
+        return [251, *[IMAGE] * 4, 252]
+    rows = [
+        [IMAGE] * 4 + [12] for _ in range(4)
+    ]  # mistral3: 4 rows of 4, an [IMG_BREAK] after each, the last [IMG_END]
+    rows[-1][-1] = 13
+    return [t for r in rows for t in r]
+
+
+def _pixels(family: str, seed: int) -> dict[str, torch.Tensor]:
+    """The processed inputs of one random image of the tiny ``family``."""
+    g = torch.Generator().manual_seed(seed)
+    if family in ("qwen2_vl", "qwen3_vl"):
+        return {
+            "pixel_values": torch.randn(16, 24, generator=g, dtype=torch.float64),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        }
+    side = 32 if family == "mistral3" else 16
+    out = {"pixel_values": torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)}
+    if family == "mistral3":
+        out["image_sizes"] = torch.tensor([[side, side]])
+    return out
+
+
+def prompt(family: str, rows: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """A processor's outputs for ``rows`` of pieces: a list of token ids, or an int, the seed of an image. Rows of
+    equal length (no padding)."""
+    ids, images = [], []
+    for row in rows:
+        tokens: list[int] = []
+        for piece in row:
+            if isinstance(piece, int):
+                tokens += _image_tokens(family)
+                images.append(_pixels(family, piece))
+            else:
+                tokens += piece
+        ids.append(tokens)
+    out: dict[str, torch.Tensor] = {"input_ids": torch.tensor(ids)}
+    for name in images[0] if images else ():
+        out[name] = torch.cat([one[name] for one in images])
+    if family in ("qwen2_vl", "qwen3_vl"):
+        out["mm_token_type_ids"] = (out["input_ids"] == IMAGE).long()
+    if family == "gemma3":
+        out["token_type_ids"] = (out["input_ids"] == IMAGE).long()
+    return out
+
+
+def text(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(20, 240, (n,), generator=g).tolist()
+
+
+def run(model: Any, store: prefixkv.PrefixStore, inputs: dict[str, torch.Tensor], **kw: Any) -> tuple[Any, float]:
+    """Generate with a cache built from ``inputs`` and stock on the twin; the cache's stats and the largest logit
+    difference over every step."""
+    twin = stock_twin(model)
+    gen = {"max_new_tokens": 4, "do_sample": False, "output_logits": True, "return_dict_in_generate": True, **kw}
+    ref = twin.generate(**inputs, **gen)
+    with prefixkv.PagedPrefixCache(store, **inputs) as cache:
+        out = model.generate(**inputs, **cache_kw(cache), **gen)
+    store.check_invariants()
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    return cache.stats, max_logit_diff(out.logits, ref.logits)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    return request.param, prefixkv.models.tiny_model(request.param, dtype=torch.float64)
+
+
+def test_same_image_reused_another_never(vlm: tuple[str, Any]) -> None:
+    family, model = vlm
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question, follow = text(10, 1), text(5, 2), text(4, 3)
+    cold = prompt(family, [[system, 7, question]])
+    n = cold["input_ids"].shape[1]
+    stats, diff = run(model, store, cold)
+    assert stats.cached_tokens == 0 and diff < 1e-6
+    # the same image: everything but the last token
+    stats, diff = run(model, store, cold)
+    assert stats.cached_tokens == n - 1 and diff < 1e-6, stats
+    # a follow-up question about the same image: the whole earlier prompt
+    stats, diff = run(model, store, prompt(family, [[system, 7, question, follow]]))
+    assert stats.cached_tokens == n and diff < 1e-6, stats
+    # another image behind the same text: the text before the image only, never its K/V
+    before = len(system) + _image_tokens(family).index(IMAGE)
+    stats, diff = run(model, store, prompt(family, [[system, 8, question]]))
+    assert stats.cached_tokens == before and diff < 1e-6, stats
+    # a later ordinary request
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})
+    assert stats.cached_tokens == len(system) and diff < 1e-6, stats
+
+
+def test_two_images_batches_and_beams(vlm: tuple[str, Any]) -> None:
+    family, model = vlm
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(9, 4), text(5, 5)
+    # two images in one prompt; then the first one again, followed by a third
+    stats, diff = run(model, store, prompt(family, [[system, 1, text(3, 6), 2, question]]))
+    assert diff < 1e-6
+    stats, diff = run(model, store, prompt(family, [[system, 1, text(3, 6), 3, question]]))
+    assert stats.cached_tokens >= len(system) + len(_image_tokens(family)) + 3 and diff < 1e-6, stats
+    # a batch of rows with different images behind the same text; then one of them again, with beams
+    stats, diff = run(model, store, prompt(family, [[system, 4, question], [system, 5, question]]))
+    assert diff < 1e-6
+    stats, diff = run(model, store, prompt(family, [[system, 5, question]]), num_beams=2)
+    n = len(system) + len(_image_tokens(family)) + len(question)
+    assert stats.cached_tokens == n - 1 and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})
+    assert diff < 1e-6
+
+
+def test_cache_without_images_reuses_the_text_before_them() -> None:
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(10, 1), text(5, 2)
+    inputs = prompt("llava", [[system, 7, question]])
+    twin = stock_twin(model)
+    for _ in range(2):  # built from the ids alone: the image is one the cache was not given
+        ref = twin.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        with prefixkv.PagedPrefixCache(store, inputs["input_ids"]) as cache:
+            out = model.generate(
+                **inputs,
+                **cache_kw(cache),
+                max_new_tokens=3,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        assert max_logit_diff(out.logits, ref.logits) < 1e-6
+    assert cache.stats.cached_tokens == len(system)
+
+
+def test_other_images_than_the_cache_was_built_with_are_refused() -> None:
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    a = prompt("llava", [[text(6, 1), 1, text(3, 2)]])
+    b = prompt("llava", [[text(6, 1), 2, text(3, 2)]])
+    with prefixkv.PagedPrefixCache(store, **a) as cache, pytest.raises(CacheMisuseError, match="not those"):
+        model.generate(**b, **cache_kw(cache), max_new_tokens=2, do_sample=False)
+    stats, diff = run(model, store, a)  # a later ordinary request
+    assert stats.cached_tokens == 0 and diff < 1e-6
+
+
+def test_digest_keys_the_grid() -> None:
+    """Two images of the same pixels in other grids are other images."""
+    one = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor([1, 4, 4])}
+    other = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor([1, 2, 8])}
+    config = prefixkv.models.tiny_config("qwen2_vl")
+    plans = [
+        vision.plan(
+            config,
+            [0],
+            [[5, 252, *[IMAGE] * 4, 253]],
+            {k: v.unsqueeze(0) if k != "pixel_values" else v for k, v in x.items()},
+        )
+        for x in (one, other)
+    ]
+    assert plans[0] is not None and plans[1] is not None
+    assert plans[0].keys[0][2:6] != plans[1].keys[0][2:6]
+
+
+def test_pipeline_under_enable() -> None:
+    model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
+    store = prefixkv.enable(model, block_size=4)
+    inputs = prompt("qwen2_vl", [[text(8, 1), 3, text(4, 2)]])
+    twin = stock_twin(model)
+    ref = twin.generate(**inputs, max_new_tokens=3, do_sample=False)
+    for _ in range(2):
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert out.tolist() == ref.tolist()
+    assert store.stats.hit_tokens == inputs["input_ids"].shape[1] - 1
+    prefixkv.disable(model)
