@@ -572,6 +572,31 @@ MUTATIONS = [
         ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
         "a file of another rank is refused only as 'another model', without saying to load each rank's own",
     ),
+    # -- images in the prompt (issue 46)
+    Mutation(
+        "images-digest-ignores-grid",
+        "hf/vision.py",
+        'per = [{"pixel_values": pixels[a:b], "image_grid_thw": grid[i]} for i, (a, b) in enumerate(spans)]',
+        'per = [{"pixel_values": pixels[a:b]} for i, (a, b) in enumerate(spans)]',
+        ("tests/test_images.py::test_digest_keys_the_grid",),
+        "the same patches in another grid (other positions, another image to the model) take the same keys",
+    ),
+    Mutation(
+        "images-match-ends-inside-an-image",
+        "hf/rows.py",
+        "            while plan is not None:  # nor inside any row's image",
+        "            while False:  # nor inside any row's image",
+        ("tests/test_images.py::test_a_prompt_ending_in_an_image_recomputes_the_whole_image",),
+        "a reuse capped one token short of a prompt that ends in an image ends inside the image",
+    ),
+    Mutation(
+        "images-keys-ignore-the-image",
+        "tokens.py",
+        'drawn = hashlib.blake2b(digest + index.to_bytes(8, "little"), digest_size=8).digest()',
+        'drawn = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()',
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "an image's placeholders are keyed by their index alone: another image behind the same text reuses its K/V",
+    ),
 ]
 
 

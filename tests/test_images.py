@@ -170,6 +170,20 @@ def test_other_images_than_the_cache_was_built_with_are_refused() -> None:
     assert stats.cached_tokens == 0 and diff < 1e-6
 
 
+def test_a_prompt_ending_in_an_image_recomputes_the_whole_image() -> None:
+    """One prompt token stays uncached: here an image's last placeholder, so the reuse ends before the image, not
+    inside it (a forward feeds whole images)."""
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system = text(9, 1)
+    inputs = prompt("llava", [[system, 3]])
+    for cached in (0, len(system)):
+        stats, diff = run(model, store, inputs)
+        assert stats.cached_tokens == cached and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + text(3, 2)])})
+    assert diff < 1e-6
+
+
 def test_digest_keys_the_grid() -> None:
     """Two images of the same pixels in other grids are other images."""
     one = {"pixel_values": torch.zeros(16, 24), "image_grid_thw": torch.tensor([1, 4, 4])}
