@@ -597,6 +597,22 @@ MUTATIONS = [
         ("tests/test_images.py::test_same_image_reused_another_never",),
         "an image's placeholders are keyed by their index alone: another image behind the same text reuses its K/V",
     ),
+    Mutation(
+        "images-invariant-chunks-past-an-image",
+        "hf/rows.py",
+        "hidden = next((t for t, k in enumerate(keys) if k < 0 or is_image_key(k)), len(keys))",
+        "hidden = next((t for t, k in enumerate(keys) if k < 0), len(keys))",
+        ("tests/test_images.py::test_an_invariant_store_reuses_the_text_before_the_first_image",),
+        "an invariant store's canonical prefill of ids alone runs past an image placeholder, with no image",
+    ),
+    Mutation(
+        "images-shared-prefill-past-an-image",
+        "hf/runner.py",
+        "prefix = prefix[: next((t for t, k in enumerate(prefix) if is_image_key(k)), len(prefix))]",
+        "prefix = prefix[: len(prefix)]",
+        ("tests/test_images.py::test_two_images_batches_and_beams",),
+        "in-batch sharing prefills a prefix of ids alone past an image placeholder, with no image",
+    ),
 ]
 
 

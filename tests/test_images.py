@@ -129,6 +129,9 @@ def test_two_images_batches_and_beams(vlm: tuple[str, Any]) -> None:
     # a batch of rows with different images behind the same text; then one of them again, with beams
     stats, diff = run(model, store, prompt(family, [[system, 4, question], [system, 5, question]]))
     assert diff < 1e-6
+    # two rows with one new image: the rows' shared prefix is computed once, up to the image (its ids alone have none)
+    stats, diff = run(model, store, prompt(family, [[system, 6, text(5, 7)], [system, 6, text(5, 8)]]))
+    assert diff < 1e-6
     stats, diff = run(model, store, prompt(family, [[system, 5, question]]), num_beams=2)
     n = len(system) + len(_image_tokens(family)) + len(question)
     assert stats.cached_tokens == n - 1 and diff < 1e-6, stats
@@ -213,3 +216,35 @@ def test_pipeline_under_enable() -> None:
         assert out.tolist() == ref.tolist()
     assert store.stats.hit_tokens == inputs["input_ids"].shape[1] - 1
     prefixkv.disable(model)
+
+
+def test_saved_and_loaded_image_prefixes_serve_the_same_image_only(tmp_path: Any) -> None:
+    """Files key by the keys: an image's K/V come back under its digest's keys."""
+    model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(8, 1), text(5, 2)
+    inputs = prompt("qwen2_vl", [[system, 3, question]])
+    run(model, store, inputs)
+    store.save(tmp_path / "images.safetensors")
+    store.close()
+    loaded = prefixkv.PrefixStore.load(tmp_path / "images.safetensors", model)
+    stats, diff = run(model, loaded, inputs)
+    assert stats.cached_tokens == inputs["input_ids"].shape[1] - 1 and diff < 1e-6, stats
+    stats, diff = run(model, loaded, prompt("qwen2_vl", [[system, 4, question]]))
+    assert stats.cached_tokens == len(system) + 1 and diff < 1e-6, stats
+
+
+def test_an_invariant_store_reuses_the_text_before_the_first_image() -> None:
+    """Its canonical chunks are prefilled from the ids alone, which have no image: they stop before it."""
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4, invariant=True)
+    chunk = store.settings.chunk_size
+    assert chunk is not None
+    system = text(2 * chunk + 3, 1)
+    inputs = prompt("llava", [[system, 3, text(4, 2)]])
+    for _ in range(2):
+        stats, diff = run(model, store, inputs)
+        assert diff < 1e-6
+    assert stats.cached_tokens == len(system) // chunk * chunk, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + text(3, 2)])})
+    assert diff < 1e-6
