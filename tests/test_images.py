@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from conftest import cache_kw, max_logit_diff, stock_twin
 
 import prefixkv
@@ -205,7 +206,7 @@ def test_digest_keys_the_grid() -> None:
     assert plans[0].keys[0][2:6] != plans[1].keys[0][2:6]
 
 
-def test_pipeline_under_enable() -> None:
+def test_enable_keys_the_images_generate_is_given() -> None:
     model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
     store = prefixkv.enable(model, block_size=4)
     inputs = prompt("qwen2_vl", [[text(8, 1), 3, text(4, 2)]])
@@ -248,3 +249,22 @@ def test_an_invariant_store_reuses_the_text_before_the_first_image() -> None:
     assert stats.cached_tokens == len(system) // chunk * chunk, stats
     stats, diff = run(model, store, {"input_ids": torch.tensor([system + text(3, 2)])})
     assert diff < 1e-6
+
+
+def test_pipeline_image_text_to_text_under_enable() -> None:
+    image_module = pytest.importorskip("PIL.Image")
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    processor = prefixkv.models.tiny_processor()
+    store = prefixkv.enable(model, block_size=4)
+    twin = stock_twin(model)
+    g = torch.Generator().manual_seed(0)
+    image = image_module.fromarray((torch.rand(20, 20, 3, generator=g) * 255).to(torch.uint8).numpy())
+    pipe = transformers.pipeline("image-text-to-text", model=model, processor=processor)
+    ref = transformers.pipeline("image-text-to-text", model=twin, processor=processor)
+    question = "ba bebo da de <image> fa fe"
+    for _ in range(2):
+        out = pipe(images=image, text=question, max_new_tokens=4, generate_kwargs={"do_sample": False})
+        assert out == ref(images=image, text=question, max_new_tokens=4, generate_kwargs={"do_sample": False})
+    prompt_tokens = len(processor(images=image, text=question).input_ids[0])
+    assert store.stats.hit_tokens == prompt_tokens - 1
+    prefixkv.disable(model)

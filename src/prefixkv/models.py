@@ -291,6 +291,22 @@ def tiny_tokenizer(vocab_size: int = 256) -> Any:
     )
 
 
+def tiny_processor() -> Any:
+    """A processor for ``tiny_model("llava")`` (no download): :func:`tiny_tokenizer` with ``<image>`` as token 250,
+    the model's image placeholder, and CLIP's image processor at 16 pixels square, so that ``pipeline(
+    "image-text-to-text")`` and a processor's ``images=`` work; an image takes 16 placeholder tokens. Needs Pillow."""
+    tokenizer = tiny_tokenizer(vocab_size=250)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    return transformers.LlavaProcessor(
+        image_processor=images(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
+    )
+
+
 def demo_model(*, dtype: torch.dtype = torch.float32, seed: int = 0) -> Any:
     """A small Llama-shaped model (4 layers, hidden 256, grouped-query heads) for the demo."""
     config = tiny_config(
