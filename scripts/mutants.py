@@ -613,6 +613,14 @@ MUTATIONS = [
         ("tests/test_images.py::test_two_images_batches_and_beams",),
         "in-batch sharing prefills a prefix of ids alone past an image placeholder, with no image",
     ),
+    Mutation(
+        "images-cached-image-encoded-again",
+        "hf/hooks.py",
+        "fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)",
+        "fed = model_kwargs",
+        ("tests/test_images.py::test_a_cached_image_is_not_encoded_again",),
+        "generate encodes every image of a warm call, the cached ones again (the features of the tail are picked)",
+    ),
 ]
 
 

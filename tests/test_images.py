@@ -268,3 +268,21 @@ def test_pipeline_image_text_to_text_under_enable() -> None:
     prompt_tokens = len(processor(images=image, text=question).input_ids[0])
     assert store.stats.hit_tokens == prompt_tokens - 1
     prefixkv.disable(model)
+
+
+def test_a_cached_image_is_not_encoded_again() -> None:
+    """generate encodes the images of the uncached tail only: a follow-up question about a cached image runs no
+    vision tower; a new image behind a cached one runs it on the new image alone."""
+    model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    encoded: list[int] = []
+    hook = model.model.visual.register_forward_pre_hook(lambda m, args: encoded.append(args[0].shape[0]))
+    system, question = text(8, 1), text(5, 2)
+    run(model, store, prompt("qwen2_vl", [[system, 3, question]]))
+    assert encoded == [16]  # 16 patches (the stock twin has no hook)
+    encoded.clear()
+    _, diff = run(model, store, prompt("qwen2_vl", [[system, 3, question, text(4, 3)]]))
+    assert encoded == [] and diff < 1e-6
+    _, diff = run(model, store, prompt("qwen2_vl", [[system, 3, question, 4, text(2, 4)]]))
+    assert encoded == [16] and diff < 1e-6, encoded
+    hook.remove()

@@ -245,27 +245,38 @@ def _stepping_compiled_call(get_compiled_call: Callable[..., Any]) -> Callable[.
     return getting
 
 
-_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
+_ENCODE = "_maybe_prepare_encoder_kwargs_for_generation"
 
 
-def _checking_images(encode: Callable[..., Any]) -> Callable[..., Any]:
-    """``GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation``, where ``generate`` encodes a prompt's
-    images before its prefill, that first checks they are those a ``PagedPrefixCache`` of the call keyed the prompt
-    by (docs/generate.md, "Images"): other images under its keys would reuse and publish K/V that are not theirs. Not
-    a shim: no release tells a cache what images a call has."""
+def _encoding_fed_images(encode: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._maybe_prepare_encoder_kwargs_for_generation``, where ``generate`` encodes a prompt's images
+    before its prefill (transformers 5), that first checks they are those a ``PagedPrefixCache`` of the call keyed the
+    prompt by (docs/generate.md, "Images": other images under its keys would reuse and publish K/V that are not
+    theirs), fits the cache's reuse to the call (:meth:`prefixkv.hf.forward.Forward.fit_prompt`, as the call's first
+    step would) and hands the encoder the images of the uncached tail only: a cached image is not encoded again. Not a
+    shim: no release tells a cache what images a call has."""
 
     @functools.wraps(encode)
-    def checking(self: Any, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def encoding(self: Any, inputs_tensor: Any, model_kwargs: dict[str, Any], *rest: Any) -> Any:
         cache = paged_cache(model_kwargs)
-        plan = None if cache is None else cache.forward.rows.images
-        if plan is not None:
-            try:
-                plan.check(model_kwargs)
-            except ValueError as e:
-                raise CacheMisuseError(str(e)) from None
-        return encode(self, model_kwargs, *args, **kwargs)
+        plan = None if cache is None or cache.store.hf_model is not self else cache.forward.rows.images
+        if plan is None or not has_open_store(self) or cache is None or cache.closed:
+            return encode(self, inputs_tensor, model_kwargs, *rest)
+        try:
+            plan.check(model_kwargs)
+        except ValueError as e:
+            raise CacheMisuseError(str(e)) from None
+        # generate's own test of a model whose images it encodes before the prefill (else its forward gets them all)
+        supports = getattr(self, "_supports_mm_encoder_outputs", None)
+        encodes = callable(supports) and supports() and "image" in getattr(self, "input_modalities", ())
+        if not encodes or not isinstance(inputs_tensor, torch.Tensor) or inputs_tensor.dim() != 2 or self.training:
+            return encode(self, inputs_tensor, model_kwargs, *rest)
+        cache.forward.fit_prompt(inputs_tensor, model_kwargs)
+        held = cache.forward.rows
+        fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)
+        return encode(self, inputs_tensor, fed, *rest)
 
-    return checking
+    return encoding
 
 
 _installed = False
@@ -288,7 +299,7 @@ def install_generation_wrappers() -> None:
     patching.install(mixin, "_valid_auto_compile_criteria", _noting_compile(mixin._valid_auto_compile_criteria))
     encode = getattr(mixin, _ENCODE, None)
     if encode is not None:  # transformers 5 encodes a prompt's images before its prefill
-        patching.install(mixin, _ENCODE, _checking_images(encode))
+        patching.install(mixin, _ENCODE, _encoding_fed_images(encode))
     pretrained = _modeling.PreTrainedModel
     if hasattr(pretrained, "get_compiled_call"):  # every supported release has it; a later one may not
         patching.install(pretrained, "get_compiled_call", _stepping_compiled_call(pretrained.get_compiled_call))

@@ -86,6 +86,8 @@ class ImagePlan:
         self.inputs = {name: inputs.get(name) for name in _PER_IMAGE}
         self.digests = digests
         self.counts = counts
+        # where each prompt row's encoded images begin: generate encodes only those a call feeds (encode_only)
+        self.encoded_from: list[int] | None = None
 
     def snap(self, row: int, length: int) -> int:
         """The longest reuse of row ``row`` up to ``length`` tokens that does not end inside one of its images."""
@@ -158,17 +160,34 @@ class ImagePlan:
                 "same processor outputs (pixel_values, image_grid_thw, ...) you pass to generate"
             )
 
+    def encode_only(self, starts: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``generate``'s arguments (``kwargs``) with the inputs of the images a call feeds only (prompt row ``r`` from
+        its token ``starts[r]``), for ``generate`` to encode before the prefill: the cached images are not encoded
+        again. Mutates the plan: it notes where the encoded images begin (:meth:`feed` picks their features)."""
+        sliced = self.feed(starts, kwargs)
+        if sliced is kwargs:
+            return kwargs
+        self.encoded_from = list(starts)
+        return {k: v for k, v in sliced.items() if v is not None or k not in _PER_IMAGE}
+
     def _feed_encoded(self, starts: list[int], per_row: int, kwargs: dict[str, Any]) -> dict[str, Any]:
         """:meth:`feed` for a forward given its images encoded (``mm_encoder_outputs``, transformers 5's ``generate``
-        encodes them before the prefill): the features of the image placeholders it feeds, in order over rows."""
+        encodes them before the prefill, those of the fed images only: :meth:`encode_only`): the features of the image
+        placeholders it feeds, in order over rows."""
         image_id = placeholder_ids(self.config).get("image")
+        base = self.encoded_from or [0] * len(self.rows)
         rows, n = [], 0
         for b, start in enumerate(starts):
             for t, k in enumerate(self.keys[b // per_row]):
-                if token(k) == image_id:
+                if token(k) == image_id and t >= base[b // per_row]:
                     if t >= start:
                         rows.append(n)
                     n += 1
+                elif token(k) == image_id and t >= start:
+                    raise ValueError(
+                        f"row {b}: this forward feeds the image placeholder at token {t}, whose image generate did "
+                        "not encode (it was cached when the call began); build a new cache for this call"
+                    )
         if len(rows) == n:
             return kwargs
         encoded = dict(kwargs["mm_encoder_outputs"])
