@@ -16,7 +16,7 @@ from prefixkv.errors import CacheMisuseError
 from prefixkv.hf import vision
 
 IMAGE = 250
-FAMILIES = ["llava", "qwen2_vl", "qwen3_vl", "gemma3", "mistral3"]
+FAMILIES = ["llava", "qwen2_vl", "qwen3_vl", "gemma3", "mistral3", "idefics3"]
 
 
 def _image_tokens(family: str) -> list[int]:
@@ -27,6 +27,8 @@ def _image_tokens(family: str) -> list[int]:
         return [252, *[IMAGE] * 4, 253]
     if family == "gemma3":
         return [251, *[IMAGE] * 4, 252]
+    if family == "idefics3":
+        return [251, 252, *[IMAGE] * 4, 251]
     rows = [
         [IMAGE] * 4 + [12] for _ in range(4)
     ]  # mistral3: 4 rows of 4, an [IMG_BREAK] after each, the last [IMG_END]
@@ -43,6 +45,11 @@ def _pixels(family: str, seed: int) -> dict[str, torch.Tensor]:
             "image_grid_thw": torch.tensor([[1, 4, 4]]),
         }
     side = 32 if family == "mistral3" else 16
+    if family == "idefics3":  # [batch, images, 3, h, w]: prompt() gathers each row's images
+        return {
+            "pixel_values": torch.randn(1, 1, 3, side, side, generator=g, dtype=torch.float64),
+            "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool),
+        }
     out = {"pixel_values": torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)}
     if family == "mistral3":
         out["image_sizes"] = torch.tensor([[side, side]])
@@ -63,6 +70,16 @@ def prompt(family: str, rows: list[list[Any]]) -> dict[str, torch.Tensor]:
                 tokens += piece
         ids.append(tokens)
     out: dict[str, torch.Tensor] = {"input_ids": torch.tensor(ids)}
+    if family == "idefics3" and images:  # each row's images in a slot of its own, padded with zeros
+        counts = [sum(isinstance(p, int) for p in row) for row in rows]
+        pixels = torch.zeros(len(rows), max(counts), 3, 16, 16, dtype=torch.float64)
+        masks = torch.zeros(len(rows), max(counts), 16, 16, dtype=torch.bool)
+        seen = iter(images)
+        for b, n in enumerate(counts):
+            for j in range(n):
+                one = next(seen)
+                pixels[b, j], masks[b, j] = one["pixel_values"][0, 0], one["pixel_attention_mask"][0, 0]
+        return {**out, "pixel_values": pixels, "pixel_attention_mask": masks}
     for name in images[0] if images else ():
         out[name] = torch.cat([one[name] for one in images])
     if family in ("qwen2_vl", "qwen3_vl"):

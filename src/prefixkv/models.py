@@ -194,6 +194,17 @@ _TINY_VLM: dict[str, tuple[str, dict[str, Any]]] = {
             **{"image_token_index": 250, "spatial_merge_size": 2},
         },
     ),
+    "idefics3": (
+        "Idefics3Config",
+        {
+            "text_config": {**_TEXT, "model_type": "llama", "num_key_value_heads": 2},
+            "vision_config": {
+                **{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                **{"image_size": 16, "patch_size": 4},
+            },
+            **{"image_token_id": 250, "scale_factor": 2},
+        },
+    ),
 }
 
 

@@ -137,6 +137,9 @@ class ImagePlan:
                 continue
             if not fed:
                 out[name] = None
+            elif kwargs["pixel_values"].dim() == 5:
+                real = _real_images(kwargs["pixel_values"])
+                out[name] = _pick_5d(value, [real[n] for n in fed], value.shape[0])
             elif name == "pixel_values" and spans:
                 out[name] = torch.cat([value[slice(*spans[n])] for n in fed])
             else:
@@ -255,10 +258,41 @@ def _split(
             per.append(one)
         counts = _counts_by_size(config, sizes_in, n, total)
         return per, counts, []
+    if pixels.dim() == 5:  # each row's images, padded with all-zero ones (Idefics3, SmolVLM)
+        masks = inputs.get("pixel_attention_mask")
+        per = []
+        for b, j in _real_images(pixels):
+            one = {"pixel_values": pixels[b, j]}
+            if isinstance(masks, torch.Tensor):
+                one["pixel_attention_mask"] = masks[b, j]
+            per.append(one)
+        if not per or total % len(per):
+            raise ValueError(f"{total} image placeholders cannot be shared among {len(per)} images of pixel_values")
+        return per, [total // len(per)] * len(per), []
     raise ValueError(
         f"pixel_values of shape {tuple(pixels.shape)}: a layout prefixkv cannot split per image (it splits Qwen-VL's "
         "flat patches with image_grid_thw and one image per row of a 4-D tensor)"
     )
+
+
+def _real_images(pixels: torch.Tensor) -> list[tuple[int, int]]:
+    """The (row, slot) of each image of a 5-D ``pixel_values`` that is not padding (all zeros, as Idefics3 tells them
+    apart), in order."""
+    real = (pixels != 0).flatten(2).any(dim=-1)
+    return [(b, j) for b, j in real.nonzero().tolist()]
+
+
+def _pick_5d(value: torch.Tensor, kept: list[tuple[int, int]], rows: int) -> torch.Tensor:
+    """A 5-D ``pixel_values`` (or its 4-D mask) holding only the images ``kept`` (their row, slot), each row's first,
+    padded with zeros to the same count (one at least)."""
+    per_row: list[list[int]] = [[] for _ in range(rows)]
+    for b, j in kept:
+        per_row[b].append(j)
+    out = value.new_zeros((rows, max(1, *map(len, per_row)), *value.shape[2:]))
+    for b, slots in enumerate(per_row):
+        for i, j in enumerate(slots):
+            out[b, i] = value[b, j]
+    return out
 
 
 def _counts_by_size(config: Any, sizes: Any, n: int, total: int) -> list[int]:
