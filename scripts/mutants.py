@@ -621,6 +621,14 @@ MUTATIONS = [
         ("tests/test_images.py::test_a_cached_image_is_not_encoded_again",),
         "generate encodes every image of a warm call, the cached ones again (the features of the tail are picked)",
     ),
+    Mutation(
+        "images-empty-encoder-outputs-unproven",
+        "hf/proof.py",
+        "            and not (isinstance(v, Mapping) and not v)",
+        "",
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "a vision-language model's text-only calls never publish: generate passes them an empty mm_encoder_outputs",
+    ),
 ]
 
 

@@ -130,9 +130,11 @@ def test_same_image_reused_another_never(vlm: tuple[str, Any]) -> None:
     before = len(system) + _image_tokens(family).index(IMAGE)
     stats, diff = run(model, store, prompt(family, [[system, 8, question]]))
     assert stats.cached_tokens == before and diff < 1e-6, stats
-    # a later ordinary request
+    # a later ordinary request, twice: a text-only call publishes (generate passes it no image, an empty dict)
     stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})
     assert stats.cached_tokens == len(system) and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})
+    assert stats.cached_tokens == len(system + question) - 1 and diff < 1e-6, stats
 
 
 def test_two_images_batches_and_beams(vlm: tuple[str, Any]) -> None:

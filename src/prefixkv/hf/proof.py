@@ -50,6 +50,7 @@ def changing_inputs(
             k
             for k, v in inputs.items()
             if v is not None
+            and not (isinstance(v, Mapping) and not v)  # an empty one (generate's mm_encoder_outputs of no image)
             and k not in NEUTRAL_INPUTS
             and k not in keyed
             and (not tensors_only or isinstance(v, torch.Tensor))
