@@ -572,6 +572,31 @@ MUTATIONS = [
         ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
         "a file of another rank is refused only as 'another model', without saying to load each rank's own",
     ),
+    # -- recurrent layers' state snapshots (issue 45)
+    Mutation(
+        "states-snapshot-one-token-late",
+        "hf/rows.py",
+        "states.take(self.states, 0, end), store_held",
+        "states.take(self.states, 0, end - 1), store_held",
+        ("tests/test_recurrent.py::test_cold_warm_beams_and_a_padded_batch_match_stock",),
+        "the runner's snapshot holds the states after one more token than its position says",
+    ),
+    Mutation(
+        "states-snapshot-of-another-prefix",
+        "hf/states.py",
+        "found = self._held.get(key)",
+        "found = next((v for (sp, path), v in self._held.items() if sp == space and len(path) == p), None)",
+        ("tests/test_recurrent.py::test_a_snapshot_is_never_used_for_another_prefix_or_namespace",),
+        "a snapshot is looked up by its position alone, so a prompt resumes from another prefix's states",
+    ),
+    Mutation(
+        "states-padded-rows-always-reuse",
+        "hf/shapes.py",
+        "_PADDED[model] = _padded_states(model, text, name, device)",
+        "_PADDED[model] = None",
+        ("tests/test_recurrent.py::test_padded_rows_reuse_nothing_where_pads_reach_the_state",),
+        "left-padded rows resume their unpadded prefix's state in a model whose pads reach the state",
+    ),
     # -- images in the prompt (issue 46)
     Mutation(
         "images-digest-ignores-grid",

@@ -304,21 +304,17 @@ def diverged_at(result: Any) -> int:
 _STATE = "state-space, linear-attention or recurrent layers"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
-    "mamba": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "mamba2": ({"num_heads": 8, "head_dim": 16, "n_groups": 1}, transformers.AutoModelForCausalLM, _STATE),
-    "falcon_mamba": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "jamba": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "falcon_h1": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "qwen3_next": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "bamba": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "granitemoehybrid": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "nemotron_h": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "lfm2": ({"layer_types": ["conv", "full_attention"]}, transformers.AutoModelForCausalLM, _STATE),
     "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
     "rwkv": ({}, transformers.AutoModelForCausalLM, _STATE),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
     "minimax": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE),
+    # recurrent layers transformers describes are served (tests/test_recurrent.py), but not value heads of another
+    # size; transformers 4.57 keeps its state in a cache of its own
+    "kimi_linear": (
+        {},
+        transformers.AutoModelForCausalLM,
+        r"(value heads of size \d+ \(v_head_dim\)|state-space, linear-attention or recurrent layers)",
+    ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "deepseek_v2": ({}, transformers.AutoModelForCausalLM, r"multi-head latent attention \(MLA\)"),

@@ -197,7 +197,8 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.support", "hf.shapes", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows"),
+        "hf.call",
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "top": [

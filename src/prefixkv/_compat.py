@@ -112,11 +112,33 @@ def check_versions() -> None:
 check_versions()
 
 # imported after the check: older releases lack some of these names, and the check's message says more
+from transformers import cache_utils as _cache_utils  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer  # noqa: E402
 from transformers.generation import utils as _generation  # noqa: E402
 
 GENERATE_CACHE_KWARG = "cache" if "cache" in _generation.ALL_CACHE_NAMES else "past_key_values"
 """The keyword by which the installed transformers' ``generate`` prefers to take a cache."""
+
+# transformers 5.x's recurrent layers (linear attention, Mamba, short convolutions) and how it reads a config's layer
+# kinds; 4.57 has neither (its hybrid models keep caches of their own, refused by hf/support.py). Delete the
+# fallbacks when the oldest supported transformers has them
+LINEAR_ATTENTION_LAYER: type | None = getattr(_cache_utils, "LinearAttentionLayer", None)
+"""transformers' cache layer of a recurrent layer's conv and recurrent states, or ``None`` on releases without it."""
+_LAYER_TYPES = getattr(_cache_utils, "get_layer_types_and_kwargs", None)
+
+
+def cache_layer_types(text_config: Any) -> list[str] | None:
+    """The cache layer kind of each of ``text_config``'s layers as transformers reads them (``"full_attention"``,
+    ``"linear_attention"``, ``"conv"``, ``"hybrid"``, ``"dummy"``, ...), or ``None`` on a release that does not read
+    them (4.57) or for a config it cannot read. Does not mutate."""
+    if _LAYER_TYPES is None or LINEAR_ATTENTION_LAYER is None:
+        return None
+    try:
+        types, _ = _LAYER_TYPES(text_config)
+    except Exception:  # a config without per-layer configs: the release's reading does not apply
+        return None
+    return [str(t) for t in types]
+
 
 # the keywords by which generate and a model's forward take a cache: ``cache`` from transformers 5.24,
 # ``past_key_values`` before (and, deprecated, beside it)

@@ -108,7 +108,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     "lfm2": {"full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "zamba": {"layer_types": ["linear_attention", "hybrid"]},
-    "zamba2": {"layer_types": ["linear_attention", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its layer_types alias comes too late
     "mamba2": {"num_heads": 8, "head_dim": 16},
 }
 

@@ -50,6 +50,9 @@ class AttentionShape(NamedTuple):
     head_dim: int
 
 
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+
+
 def attention_shape(config: Any) -> AttentionShape:
     """Layers, KV heads and head size as a transformers config names them (text part for multimodal ones): an
     estimate, which a store replaces with what the layers hand over (docs/how-it-works.md, "Shapes come from the
@@ -57,7 +60,9 @@ def attention_shape(config: Any) -> AttentionShape:
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+    if all(getattr(config, name, None) is None for name in _HEADS) and getattr(config, "state_size", None):
+        return AttentionShape(int(layers), 0, 0)  # a Mamba model: no attention, a state per layer
+    heads = _first(config, *_HEADS)
     kv_heads = getattr(config, "num_key_value_heads", None)
     if getattr(config, "new_decoder_architecture", False):
         kv_heads = heads  # Falcon's new decoder architecture caches its KV heads broadcast to every query head
@@ -102,3 +107,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def snapshot_budget(layer_kinds: list[str] | None, max_memory: int | str | None) -> int | None:
+    """The bytes a store's recurrent-state snapshots may hold (docs/memory.md, "Recurrent state"): for a model with
+    recurrent layers (``layer_kinds``, :mod:`prefixkv.hf.kinds`) a quarter of ``max_memory``, the K/V pool getting the
+    rest, or all of it for a model with no K/V layers; ``None`` without a ``max_memory`` (snapshots then live as long
+    as the store holds their paths) or recurrent layers.
+
+    >>> snapshot_budget(["state", "kv"], "4MiB"), snapshot_budget(["state"], 1000), snapshot_budget(None, 1000)
+    (1048576, 1000, None)
+    """
+    if layer_kinds is None or max_memory is None:
+        return None
+    budget = parse_bytes(max_memory)
+    return budget if all(k in ("state", "none") for k in layer_kinds) else budget // 4

@@ -194,6 +194,29 @@ _TINY_VLM: dict[str, tuple[str, dict[str, Any]]] = {
             **{"image_token_index": 250, "spatial_merge_size": 2},
         },
     ),
+    # the hybrid of issue 45 with images: a gated-delta-rule layer and a full-attention one, Qwen3-VL's vision tower
+    "qwen3_5": (
+        "Qwen3_5Config",
+        {
+            "text_config": {
+                **_TEXT,
+                **{"num_key_value_heads": 2, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"]},
+                **{"linear_num_key_heads": 2, "linear_num_value_heads": 4},
+                **{"linear_key_head_dim": 16, "linear_value_head_dim": 16},
+                "rope_parameters": {
+                    **{"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                    **{"mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                },
+            },
+            "vision_config": {
+                **{"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2},
+                **{"spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64},
+                "num_position_embeddings": 16,
+            },
+            **{"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253},
+            "tie_word_embeddings": False,
+        },
+    ),
     "idefics3": (
         "Idefics3Config",
         {

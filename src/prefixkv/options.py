@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .attention import interface, registry
-from .hf.support import check_supported
+from .hf.support import check_supported, state_option_refusal
 from .kv.key_space import layer_devices, transformers_model
 from .kv.quantization import check_kv_dtype
 from .memory import attention_shape, parse_bytes
@@ -56,8 +56,11 @@ def check_options(
     check_kv_dtype(kv_dtype)
     # how attention reads the pool; it changes no K/V, so keys and files leave it out
     asked = registry.check_backend(attention)
-    offload_kind(offload, max_offload_memory, offload_dir)
+    kind = offload_kind(offload, max_offload_memory, offload_dir)
     check_supported(model)
+    refusal = state_option_refusal(model, invariant=chunk is not None, offload=kind is not None, kv_dtype=kv_dtype)
+    if refusal is not None:
+        raise ValueError(refusal)
     model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
     stored = store_dtype or model_dtype
     backend, reason = choose_attention(

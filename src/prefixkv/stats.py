@@ -44,6 +44,10 @@ class StoreStats:
     cached_tokens: int
     nodes: int
     offload: TierStats | None = None
+    snapshots: int = 0
+    """Recurrent-state snapshots held (a model with recurrent layers: docs/memory.md, "Recurrent state")."""
+    snapshot_bytes: int = 0
+    """Their bytes, beside ``bytes_used`` (the pool's)."""
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,6 @@ class CacheStats:
     computed_tokens: int
     per_row: tuple[RowStats, ...]
     not_cached: str | None = None
+    split_tokens: int = 0
+    """Of ``computed_tokens``: those computed, for a model with recurrent layers, by forwards of their own that end
+    where a later prompt can resume (a snapshot of the states there: docs/how-it-works.md, "Layer kinds")."""

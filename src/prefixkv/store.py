@@ -9,6 +9,7 @@ a disk tier's metadata) go through :mod:`prefixkv.files`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
@@ -17,16 +18,17 @@ import torch
 
 from . import display, files
 from .attention import interface
-from .errors import CacheMisuseError
-from .hf import shapes
+from .errors import CacheMisuseError, UnsupportedModelError
+from .hf import kinds, shapes
 from .hf.hooks import attach_hooks, install_generation_wrappers
 from .hf.runner import ModelRunner
+from .hf.states import Snapshots
 from .kv import prefix_file
 from .kv.key_space import KeySpace, layer_devices, transformers_model, user_space
 from .kv.manager import BlockManager
 from .kv.pool import BlockPool, LayerSpec, block_bytes
 from .kv.tier import OffloadTier
-from .memory import attention_shape, format_bytes
+from .memory import attention_shape, format_bytes, parse_bytes, snapshot_budget
 from .options import check_options, check_priority, max_blocks, offload_kind
 from .parallel import agreed_budget
 from .stats import CacheStats, StoreStats
@@ -106,13 +108,29 @@ class PrefixStore:
         self.settings = settings
         self.block_size, self.chunk_size, self.dtype = settings.block_size, settings.chunk_size, settings.dtype
         self.model_dtype, self.kv_dtype, self.attention = settings.model_dtype, settings.kv_dtype, settings.attention
+        # what each layer caches: K/V, a recurrent state (snapshots at token positions), both, nothing
+        self.layer_kinds = kinds.layer_kinds(model.config.get_text_config(decoder=True))
         devices = layer_devices(model, estimate.num_layers)
         # heads and sizes as the layers hand K/V over, not as the config names them (docs/how-it-works.md)
-        shape = shapes.measure(self.hf_model, estimate, devices[0])
-        specs = [LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype) for d in devices]
+        shape = shapes.measure(self.hf_model, estimate, devices[0], self.layer_kinds)
+        specs = [
+            LayerSpec(shape.kv_heads, shape.head_dim, d, self.dtype)
+            if self.layer_kinds is None or kinds.writes_kv(self.layer_kinds[i])
+            else LayerSpec(0, 0, d, self.dtype)  # no K/V: an empty pool tensor
+            for i, d in enumerate(devices)
+        ]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
+        self.snapshots = Snapshots(snapshot_budget(self.layer_kinds, max_memory))
+        """The recurrent layers' state snapshots (docs/memory.md, "Recurrent state"): empty for other models."""
+        spare = self.snapshots.max_bytes  # the snapshots' share of max_memory; the pool gets the rest
+        kv_memory = max_memory if max_memory is None or spare is None else parse_bytes(max_memory) - spare
         # per process of a split model, the same in each (docs/getting-started.md, "Several GPUs")
-        self.max_blocks = agreed_budget(max_blocks(max_memory, num_blocks, self.bytes_per_block, block_size), model)
+        self.max_blocks = agreed_budget(
+            None
+            if self.bytes_per_block == 0 and num_blocks is None  # nothing per block: the snapshots' budget bounds it
+            else max_blocks(kv_memory, num_blocks, max(1, self.bytes_per_block), block_size),
+            model,
+        )
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
         kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
         tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model)
@@ -150,8 +168,12 @@ class PrefixStore:
 
     @property
     def stats(self) -> StoreStats:
-        """A consistent snapshot of the counters. Does not mutate."""
-        return self.blocks.ledger.stats()
+        """A consistent snapshot of the counters (the recurrent-state snapshots' beside the pool's). Does not
+        mutate."""
+        snapshots = self.snapshots
+        return dataclasses.replace(
+            self.blocks.ledger.stats(), snapshots=len(snapshots), snapshot_bytes=snapshots.bytes_used
+        )
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live
@@ -208,7 +230,9 @@ class PrefixStore:
 
         Returns the number of pool blocks freed.
         """
-        return self.blocks.room.clear()
+        freed = self.blocks.room.clear()
+        self.snapshots.clear()
+        return freed
 
     def warm(
         self,
@@ -261,6 +285,7 @@ class PrefixStore:
         >>> prefixkv.PrefixStore.load(path, model).stats.cached_tokens
         16
         """
+        self._refuse_files("save")
         wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
         return files.save(path, wanted, self.blocks, self.settings, self.model)
 
@@ -272,6 +297,7 @@ class PrefixStore:
         file = prefix_file.read(path)
         store = cls(model, **files.load_options(file, path, model, kwargs))
         try:
+            store._refuse_files("load")
             files.add_file(store.blocks, store.chunk_size, file, path, model)
         except BaseException:
             store.close()
@@ -291,9 +317,20 @@ class PrefixStore:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
+        self._refuse_files("merge")
         file = prefix_file.read(path)
         prefix_file.check_compatible(file, path, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
         return files.add_file(self.blocks, self.chunk_size, file, path, self.model)
+
+    def _refuse_files(self, action: str) -> None:
+        """Raise :class:`UnsupportedModelError` for a file of a model with recurrent layers, whose state snapshots
+        live in memory only. Does not mutate."""
+        if self.layer_kinds is not None:
+            raise UnsupportedModelError(
+                f"PrefixStore.{action}: this model has recurrent layers (linear attention, Mamba or short "
+                "convolutions), whose state snapshots prefixkv keeps in memory only, and a file of their K/V alone "
+                "could resume no prefix; files are not supported for such models yet"
+            )
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""

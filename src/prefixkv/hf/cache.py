@@ -31,10 +31,10 @@ from ..attention import static
 from ..errors import CacheMisuseError
 from ..kv.key_space import user_space
 from ..stats import CacheStats
-from . import vision
+from . import kinds, vision
 from .call import GenerateCall
 from .forward import Forward
-from .layers import PagedLayer
+from .layers import HybridLayer, PagedLayer, StateLayer
 from .parts import StoreParts
 from .rows import RowSet, check_prompt
 
@@ -93,7 +93,7 @@ class PagedPrefixCache(Cache):
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
         num_layers = len(blocks.pool.specs)
-        super().__init__(layers=[PagedLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=_layers(self, store, num_layers))
         # the rows, their columns and claims; the namespace K/V computed now are cached under is read here only:
         # the store's, within the user's `namespace` (docs/generate.md, "Isolation between users")
         user_space(namespace, None)  # a wrong name fails here, before any block is claimed
@@ -102,7 +102,15 @@ class PagedPrefixCache(Cache):
         blocks.ensure_open()
         # the construction, the runner's prefills for its rows included, walks the model's weights once
         with blocks.key_space.steady():
-            self._rowset = RowSet(blocks, num_layers, space_now=space_now, namespace=namespace)
+            self._rowset = RowSet(
+                blocks,
+                num_layers,
+                space_now=space_now,
+                namespace=namespace,
+                states=self._state_layers(),
+                silent=kinds.silent_layers(store.layer_kinds),
+                snapshots=store.snapshots,
+            )
             self.forward = Forward(store, self._rowset, GenerateCall(None), compileable)
             """This cache's forwards, from begin to end (:class:`prefixkv.hf.forward.Forward`): what the model hooks
             and the runner call; a user never does."""
@@ -124,6 +132,18 @@ class PagedPrefixCache(Cache):
             "of columns and batch"
         )
         """Why :attr:`is_compileable` is what it is, one line."""
+
+    def _state_layers(self) -> list[tuple[int, StateLayer]]:
+        """The layers that hold a recurrent state, with their indices."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, StateLayer)]
+
+    @property
+    def is_linear(self) -> list[bool]:
+        """``False`` for every layer: transformers' name for layers without a sequence axis, whose caches
+        ``generate`` cannot slice its inputs by (it feeds a Mamba model the whole sequence again); this cache counts
+        columns in every layer, recurrent ones included (:meth:`get_seq_length`), so ``generate`` feeds only what it
+        does not hold. Does not mutate."""
+        return [False] * len(self.layers)
 
     @property
     def is_compileable(self) -> bool:
@@ -149,7 +169,14 @@ class PagedPrefixCache(Cache):
     def activate_past_recording(self) -> None:
         """Assisted and prompt-lookup decoding call this before their first forward, which feeds the whole
         sequence again (docs/how-it-works.md, "One forward, and the first step of a call"); that forward will
-        then skip the columns already held. Mutates."""
+        then skip the columns already held. Refused for a model with recurrent layers, whose state cannot be cropped
+        back to the tokens a draft got wrong. Mutates."""
+        if self._rowset.states:
+            raise CacheMisuseError(
+                "assisted and prompt-lookup decoding crop the cache back to the accepted tokens, and a recurrent "
+                "layer's state cannot be cropped; prefixkv refuses them for models with recurrent layers: generate "
+                "without assistant_model / prompt_lookup_num_tokens, or without prefixkv"
+            )
         self.forward.call.refeed = True
 
     # -- transformers Cache interface ------------------------------------------------------------
@@ -201,6 +228,11 @@ class PagedPrefixCache(Cache):
         """Drop the last ``-tokens_to_remove`` columns (a negative int, as in ``DynamicCache``). Mutates."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self._rowset.states:
+            raise CacheMisuseError(
+                f"crop({tokens_to_remove}) of a cache of a model with recurrent layers: their state cannot be cropped "
+                "back to an earlier token; build a new cache for the shorter sequence"
+            )
         if tokens_to_remove:
             self._rowset.truncate(max(0, self._rowset.length + tokens_to_remove))
 
@@ -241,7 +273,7 @@ class PagedPrefixCache(Cache):
         if forward.in_use():
             raise CacheMisuseError("a PagedPrefixCache cannot be copied while a forward uses it")
         other = PagedPrefixCache(self.store, namespace=self.namespace, compileable=forward.asked)
-        other._rowset = other.forward.rows = self._rowset.fork()
+        other._rowset = other.forward.rows = self._rowset.fork(other._state_layers())
         call = other.forward.call = GenerateCall(forward.call.prompt_ids)
         call.computed = forward.call.computed
         return other
@@ -269,3 +301,22 @@ class PagedPrefixCache(Cache):
     def _repr_html_(self) -> str:
         """Jupyter's view: reused and computed prompt tokens per row, and each row's block table."""
         return display.cache_html(self)
+
+
+def _layers(cache: PagedPrefixCache, store: StoreParts, num_layers: int) -> list[Any]:
+    """The cache's face of each layer (``cache.layers``), by its kind (:mod:`prefixkv.hf.kinds`): a
+    :class:`PagedLayer` for K/V (and for a layer without a cache, which never calls it), a :class:`StateLayer` for a
+    recurrent layer's states, a :class:`HybridLayer` for both."""
+    layer_kinds = store.layer_kinds
+    if layer_kinds is None:
+        return [PagedLayer(cache, i) for i in range(num_layers)]
+    states = kinds.number_of_states(store.hf_model.config)
+    faces: list[Any] = []
+    for i, kind in enumerate(layer_kinds):
+        if kind == kinds.STATE:
+            faces.append(StateLayer(cache, i, states))
+        elif kind == kinds.BOTH:
+            faces.append(HybridLayer(cache, i, states))
+        else:
+            faces.append(PagedLayer(cache, i))
+    return faces

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CacheMisuseError, UnsupportedModelError
-from ..tokens import token_ids
+from ..tokens import relabel, token_ids
 from . import proof, rows, shapes, vision
 from .parts import StoreParts
 
@@ -174,6 +174,7 @@ class GenerateCall:
             return None  # not the prompt this cache was built from: check_continues says so
         mask = None if attention_mask is None else rows.check_mask(attention_mask, tuple(input_ids.shape))[::per]
         pads, keys = rows.layout(input_ids[::per], mask)
+        keys = [relabel(k, r.keys) for k, r in zip(keys, held)]  # a placeholder's key is its image's (hf/vision.py)
         if any(not k for k in keys) or (
             space == held_space and all(p == r.pad and k == r.keys for p, k, r in zip(pads, keys, held))
         ):

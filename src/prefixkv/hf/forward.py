@@ -190,6 +190,7 @@ class Forward:
         step, self.step = self.step, None
         if step is not None:
             end_step(self.rows, self.store.blocks, step, ok)
+        self.rows.note_silent(ok)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:
@@ -218,7 +219,10 @@ class Forward:
             if self._owner is not None and self._owner != threading.get_ident():
                 self._release_pending = True
                 return
-        self.rows.release()
+        try:
+            self.rows.keep_ends()  # a model with recurrent layers: the call's end, where its next turn resumes
+        finally:
+            self.rows.release()
 
     def finalize(self) -> None:
         """The cache's finalizer: nobody references the cache, so no forward runs with it, and a release still
@@ -372,6 +376,11 @@ def compile_refusal(store: StoreParts) -> str | None:
     release = _compat.compile_refusal(store.hf_model)
     if release is not None:
         return release
+    if store.layer_kinds is not None:
+        return (
+            f"this {family(store.hf_model)} model has recurrent layers, whose states the compiled step does not carry "
+            "(their cache layers are selected and snapshotted in Python)"
+        )
     if not interface.serves(store.hf_model):
         return (
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "

@@ -60,3 +60,38 @@ class PagedLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         return None
+
+
+# transformers' layer of a recurrent layer's states (None before transformers 5, where no model is served with them)
+_StateBase: Any = _compat.LINEAR_ATTENTION_LAYER or object
+
+
+class StateLayer(_StateBase):
+    """A recurrent layer's face (linear attention, Mamba, a short convolution): transformers' own
+    ``LinearAttentionLayer``, holding each row's conv and recurrent states for this call, so that a model's
+    ``update_conv_state`` / ``update_recurrent_state`` / ``has_previous_state`` work as with a ``DynamicCache``. The
+    cache's rows select, snapshot and restore them (:mod:`prefixkv.hf.states`); beams and crops go through the cache,
+    not the layer."""
+
+    def __init__(self, cache: Cache, layer_idx: int, number_of_states: int = 1) -> None:
+        super().__init__(number_of_states=number_of_states)
+        self._cache_ref = weakref.ref(cache)
+        self._layer_idx = layer_idx
+        self.is_initialized = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        return None  # the cache's rows select the states with the blocks (RowSet.select)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheMisuseError(
+            "a recurrent layer's state cannot be cropped back to an earlier token; prefixkv refuses it for models "
+            "with recurrent layers (assisted or prompt-lookup decoding): generate without them, or without prefixkv"
+        )
+
+
+class HybridLayer(StateLayer, PagedLayer):
+    """A hybrid layer's face (transformers' ``LinearAttentionAndFullAttentionLayer``): its states, as
+    :class:`StateLayer`, and its K/V, as :class:`PagedLayer`."""
+
+    def __init__(self, cache: Cache, layer_idx: int, number_of_states: int = 1) -> None:
+        StateLayer.__init__(self, cache, layer_idx, number_of_states)

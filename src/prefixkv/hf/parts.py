@@ -14,6 +14,7 @@ import torch
 from ..kv.manager import BlockManager
 from ..settings import StoreSettings
 from ..stats import RowStats
+from .states import Snapshots
 
 
 class Handle(Protocol):
@@ -30,6 +31,12 @@ class Prefills(Protocol):
     ) -> AbstractContextManager[RowStats]:
         """Compute and publish the uncached rest of ``tokens``, in user ``namespace``; the published tokens stay
         locked until the context exits. Mutates the store."""
+        ...
+
+    def prefill_states(self, tokens: list[int], stops: list[int], namespace: str | None) -> AbstractContextManager[int]:
+        """For a model with recurrent layers: compute ``tokens`` up to each of ``stops`` in turn, publishing the K/V
+        and a state snapshot at each stop; yields the tokens computed, all of them locked until the context exits.
+        Mutates the store."""
         ...
 
     def prefill_shared(self, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
@@ -59,3 +66,13 @@ class StoreParts(Protocol):
 
     @property
     def runner(self) -> Prefills: ...
+
+    @property
+    def layer_kinds(self) -> list[str] | None:
+        """Each layer's kind (:mod:`prefixkv.hf.kinds`) for a model with recurrent layers, else ``None``."""
+        ...
+
+    @property
+    def snapshots(self) -> Snapshots:
+        """The recurrent layers' state snapshots (:class:`prefixkv.hf.states.Snapshots`; empty for other models)."""
+        ...

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +30,8 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from ..slots import slot_table
 from ..stats import CacheStats, RowStats
-from ..tokens import is_image_key, key, relabel
-from . import proof, vision
+from ..tokens import common_length, is_image_key, key, relabel
+from . import proof, shapes, states, vision
 from .parts import StoreParts
 
 
@@ -157,9 +157,23 @@ class RowSet:
     prompt reused (``stats``)."""
 
     def __init__(
-        self, blocks: BlockManager, num_layers: int, space_now: Callable[[], Hashable], namespace: str | None = None
+        self,
+        blocks: BlockManager,
+        num_layers: int,
+        space_now: Callable[[], Hashable],
+        namespace: str | None = None,
+        *,
+        states: states.StateLayers = (),
+        silent: Sequence[int] = (),
+        snapshots: states.Snapshots | None = None,
     ) -> None:
         self.blocks = blocks
+        self.snapshots = snapshots
+        # a model with recurrent layers: their faces holding each row's states, and the layers that never call
+        # update (their count of columns moves at each forward's end)
+        self.states = list(states)
+        self.silent = list(silent)
+        self.broken = False  # a forward raised half-way through the states, which cannot be rolled back
         self.namespace = namespace
         self.block_size = blocks.block_size
         self.rows: list[Row] = []
@@ -190,11 +204,14 @@ class RowSet:
         publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With ``chunks``
         the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every whole
         chunk the store holds, and its forwards publish."""
-        bs, chunk = self.block_size, store.settings.chunk_size
-        self.publishes = chunk is None or chunks
         plan = self.images
         if plan is not None:  # an image's placeholders are keyed by the image (hf/vision.py)
             rows = [relabel(r, known) for r, known in zip(rows, plan.keys)]
+        if self.states:
+            self._attach_states(store, pads, rows, count=count, split=not chunks)
+            return
+        bs, chunk = self.block_size, store.settings.chunk_size
+        self.publishes = chunk is None or chunks
         # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
         caps = [len(r) - 1 for r in rows]
         held: list[int] | None = None
@@ -242,6 +259,134 @@ class RowSet:
         if count:
             self.blocks.ledger.count_query([len(t) for t in rows], reused)
 
+    def _attach_states(
+        self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool, split: bool
+    ) -> None:
+        """:meth:`attach` for a model with recurrent layers: a row reuses a prefix only up to a position where the
+        store holds a snapshot of its states (and the K/V before it), at one column for every row (one offset per
+        batch; a left-padded row at that column less its pads, where the store measured that the model keeps pads out
+        of its state, else a padded batch reuses nothing and its stats say why). With ``split``, first each row's
+        prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
+        from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
+        call then resumes at its last token. Mutates."""
+        snapshots, n, plan = store.snapshots, len(rows), self.images
+        states.clear(self.states)
+        self.publishes = True
+        # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
+        refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
+        caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+        computed = [0] * n
+        junction = 0  # the deepest stop short of a row's last token: where a match ended without a snapshot
+        chosen: list[states.Snapshot | None] = [None] * n
+        offset = 0
+
+        def choose(lengths: list[int]) -> list[int]:
+            nonlocal offset, chosen
+            # the deepest column where every row holds a snapshot (at that column less its pads)
+            c = min(p + min(m, cap) for p, m, cap in zip(pads, lengths, caps))
+            while c > 0:
+                if plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
+                    c = min(p + plan.snap(i, max(0, c - p)) for i, p in enumerate(pads))
+                if any(c - p < 1 for p in pads):
+                    c = 0
+                    break
+                found = [snapshots.find(self.space, r, c - p) for r, p in zip(rows, pads)]
+                lowest = min(0 if f is None else p + f.position for f, p in zip(found, pads))
+                if lowest == c:
+                    chosen = found
+                    break
+                c = lowest
+            offset = c
+            return [max(0, c - p) for p in pads]
+
+        with contextlib.ExitStack() as prefills:
+            if split and refusal is None:
+                for i, prompt in enumerate(rows):
+                    stops = self._stops(store, rows, i, caps[i])
+                    if stops:
+                        junction = max([junction, *stops[:-1]])
+                        held = store.runner.prefill_states(prompt[: stops[-1]], stops, self.namespace)
+                        computed[i] = prefills.enter_context(held)
+            claims, reused = self.blocks.claim(rows, self.space, choose)
+        if offset:
+            states.restore(self.states, [s for s in chosen if s is not None])
+        self.rows = [Row(p, keys, c, r // self.block_size) for p, keys, c, r in zip(pads, rows, claims, reused)]
+        for row, r in zip(self.rows, reused):
+            row.real = real_count(row.keys[:r])
+        self.length = offset
+        self.seen = [offset] * len(self.seen)
+        cached = [max(0, r - c) for r, c in zip(reused, computed)]
+        per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, cached))
+        self.stats = CacheStats(
+            sum(x.prompt_tokens for x in per_row),
+            sum(cached),
+            sum(x.computed_tokens for x in per_row),
+            per_row,
+            f"a left-padded batch of this model reuses no prefix: {refusal[0]}; it is computed whole, its K/V kept"
+            if refusal is not None
+            else f"the cached prefix ends at token {junction}, where no recurrent-state snapshot was taken yet: it was "
+            "computed up to there by a forward of its own and snapshotted, so the next prompt with that prefix resumes "
+            "there"
+            if junction and not sum(cached)
+            else None,
+            split_tokens=sum(computed),
+        )
+        if count:
+            self.blocks.ledger.count_query([len(t) for t in rows], cached)
+
+    def _stops(self, store: StoreParts, rows: list[list[int]], i: int, cap: int) -> list[int]:
+        """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded): at the store's
+        match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
+        ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
+        the store holds, and none if one is at ``cap`` already or the row has tokens its mask hides (the runner computes
+        without the row's mask). Does not mutate."""
+        row = rows[i]
+        # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
+        cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
+        if cap < 1 or any(k < 0 for k in row[:cap]):
+            return []
+        found = store.snapshots.find(self.space, row, cap)
+        deepest = 0 if found is None else found.position
+        if deepest == cap:
+            return []
+        junctions = {self.blocks.cached_length(row[:cap], self.space)}
+        junctions |= {common_length(row, other) for j, other in enumerate(rows) if j != i}
+        return sorted({j for j in junctions if deepest < j < cap} | {cap})
+
+    def keep_ends(self) -> None:
+        """At the end of a call (the cache closes), for a model with recurrent layers: publish every proven,
+        unpadded row's tokens, a last part-filled block included, and a snapshot of its states after them, so that
+        the next turn of a chat resumes there. Mutates the store."""
+        if not self.states or self.broken or not self.publishes or not self.rows:
+            return
+        held = store_held(self.blocks, self.space)
+        for b, row in enumerate(self.rows):
+            end = self.length - row.pad
+            if not row.proven or row.pad or end < 1 or len(row.keys) != end or self.snapshots is None:
+                continue
+            found = self.snapshots.find(self.space, row.keys, end)
+            if found is not None and found.position == end:
+                continue  # the runner's last stop
+            self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
+            self.snapshots.add(self.space, row.keys, states.take(self.states, b, end), held)
+
+    def snapshot_row(self, snapshots: states.Snapshots) -> None:
+        """Publish the one row's tokens (a last part-filled block included) and a snapshot of its states after them
+        (the runner's stops). Mutates the store."""
+        (row,) = self.rows
+        end = self.length  # the row's keys are its whole prompt's from the start; its columns, what was computed
+        self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
+        snapshots.add(self.space, row.keys, states.take(self.states, 0, end), store_held(self.blocks, self.space))
+
+    def note_silent(self, ok: bool) -> None:
+        """At a forward's end: the layers that write no K/V now count its columns too (``ok``: it returned);
+        a forward that raised leaves the recurrent states half-updated. Mutates."""
+        if ok:
+            for i in self.silent:
+                self.seen[i] = self.length
+        elif self.states:
+            self.broken = True
+
     def reattach(self, store: StoreParts, pads: list[int], rows: list[list[int]], space: Hashable) -> None:
         """Give back what construction reused and attach ``rows`` again, under ``space``, as the lookup of the
         same call (the store counts it once). Mutates."""
@@ -268,6 +413,11 @@ class RowSet:
     def allocate(self, forward: proof.ForwardInputs, batch: int, q: int) -> int:
         """Fit the rows to the forward's ``batch``, then claim blocks (and copies of shared part-blocks about to be
         written) for its ``q`` new columns; where they start. Mutates."""
+        if self.broken:
+            raise CacheMisuseError(
+                "an earlier forward with this cache raised half-way, and the recurrent layers' states it left cannot "
+                "be rolled back; build a new PagedPrefixCache"
+            )
         if self.length != min(self.seen):
             self.truncate(min(self.seen))  # an earlier forward raised half-way: drop its columns
         self._fit_batch(batch, forward)
@@ -358,10 +508,18 @@ class RowSet:
         rows = [self.rows[j].clone(c) for j, c in zip(indices, claims)]
         self.release()
         self.rows = rows
+        states.select(self.states, indices)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` columns. Mutates."""
         bs = self.block_size
+        if self.states and length != self.length:
+            if length:
+                raise CacheMisuseError(
+                    f"cannot cut this cache back from {self.length} to {length} columns: a recurrent layer's state "
+                    "cannot be rolled back; build a new PagedPrefixCache"
+                )
+            states.clear(self.states)
         keeps = [max(0, length - row.pad) for row in self.rows]
         self.blocks.truncate([row.claim for row in self.rows], [-(-keep // bs) for keep in keeps])
         for row, keep in zip(self.rows, keeps):
@@ -369,9 +527,20 @@ class RowSet:
         self.length = length
         self.seen = [length] * len(self.seen)
 
-    def fork(self) -> RowSet:
-        """A second row set holding the same columns, sharing their blocks (copy-on-write)."""
-        other = RowSet(self.blocks, len(self.seen), self.space_now, self.namespace)
+    def fork(self, state_layers: states.StateLayers = ()) -> RowSet:
+        """A second row set holding the same columns, sharing their blocks (copy-on-write); its recurrent states, in
+        ``state_layers`` (the other cache's), copies of these."""
+        other = RowSet(
+            self.blocks,
+            len(self.seen),
+            self.space_now,
+            self.namespace,
+            states=state_layers,
+            silent=self.silent,
+            snapshots=self.snapshots,
+        )
+        states.copy(self.states, other.states)
+        other.broken = self.broken
         claims = self.blocks.fork([row.claim for row in self.rows])
         other.rows = [row.clone(c) for row, c in zip(self.rows, claims)]
         other.length, other.seen = self.length, list(self.seen)
@@ -389,7 +558,14 @@ class RowSet:
         self.release()
         self.length = 0
         self.seen = [0] * len(self.seen)
+        states.clear(self.states)
+        self.broken = False
 
     def held_blocks(self) -> Counter[int]:
         """How many of the rows' table entries name each block. Does not mutate."""
         return Counter(b for row in self.rows for b in row.table)
+
+
+def store_held(blocks: BlockManager, space: Hashable) -> Callable[[list[int]], int]:
+    """How many leading tokens of a path the store's trie holds in ``space`` (what keeps a snapshot usable)."""
+    return lambda path: blocks.cached_length(path, space)

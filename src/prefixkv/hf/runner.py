@@ -81,6 +81,25 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
         yield held
 
 
+@contextlib.contextmanager
+def prefill_states(store: StoreParts, tokens: list[int], stops: list[int], namespace: str | None) -> Iterator[int]:
+    """For a model with recurrent layers (docs/how-it-works.md, "Layer kinds"): compute ``tokens`` with a one-row
+    cache from the deepest snapshot the store holds on their path, one forward up to each of ``stops`` in turn
+    (ascending, the last ``len(tokens)``), and after each publish the K/V (a last part-filled block included) and a
+    snapshot of the states there, so that a later prompt with that prefix resumes at the stop. Yields how many tokens
+    it computed; what it published stays locked until the block exits. In user ``namespace``. Mutates the store."""
+    with PagedPrefixCache(store, namespace=namespace) as cache:
+        rows = cache.forward.rows
+        rows.attach(store, [0], [tokens], count=False, chunks=True)  # reuse only: no stops of its own
+        start = done = cache.get_seq_length()
+        for stop in stops:
+            if stop > done:
+                _forward(cache, tokens[done:stop])
+                rows.snapshot_row(store.snapshots)
+                done = stop
+        yield done - start
+
+
 def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
     """The part of ``tokens`` that :func:`prefill` computes and :meth:`ModelRunner.pin` keeps: all of them, or in
     the invariant schedule their whole chunks (the only K/V a later call reuses there). Does not mutate."""
@@ -163,6 +182,12 @@ class ModelRunner:
     def prefill_shared(self, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:
         """:func:`prefill_shared` with this runner's store. Mutates the store."""
         return prefill_shared(self.store, rows, namespace)
+
+    def prefill_states(
+        self, tokens: list[int], stops: list[int], namespace: str | None
+    ) -> contextlib.AbstractContextManager[int]:
+        """:func:`prefill_states` with this runner's store. Mutates the store."""
+        return prefill_states(self.store, tokens, stops, namespace)
 
     def prefill_chunks(
         self, prefixes: list[list[int]], namespace: str | None

@@ -29,6 +29,7 @@ from .._compat import forward_cache_kwarg
 from ..errors import UnsupportedModelError
 from ..family import family
 from ..memory import AttentionShape
+from . import kinds
 from .support import eval_mode
 
 
@@ -42,11 +43,23 @@ class _Update(NamedTuple):
 
 
 class _Recording(DynamicCache):
-    """A ``DynamicCache`` that notes every ``update`` call (:class:`_Update`), per forward."""
+    """A ``DynamicCache`` that notes every ``update`` call (:class:`_Update`), per forward, and the layers that
+    update a conv or recurrent state (built from ``config``: transformers' layers of each kind)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(**({} if config is None else {"config": config}))
         self.forwards: list[list[_Update]] = []
+        self.stated: list[set[int]] = []
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.stated[-1].add(layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        self.stated[-1].add(layer_idx)
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -56,20 +69,26 @@ class _Recording(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def measure(model: Any, estimate: AttentionShape, device: torch.device) -> AttentionShape:
+def measure(
+    model: Any, estimate: AttentionShape, device: torch.device, layer_kinds: list[str] | None = None
+) -> AttentionShape:
     """The model's KV shape as its layers hand K/V over, from two forwards (one id, then two more that resume the
     cache) on ``device`` without gradients and with the random state restored (dropout draws nothing a later call
     would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
     :class:`UnsupportedModelError` when the layers do what prefixkv's cache cannot follow (the module's docstring).
-    Does not mutate the model."""
+    Does not mutate the model. With ``layer_kinds`` (:func:`prefixkv.hf.kinds.layer_kinds`, a model with recurrent
+    layers) the forwards prove them: the layers that write K/V and those that update a state are the kinds'; the
+    shape is that of the K/V layers (0 heads of size 0 where there are none)."""
     _check_cross_attention(model)
-    cache = _Recording()
+    text = model.config.get_text_config(decoder=True) if layer_kinds is not None else None
+    cache = _Recording(text)
     name = forward_cache_kwarg(model.forward)
     devices = [device] if device.type == "cuda" else []
     fed = (1, 2)
     with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         for n in fed:
             cache.forwards.append([])
+            cache.stated.append(set())
             ids = torch.ones((1, n), dtype=torch.long, device=device)
             try:
                 model(input_ids=ids, use_cache=True, **{name: cache})
@@ -81,8 +100,17 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
                     f"{e}), which every reuse of a prefix does; generate without prefixkv (with a DynamicCache) for "
                     "this model"
                 ) from e
-    for n, updates in zip(fed, cache.forwards, strict=True):
-        _check_forward(model, estimate.num_layers, n, updates)
+    if layer_kinds is not None:
+        for n, updates, stated in zip(fed, cache.forwards, cache.stated, strict=True):
+            _check_kinds(model, layer_kinds, n, updates, stated)
+        with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+            _check_resumes(model, text, name, device)
+            _PADDED[model] = _padded_states(model, text, name, device)
+        if not any(cache.forwards[0]):
+            return AttentionShape(estimate.num_layers, 0, 0)
+    else:
+        for n, updates in zip(fed, cache.forwards, strict=True):
+            _check_forward(model, estimate.num_layers, n, updates)
     shapes = {(u.key, u.value) for forward in cache.forwards for u in forward}
     if len(shapes) > 1 or any(key != value for key, value in shapes):
         per_layer = ", ".join(f"layer {u.layer}: K {u.key}, V {u.value}" for u in cache.forwards[0])
@@ -91,8 +119,9 @@ def measure(model: Any, estimate: AttentionShape, device: torch.device) -> Atten
             "K and V of one shape in every layer; generate without prefixkv (with a DynamicCache) for this model"
         )
     (heads, dim), _ = shapes.pop()
-    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
-        _PADDED[model] = _padded_resumption(model, name, device)
+    if layer_kinds is None:  # a model with recurrent layers reuses nothing for a padded batch (hf/rows.py)
+        with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+            _PADDED[model] = _padded_resumption(model, name, device)
     return AttentionShape(estimate.num_layers, heads, dim)
 
 
@@ -212,3 +241,89 @@ def _check_forward(model: Any, num_layers: int, fed: int, updates: list[_Update]
             "length), so its cache columns are not the ids' and prefixkv cannot key them by the ids; generate "
             "without prefixkv (with a DynamicCache) for this model"
         )
+
+
+def _check_kinds(model: Any, layer_kinds: list[str], fed: int, updates: list[_Update], stated: set[int]) -> None:
+    """Raise :class:`UnsupportedModelError` unless a forward fed ``fed`` ids wrote K/V, once each and ``fed`` columns,
+    to exactly the layers whose kind writes K/V, and updated a state in exactly those whose kind has one. Does not
+    mutate."""
+    kv = [i for i, k in enumerate(layer_kinds) if kinds.writes_kv(k)]
+    with_state = {i for i, k in enumerate(layer_kinds) if kinds.has_state(k)}
+    layers = [u.layer for u in updates]
+    if sorted(layers) != kv or stated != with_state:
+        raise UnsupportedModelError(
+            f"{family(model)} names its layers {layer_kinds} (transformers' layer types), but a forward wrote K/V to "
+            f"layers {sorted(layers)} and a state to layers {sorted(stated)}; prefixkv caches each layer as its kind "
+            "says; generate without prefixkv (with a DynamicCache) for this model"
+        )
+    columns = sorted({u.columns for u in updates})
+    if columns and columns != [fed]:
+        raise UnsupportedModelError(
+            f"{family(model)} adds {columns} columns to its cache for {fed} ids fed, so its cache columns are not the "
+            "ids' and prefixkv cannot key them by the ids; generate without prefixkv (with a DynamicCache) for this "
+            "model"
+        )
+
+
+def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device) -> None:
+    """Raise :class:`UnsupportedModelError` unless a forward of several ids that resumes a recurrent model's cache
+    gives what one forward of the whole sequence gives, within the rounding of the model's dtype
+    (:data:`_RESUME_TOLERANCE`; other dtypes are not checked): prefixkv resumes a prompt from a snapshot of the states
+    with such forwards. Mamba's selective scan starts every multi-token forward from a zero state; some Mamba-2 mixers
+    scan in float32 whatever the model's dtype. Does not mutate the model."""
+    params = next(model.parameters(), None)
+    tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
+    if tolerance is None:
+        return
+    ids = torch.arange(3, 27, device=device).remainder(model.config.get_text_config(decoder=True).vocab_size)[None]
+    whole = torch.as_tensor(model(input_ids=ids, use_cache=False).logits[:, -1])
+    cache = DynamicCache(config=text_config)
+    model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
+    resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
+    diff = float((whole - resumed).abs().max())
+    if not diff <= tolerance:
+        raise UnsupportedModelError(
+            f"{family(model)} does not resume a forward of several ids from its recurrent layers' state as one forward "
+            f"of the whole sequence computes it ({diff:.1e} off in {params.dtype if params is not None else ''}, over "
+            f"{tolerance:.0e}: Mamba's selective scan starts each such forward from a zero state, and some Mamba-2 "
+            "mixers scan in float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; "
+            "generate without prefixkv (with a DynamicCache) for this model"
+        )
+
+
+def _padded_states(model: Any, text_config: Any, name: str, device: torch.device) -> tuple[str, bool] | None:
+    """For a model with recurrent layers: whether a left-padded row that resumes what an unpadded call computed (a
+    pad column of zeros ahead of the K/V, the recurrent states as they are: a snapshot) gives what one forward of the
+    whole padded row gives, where the model's dtype rounds little enough to tell (:data:`_RESUME_TOLERANCE`). A model
+    that masks its pads out of the state (``apply_mask_to_padding_states`` before any bias) does; ``(why, False)``
+    where it does not: its padded rows then reuse nothing. Does not mutate the model."""
+    params = next(model.parameters(), None)
+    tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
+    if tolerance is None:
+        return None
+    pad = getattr(model.config, "pad_token_id", None)
+    ids = torch.tensor([[pad if isinstance(pad, int) else 0, 3, 4, 5, 6]], device=device)
+    mask = torch.tensor([[0, 1, 1, 1, 1]], device=device)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    try:
+        whole = torch.as_tensor(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1])
+        cache = DynamicCache(config=text_config)
+        model(input_ids=ids[:, 1:4], use_cache=True, **{name: cache})
+        for layer in cache.layers:  # a pad column of zeros ahead of the K/V, as the pool's null block
+            for field in ("keys", "values"):
+                held = getattr(layer, field, None)
+                if isinstance(held, torch.Tensor) and held.dim() == 4:
+                    setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+        extra = {"position_ids": torch.tensor([[3]], device=device)} if takes_positions else {}
+        out = model(input_ids=ids[:, 4:], attention_mask=mask, use_cache=True, **{name: cache}, **extra)
+        resumed = torch.as_tensor(out.logits[:, -1])
+    except Exception as e:
+        return f"a left-padded row cannot resume this model's recurrent state ({type(e).__name__}: {e})", False
+    diff = float((whole - resumed).abs().max())
+    if diff <= tolerance:
+        return None
+    return (
+        f"a left-padded row that resumes the recurrent state of its unpadded prefix gives other logits ({diff:.1e} "
+        "off) than the whole padded row (the model does not keep its pads out of the state), so padded rows reuse "
+        "nothing"
+    ), False

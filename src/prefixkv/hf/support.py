@@ -21,6 +21,7 @@ from ..errors import UnsupportedModelError
 from ..family import family
 from ..kv.key_space import transformers_model
 from ..memory import attention_shape
+from . import kinds
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``
@@ -72,13 +73,17 @@ def _refusal(model: Any, config: Any) -> str | None:
             "prefixkv caches decoder-only causal LMs only"
         )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
+    own_cache = supports_cache is not None and not supports_cache()
+    if kinds.layer_kinds(text) is not None and not own_cache and _calls_state_layers(model):
+        return _common_refusal(model, text)  # recurrent layers that transformers' own cache layers hold
     layer_types = list(getattr(text, "layer_types", None) or [])
     stateful = getattr(model, "_is_stateful", False) or any(getattr(text, f, None) is not None for f in _STATE_FIELDS)
-    supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
-    if stateful or set(layer_types) & _STATE_LAYER_TYPES or (supports_cache is not None and not supports_cache()):
+    if stateful or set(layer_types) & _STATE_LAYER_TYPES or own_cache:
         return (
-            "has state-space, linear-attention or recurrent layers (or a cache of its own), whose state is "
-            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
+            "has state-space, linear-attention or recurrent layers whose state it keeps its own way (a cache of its "
+            "own, or state held in its modules) rather than in transformers' cache layers (LinearAttentionLayer, which "
+            "prefixkv serves from transformers 5 on), so prefixkv cannot share or resume a prefix of it"
         )
     no_kv = sorted(set(layer_types) & _NO_KV_LAYER_TYPES)
     if no_kv:
@@ -98,6 +103,25 @@ def _refusal(model: Any, config: Any) -> str | None:
         )
     if getattr(text, "is_heterogeneous", False):
         return "has layers of different shapes (a per-layer config); prefixkv needs one KV shape for all layers"
+    return _common_refusal(model, text)
+
+
+def _calls_state_layers(model: Any) -> bool:
+    """Whether ``model``'s modeling code hands its recurrent state to the cache (``update_conv_state``,
+    ``update_recurrent_state``); a model whose config names recurrent layers but whose code keeps their state in its
+    own modules (RecurrentGemma) does not. Read from the module's source: a model without weights is refused before
+    any forward could show it. Does not mutate."""
+    module = inspect.getmodule(type(transformers_model(model)))
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "update_conv_state" in source or "update_recurrent_state" in source
+
+
+def _common_refusal(model: Any, text: Any) -> str | None:
+    """The refusals that hold for every layer kind, K/V or recurrent: a length-dependent rope, no cache at all,
+    value heads of another size, attention to later tokens; ``None`` if none does. Does not mutate."""
     rope = _length_dependent_rope(text)
     if rope is not None:
         return (
@@ -109,10 +133,10 @@ def _refusal(model: Any, config: Any) -> str | None:
             "has no KV cache (its forward takes neither `cache` nor `past_key_values`: generate recomputes the whole "
             "sequence at every step), so there is nothing for prefixkv to keep"
         )
-    head_dim = attention_shape(text).head_dim
+    head_dim = attention_shape(text).head_dim or None  # None: no attention heads (a Mamba model)
     for field, kind in (("v_head_dim", "value"), ("global_head_dim", "full-attention")):
         other = getattr(text, field, None)
-        if other is not None and other != head_dim:
+        if other is not None and head_dim is not None and other != head_dim:
             return (
                 f"has {kind} heads of size {other} ({field}) and key heads of size {head_dim}; "
                 "prefixkv keeps K and V of one head size in every layer"
@@ -158,3 +182,23 @@ def eval_mode(model: Any) -> Iterator[None]:
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+def state_option_refusal(model: Any, *, invariant: bool, offload: bool, kv_dtype: str | None) -> str | None:
+    """Why a store of ``model`` cannot take these options when the model has recurrent layers
+    (:func:`prefixkv.hf.kinds.layer_kinds`), or ``None``. Their state snapshots live in memory at token positions:
+    an invariant store's canonical chunks, the second tier and 8-bit K/V are not carried for them yet. Does not
+    mutate."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if text is None or kinds.layer_kinds(text) is None:
+        return None
+    options = (("invariant=True/chunk_size", invariant), ("offload/offload_dir", offload), ("kv_dtype", kv_dtype))
+    asked = [name for name, on in options if on]
+    if not asked:
+        return None
+    return (
+        f"{family(model)} has recurrent layers (linear attention, Mamba or short convolutions), whose state snapshots "
+        f"prefixkv keeps in memory only; {', '.join(asked)} {'is' if len(asked) == 1 else 'are'} not supported for "
+        "such models yet: build the PrefixStore without " + " and ".join(asked)
+    )
