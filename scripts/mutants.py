@@ -654,6 +654,15 @@ MUTATIONS = [
         ("tests/test_images.py::test_same_image_reused_another_never",),
         "a vision-language model's text-only calls never publish: generate passes them an empty mm_encoder_outputs",
     ),
+    Mutation(
+        "images-replan-ignores-image-keys",
+        "hf/call.py",
+        "        keys = [relabel(k, r.keys) for k, r in zip(keys, held)]",
+        "",
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
+        "split_tokens are lost and the reuse it computed itself is counted as cached)",
+    ),
 ]
 
 

@@ -317,3 +317,14 @@ def test_a_cached_image_is_not_encoded_again() -> None:
     _, diff = run(model, store, prompt("qwen2_vl", [[system, 3, question, 4, text(2, 4)]]))
     assert encoded == [16] and diff < 1e-6, encoded
     hook.remove()
+
+
+def test_generate_many_refuses_images() -> None:
+    """generate_many refills rows of ids, which images cannot follow: refused with the reason."""
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    inputs = prompt("llava", [[text(6, 1), 1, text(3, 2)]])
+    with pytest.raises(ValueError, match="does not take pixel_values: it pads, batches and refills"):
+        prefixkv.generate_many(model, [inputs["input_ids"][0]], store=store, pixel_values=inputs["pixel_values"])
+    _, diff = run(model, store, {"input_ids": torch.tensor([text(6, 1) + text(3, 2)])})  # a later ordinary request
+    assert diff < 1e-6
