@@ -650,6 +650,72 @@ MUTATIONS = [
         ("tests/test_recurrent.py::test_padded_rows_reuse_nothing_where_pads_reach_the_state",),
         "left-padded rows resume their unpadded prefix's state in a model whose pads reach the state",
     ),
+    # -- images in the prompt (issue 46)
+    Mutation(
+        "images-digest-ignores-grid",
+        "hf/vision.py",
+        'per = [{"pixel_values": pixels[a:b], "image_grid_thw": grid[i]} for i, (a, b) in enumerate(spans)]',
+        'per = [{"pixel_values": pixels[a:b]} for i, (a, b) in enumerate(spans)]',
+        ("tests/test_images.py::test_digest_keys_the_grid",),
+        "the same patches in another grid (other positions, another image to the model) take the same keys",
+    ),
+    Mutation(
+        "images-match-ends-inside-an-image",
+        "hf/rows.py",
+        "            while plan is not None:  # nor inside any row's image",
+        "            while False:  # nor inside any row's image",
+        ("tests/test_images.py::test_a_prompt_ending_in_an_image_recomputes_the_whole_image",),
+        "a reuse capped one token short of a prompt that ends in an image ends inside the image",
+    ),
+    Mutation(
+        "images-keys-ignore-the-image",
+        "tokens.py",
+        'drawn = hashlib.blake2b(digest + index.to_bytes(8, "little"), digest_size=8).digest()',
+        'drawn = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()',
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "an image's placeholders are keyed by their index alone: another image behind the same text reuses its K/V",
+    ),
+    Mutation(
+        "images-invariant-chunks-past-an-image",
+        "hf/rows.py",
+        "hidden = next((t for t, k in enumerate(keys) if k < 0 or is_image_key(k)), len(keys))",
+        "hidden = next((t for t, k in enumerate(keys) if k < 0), len(keys))",
+        ("tests/test_images.py::test_an_invariant_store_reuses_the_text_before_the_first_image",),
+        "an invariant store's canonical prefill of ids alone runs past an image placeholder, with no image",
+    ),
+    Mutation(
+        "images-shared-prefill-past-an-image",
+        "hf/runner.py",
+        "prefix = prefix[: next((t for t, k in enumerate(prefix) if is_image_key(k)), len(prefix))]",
+        "prefix = prefix[: len(prefix)]",
+        ("tests/test_images.py::test_two_images_batches_and_beams",),
+        "in-batch sharing prefills a prefix of ids alone past an image placeholder, with no image",
+    ),
+    Mutation(
+        "images-cached-image-encoded-again",
+        "hf/hooks.py",
+        "fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)",
+        "fed = model_kwargs",
+        ("tests/test_images.py::test_a_cached_image_is_not_encoded_again",),
+        "generate encodes every image of a warm call, the cached ones again (the features of the tail are picked)",
+    ),
+    Mutation(
+        "images-empty-encoder-outputs-unproven",
+        "hf/proof.py",
+        "            and not (isinstance(v, Mapping) and not v)",
+        "",
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "a vision-language model's text-only calls never publish: generate passes them an empty mm_encoder_outputs",
+    ),
+    Mutation(
+        "images-replan-ignores-image-keys",
+        "hf/call.py",
+        "        keys = [relabel(k, r.keys) for k, r in zip(keys, held)]",
+        "",
+        ("tests/test_images.py::test_same_image_reused_another_never",),
+        "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
+        "split_tokens are lost and the reuse it computed itself is counted as cached)",
+    ),
 ]
 
 

@@ -175,14 +175,14 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
 # the block layer (`kv/`); the attention layer (`attention/`); the transformers glue (`hf/`); the user-facing modules
 # on top. A module imports modules of its own layer and of those below it, never one above.
 BASE = {
-    *("errors", "settings", "tokens", "slots", "family", "memory", "stats", "display_text", "display"),
+    *("errors", "settings", "tokens", "images", "slots", "family", "memory", "stats", "display_text", "display"),
     *("patching", "_compat", "_compat_generate"),
 }
 LAYERS = ["base", "kv", "attention", "hf", "top"]
 # within a layer, each module imports only those listed before it: the order a reader can read them in
 WITHIN = {
     "base": [
-        *("errors", "settings", "tokens", "slots", "family", "memory", "stats", "display_text", "display"),
+        *("errors", "settings", "tokens", "images", "slots", "family", "memory", "stats", "display_text", "display"),
         *("patching", "_compat", "_compat_generate"),
     ],
     "kv": [
@@ -197,7 +197,8 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows", "hf.call"),
+        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows"),
+        "hf.call",
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "top": [

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
+from .hf.vision import IMAGE_INPUTS
 from .kv.key_space import transformers_model
 from .store import PrefixStore
 from .tokens import as_token_list
@@ -42,6 +43,13 @@ def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
     for key, why in _REFUSED.items():
         if key in generate_kwargs:
             raise ValueError(f"generate_many() does not take {key}=: {why}")
+    images = sorted(k for k in IMAGE_INPUTS if generate_kwargs.get(k) is not None)
+    if images:
+        raise ValueError(
+            f"generate_many() does not take {', '.join(images)}: it pads, batches and refills prompts of ids, and a "
+            "batch's images would not follow its rows; call generate with the processor's outputs and a "
+            'PagedPrefixCache built from them (docs/generate.md, "Images")'
+        )
     settings = generation_settings(model, generate_kwargs)
     refused = _refused_setting(settings)
     if refused is not None:

@@ -16,6 +16,7 @@ from . import _compat
 from ._compat import CACHE_KWARGS
 from .hf.cache import PagedPrefixCache
 from .hf.hooks import has_open_store
+from .hf.vision import IMAGE_INPUTS
 from .kv.key_space import transformers_model, user_space
 from .patching import MethodPatch, bound_to_copies
 from .store import PrefixStore
@@ -121,7 +122,9 @@ def _plan_enabled_call(
     mask = named.get("attention_mask")
     try:
         mask = mask if mask is not None else inferred_mask(ids, setting)
-        cache = PagedPrefixCache(store, ids, mask, namespace=namespace)
+        # a vision-language model's image inputs key its placeholders (docs/generate.md, "Images")
+        images = {name: named[name] for name in IMAGE_INPUTS if named.get(name) is not None}
+        cache = PagedPrefixCache(store, ids, mask, namespace=namespace, **images)
     except ValueError as e:
         warnings.warn(f"prefixkv: this generate call runs without prefix reuse: {e}", stacklevel=3)
         return _STOCK

@@ -114,13 +114,138 @@ _COMMON = {
 }
 
 
+_TEXT = {k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"}
+# vision-language models (docs/generate.md, "Images"): a 2-layer text model of hidden 64 behind a 1- or 2-layer vision
+# tower of hidden 32 whose images of 16 (Mistral 3: 32) pixels square give 4 to 16 placeholder tokens; the image
+# placeholder is token 250, the tokens around an image 251-253
+_TINY_VLM: dict[str, tuple[str, dict[str, Any]]] = {
+    "llava": (
+        "LlavaConfig",
+        {
+            "text_config": {**_TEXT, "model_type": "llama", "num_key_value_heads": 2},
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                **{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                **{"image_size": 16, "patch_size": 4, "projection_dim": 32},
+            },
+            "image_token_index": 250,
+            "vision_feature_layer": -1,
+        },
+    ),
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        {
+            "text_config": {
+                **_TEXT,
+                "num_key_value_heads": 2,
+                "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            },
+            "vision_config": {
+                **{"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 2},
+                **{"spatial_merge_size": 2, "temporal_patch_size": 2},
+            },
+            **{"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253},
+        },
+    ),
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        {
+            "text_config": {
+                **_TEXT,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "rope_parameters": {
+                    **{"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+                    "mrope_interleaved": True,
+                },
+            },
+            "vision_config": {
+                **{"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2},
+                **{"spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64},
+                **{"num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
+            },
+            **{"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253},
+        },
+    ),
+    "gemma3": (
+        "Gemma3Config",
+        {
+            "text_config": {
+                **_TEXT,
+                **{"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24},
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            "vision_config": {
+                **{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                **{"image_size": 16, "patch_size": 4},
+            },
+            **{"mm_tokens_per_image": 4, "image_token_index": 250, "boi_token_index": 251, "eoi_token_index": 252},
+        },
+    ),
+    "mistral3": (
+        "Mistral3Config",
+        {
+            "text_config": {**_TEXT, "model_type": "mistral", "num_key_value_heads": 2, "head_dim": 16},
+            "vision_config": {
+                "model_type": "pixtral",
+                **{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                **{"image_size": 32, "patch_size": 4, "head_dim": 16},
+            },
+            **{"image_token_index": 250, "spatial_merge_size": 2},
+        },
+    ),
+    # the hybrid of issue 45 with images: a gated-delta-rule layer and a full-attention one, Qwen3-VL's vision tower
+    "qwen3_5": (
+        "Qwen3_5Config",
+        {
+            "text_config": {
+                **_TEXT,
+                **{"num_key_value_heads": 2, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"]},
+                **{"linear_num_key_heads": 2, "linear_num_value_heads": 4},
+                **{"linear_key_head_dim": 16, "linear_value_head_dim": 16},
+                "rope_parameters": {
+                    **{"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                    **{"mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                },
+            },
+            "vision_config": {
+                **{"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2},
+                **{"spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64},
+                "num_position_embeddings": 16,
+            },
+            **{"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253},
+            "tie_word_embeddings": False,
+        },
+    ),
+    "idefics3": (
+        "Idefics3Config",
+        {
+            "text_config": {**_TEXT, "model_type": "llama", "num_key_value_heads": 2},
+            "vision_config": {
+                **{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+                **{"image_size": 16, "patch_size": 4},
+            },
+            **{"image_token_id": 250, "scale_factor": 2},
+        },
+    ),
+}
+
+
 def families() -> list[str]:
-    """The families ``tiny_model`` can build."""
-    return sorted(_TINY)
+    """The families ``tiny_model`` can build (:func:`vision_families` among them)."""
+    return sorted([*_TINY, *_TINY_VLM])
+
+
+def vision_families() -> list[str]:
+    """The vision-language families ``tiny_model`` can build: they take images in the prompt."""
+    return sorted(_TINY_VLM)
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
     """A 2-layer, hidden-64 config of ``family`` (see :func:`families`)."""
+    if family in _TINY_VLM:
+        cls_name, fields = _TINY_VLM[family]
+        return getattr(transformers, cls_name)(**{**fields, **overrides})
     if family not in _TINY:
         raise ValueError(f"unknown family {family!r}; choose one of {families()}")
     cls_name, extra = _TINY[family]
@@ -135,7 +260,9 @@ def build(
     takes transformers' choice: ``sdpa`` where the family has it, else ``eager`` (Gemma 2, Bloom)."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    vision = getattr(config, "vision_config", None) is not None
+    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -195,6 +322,22 @@ def tiny_tokenizer(vocab_size: int = 256) -> Any:
         unk_token="<unk>",
         chat_template=_TINY_CHAT_TEMPLATE,
         padding_side="left",
+    )
+
+
+def tiny_processor() -> Any:
+    """A processor for ``tiny_model("llava")`` (no download): :func:`tiny_tokenizer` with ``<image>`` as token 250,
+    the model's image placeholder, and CLIP's image processor at 16 pixels square, so that ``pipeline(
+    "image-text-to-text")`` and a processor's ``images=`` work; an image takes 16 placeholder tokens. Needs Pillow."""
+    tokenizer = tiny_tokenizer(vocab_size=250)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    return transformers.LlavaProcessor(
+        image_processor=images(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}),
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, which the "default" strategy drops
     )
 
 

@@ -1,10 +1,12 @@
 """Token ids, on the ground floor: one sequence of ids as plain ints (:func:`as_token_list`), how many two sequences
 start with in common (:func:`common_length`), and the trie key of a token (:func:`key`: its id, or ``-1 - id``
-where the attention mask hides it) with its way back (:func:`token`, :func:`token_ids`). The one home of each;
+where the attention mask hides it) with its way back (:func:`token`, :func:`token_ids`), and the keys of an image's
+placeholder tokens (:func:`image_key`, a range of their own: a token's key never equals one). The one home of each;
 nothing here mutates, and nothing here knows a model, a cache or a store."""
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Sequence
 
@@ -57,11 +59,58 @@ def key(token: int, visible: bool) -> int:
     return token if visible else -1 - token
 
 
+IMAGE_KEYS = 2**62
+"""Where the keys of image placeholders begin (:func:`image_key`); every key stays below ``2**63`` (an int64 in
+files)."""
+_TOKEN_BITS = 20  # a placeholder's token id, in an image key's low bits (vocabularies stay below 2**20)
+_HASH_BITS = 42
+_TOKEN_MASK = (1 << _TOKEN_BITS) - 1
+
+
+def image_key(digest: bytes, index: int, token_id: int) -> int:
+    """The trie key of the ``index``-th placeholder token ``token_id`` of an image whose processed inputs have
+    ``digest`` (:func:`prefixkv.images.digest`): 42 bits drawn from the digest and the index, so two images differ
+    at every placeholder, above :data:`IMAGE_KEYS`, with the token id in the low bits (:func:`token` gives it back).
+
+    >>> k = image_key(b"one image", 0, 250)
+    >>> k >= IMAGE_KEYS, token(k), k == image_key(b"another", 0, 250)
+    (True, 250, False)
+    """
+    if not 0 <= token_id <= _TOKEN_MASK:
+        raise ValueError(f"an image placeholder's token id must be at most {_TOKEN_MASK}, got {token_id}")
+    drawn = hashlib.blake2b(digest + index.to_bytes(8, "little"), digest_size=8).digest()
+    bits: int = int.from_bytes(drawn, "little") >> (64 - _HASH_BITS)
+    return IMAGE_KEYS + (bits << _TOKEN_BITS) + token_id
+
+
+def is_image_key(key: int) -> bool:
+    """Whether ``key`` is an image placeholder's (:func:`image_key`)."""
+    return key >= IMAGE_KEYS
+
+
 def token(key: int) -> int:
-    """The token id of a trie key (:func:`key`): a hidden token's text is still that token's."""
+    """The token id of a trie key (:func:`key`, :func:`image_key`): a hidden token's text is still that token's, an
+    image's placeholder is its placeholder id."""
+    if key >= IMAGE_KEYS:
+        return key & _TOKEN_MASK
     return key if key >= 0 else -1 - key
 
 
 def token_ids(keys: Sequence[int]) -> list[int]:
     """The token ids of trie keys (:func:`token` of each)."""
     return [token(k) for k in keys]
+
+
+def relabel(fed: Sequence[int], known: Sequence[int]) -> list[int]:
+    """The keys of a forward's ``fed`` tokens (:func:`key` of each) with an image's key wherever the row's ``known``
+    key there is one of the same placeholder token: the ids alone cannot say which image a placeholder is, the row's
+    keys (built with the images, prefixkv/hf/vision.py) do.
+
+    >>> k = image_key(b"an image", 0, 250)
+    >>> relabel([5, 250, 7], [5, k]) == [5, k, 7]
+    True
+    """
+    return [
+        k if i >= len(known) or known[i] < IMAGE_KEYS or k < 0 or token(known[i]) != k else known[i]
+        for i, k in enumerate(fed)
+    ]

@@ -31,7 +31,7 @@ from ..attention import static
 from ..errors import CacheMisuseError
 from ..kv.key_space import user_space
 from ..stats import CacheStats
-from . import kinds
+from . import kinds, vision
 from .call import GenerateCall
 from .forward import Forward
 from .layers import HybridLayer, PagedLayer, StateLayer
@@ -75,6 +75,7 @@ class PagedPrefixCache(Cache):
         *,
         namespace: str | None = None,
         compileable: bool | None = None,
+        **inputs: Any,
     ) -> None:
         if not isinstance(store, StoreParts):
             raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
@@ -82,6 +83,12 @@ class PagedPrefixCache(Cache):
             raise TypeError(
                 f"compileable takes True (every one-token forward a compiled step), False (never compiled) or None "
                 f"(the default: compiled where generate compiles), got {compileable!r}"
+            )
+        unknown = sorted(set(inputs) - vision.IMAGE_INPUTS)
+        if unknown:
+            raise TypeError(
+                f"PagedPrefixCache got unexpected keyword arguments {unknown}; besides input_ids and attention_mask it "
+                f"takes a processor's image inputs ({', '.join(sorted(vision.IMAGE_INPUTS))})"
             )
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
@@ -109,10 +116,12 @@ class PagedPrefixCache(Cache):
             and the runner call; a user never does."""
             if input_ids is not None:
                 pads, keys = check_prompt(input_ids, attention_mask)
+                self._rowset.images = vision.plan(store.hf_model.config, pads, keys, inputs)
+                vision.reset_rope_deltas(store.hf_model)
                 self.forward.call = GenerateCall(input_ids.cpu().tolist())
                 self._rowset.attach(store, pads, keys)
-            elif attention_mask is not None:
-                raise ValueError("attention_mask was given without input_ids")
+            elif attention_mask is not None or any(v is not None for v in inputs.values()):
+                raise ValueError("attention_mask or image inputs were given without input_ids")
         refusal = self.forward.refusal
         self.compile_reason = (
             f"not compileable: {refusal}"

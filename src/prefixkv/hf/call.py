@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import CacheMisuseError, UnsupportedModelError
-from ..tokens import token_ids
-from . import proof, rows, shapes
+from ..tokens import relabel, token_ids
+from . import proof, rows, shapes, vision
 from .parts import StoreParts
 
 
@@ -105,6 +105,7 @@ class GenerateCall:
             space=held.space_now(),
             held_space=held.space,
             padded=shapes.padded_refusal(store.hf_model),
+            keyed=vision.KEYED if held.images is not None else frozenset(),
         )
         if decision is None:
             return False
@@ -133,13 +134,14 @@ class GenerateCall:
         space: Hashable,
         held_space: Hashable,
         padded: tuple[str, bool] | None = None,
+        keyed: frozenset[str] = frozenset(),
     ) -> Drop | Redo | None:
         """Before the cache computes anything: whether the reuse of construction is wrong for the call as it is
         (its inputs rule out any proof, or its own positions differ from the mask's) or was made for another
         layout (``generate`` inferred a mask, an adapter was switched: ``space`` differs from ``held_space``);
         ``padded``: why the model's left-padded rows cannot reuse, and whether it refuses them
         (:func:`prefixkv.hf.shapes.padded_refusal`: raises :class:`UnsupportedModelError`).
-        ``None``: keep it. Does not mutate."""
+        ``keyed``: the inputs the rows' keys carry (a prompt's images). ``None``: keep it. Does not mutate."""
         if padded is not None and padded[1] and any(row.pad for row in held):
             raise UnsupportedModelError(
                 f"this model {padded[0]}: a left-padded batch would get other outputs than stock generate; "
@@ -153,7 +155,7 @@ class GenerateCall:
             None if isinstance(embeds, torch.Tensor) else input_ids,
             embeds,
             use_cache=kwargs.get("use_cache"),
-            others=proof.changing_inputs(kwargs, tensors_only=True),
+            others=proof.changing_inputs(kwargs, tensors_only=True, keyed=keyed),
         )
         why = proof.unproven(forward, training=training, space=lambda: held_space, held_space=held_space)
         # a chunk of a chunked prefill (``prefill_chunk_size``) feeds only its columns after the held ones, so its
@@ -172,6 +174,7 @@ class GenerateCall:
             return None  # not the prompt this cache was built from: check_continues says so
         mask = None if attention_mask is None else rows.check_mask(attention_mask, tuple(input_ids.shape))[::per]
         pads, keys = rows.layout(input_ids[::per], mask)
+        keys = [relabel(k, r.keys) for k, r in zip(keys, held)]  # a placeholder's key is its image's (hf/vision.py)
         if any(not k for k in keys) or (
             space == held_space and all(p == r.pad and k == r.keys for p, k, r in zip(pads, keys, held))
         ):

@@ -28,6 +28,7 @@ from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
 from ..errors import CacheMisuseError
 from ..patching import MethodPatch, SharedPatch, bound_to_copies
+from . import vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
@@ -85,14 +86,30 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             return args, {k: None if v is cache else v for k, v in kwargs.items()}
         if built is not None and inputs.get("attention_mask") is built:
             inputs = {**inputs, "attention_mask": source}
-        forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step))
+        keyed: frozenset[str] = frozenset()
+        plan = forward.rows.images
+        if plan is not None:  # a prompt's images, keyed by what they are: this forward gets those it feeds only
+            keyed = vision.KEYED
+            held = forward.rows
+            fed = inputs.get("input_ids")
+            batch = fed.shape[0] if isinstance(fed, torch.Tensor) else len(held.rows)
+            per = max(1, batch // max(1, len(held.rows)))
+            starts = [held.length - held.rows[b // per].pad for b in range(batch)] if held.rows else []
+            try:
+                sliced = plan.feed(starts, kwargs) if starts else kwargs
+            except ValueError as e:
+                raise CacheMisuseError(str(e)) from None
+            if sliced is not kwargs:
+                kwargs = sliced
+                inputs = {**inputs, **{k: v for k, v in sliced.items() if k in vision.KEYED}}
+        forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step, keyed=keyed))
         if forward.step is not None and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph
             # (prefixkv.attention.static); the forward's masks are as wide as the step's slot table, a size of the
             # graph as the table's width is
             mark_width(kwargs.get("attention_mask"))
             return args, {**kwargs, STEP_KWARG: True}
-        return None
+        return (args, kwargs) if plan is not None else None
 
     @outside_compile
     def after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -228,6 +245,40 @@ def _stepping_compiled_call(get_compiled_call: Callable[..., Any]) -> Callable[.
     return getting
 
 
+_ENCODE = "_maybe_prepare_encoder_kwargs_for_generation"
+
+
+def _encoding_fed_images(encode: Callable[..., Any]) -> Callable[..., Any]:
+    """``GenerationMixin._maybe_prepare_encoder_kwargs_for_generation``, where ``generate`` encodes a prompt's images
+    before its prefill (transformers 5), that first checks they are those a ``PagedPrefixCache`` of the call keyed the
+    prompt by (docs/generate.md, "Images": other images under its keys would reuse and publish K/V that are not
+    theirs), fits the cache's reuse to the call (:meth:`prefixkv.hf.forward.Forward.fit_prompt`, as the call's first
+    step would) and hands the encoder the images of the uncached tail only: a cached image is not encoded again. Not a
+    shim: no release tells a cache what images a call has."""
+
+    @functools.wraps(encode)
+    def encoding(self: Any, inputs_tensor: Any, model_kwargs: dict[str, Any], *rest: Any) -> Any:
+        cache = paged_cache(model_kwargs)
+        plan = None if cache is None or cache.store.hf_model is not self else cache.forward.rows.images
+        if plan is None or not has_open_store(self) or cache is None or cache.closed:
+            return encode(self, inputs_tensor, model_kwargs, *rest)
+        try:
+            plan.check(model_kwargs)
+        except ValueError as e:
+            raise CacheMisuseError(str(e)) from None
+        # generate's own test of a model whose images it encodes before the prefill (else its forward gets them all)
+        supports = getattr(self, "_supports_mm_encoder_outputs", None)
+        encodes = callable(supports) and supports() and "image" in getattr(self, "input_modalities", ())
+        if not encodes or not isinstance(inputs_tensor, torch.Tensor) or inputs_tensor.dim() != 2 or self.training:
+            return encode(self, inputs_tensor, model_kwargs, *rest)
+        cache.forward.fit_prompt(inputs_tensor, model_kwargs)
+        held = cache.forward.rows
+        fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)
+        return encode(self, inputs_tensor, fed, *rest)
+
+    return encoding
+
+
 _installed = False
 
 
@@ -246,6 +297,9 @@ def install_generation_wrappers() -> None:
     _compat_generate.install_generation_patches(fit_chunked_prompt)
     mixin = _generation.GenerationMixin
     patching.install(mixin, "_valid_auto_compile_criteria", _noting_compile(mixin._valid_auto_compile_criteria))
+    encode = getattr(mixin, _ENCODE, None)
+    if encode is not None:  # transformers 5 encodes a prompt's images before its prefill
+        patching.install(mixin, _ENCODE, _encoding_fed_images(encode))
     pretrained = _modeling.PreTrainedModel
     if hasattr(pretrained, "get_compiled_call"):  # every supported release has it; a later one may not
         patching.install(pretrained, "get_compiled_call", _stepping_compiled_call(pretrained.get_compiled_call))

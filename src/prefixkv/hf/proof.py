@@ -16,7 +16,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 
 from .._compat import CACHE_KWARGS, RELEASE_NEUTRAL_INPUTS
-from ..tokens import key, token_ids
+from ..tokens import key, relabel, token_ids
 
 # inputs of a forward (and of prepare_inputs_for_generation, which passes the rest on to it) that do not change
 # the K/V of the ids; any other one (token_type_ids, pixel values) makes the rows unproven
@@ -38,15 +38,22 @@ NEUTRAL_INPUTS = frozenset(
 )
 
 
-def changing_inputs(inputs: Mapping[str, Any], *, tensors_only: bool = False) -> tuple[str, ...]:
+def changing_inputs(
+    inputs: Mapping[str, Any], *, tensors_only: bool = False, keyed: frozenset[str] = frozenset()
+) -> tuple[str, ...]:
     """The names of ``inputs`` (a forward's, by name) that are set and may change K/V. With ``tensors_only``, only
     tensors count: the arguments of a generate step also hold generate's own settings (the tokenizer of
-    ``stop_strings``), which never reach the forward."""
+    ``stop_strings``), which never reach the forward. ``keyed``: inputs whose effect the rows' keys carry (a
+    prompt's images, keyed by their digests: prefixkv/hf/vision.py)."""
     return tuple(
         sorted(
             k
             for k, v in inputs.items()
-            if v is not None and k not in NEUTRAL_INPUTS and (not tensors_only or isinstance(v, torch.Tensor))
+            if v is not None
+            and not (isinstance(v, Mapping) and not v)  # an empty one (generate's mm_encoder_outputs of no image)
+            and k not in NEUTRAL_INPUTS
+            and k not in keyed
+            and (not tensors_only or isinstance(v, torch.Tensor))
         )
     )
 
@@ -67,15 +74,22 @@ class ForwardInputs(NamedTuple):
     decode_step: bool = False
 
     @classmethod
-    def of(cls, inputs: Mapping[str, Any], *, positions_matter: bool, decode_step: bool) -> ForwardInputs:
-        """The record of a forward called with ``inputs`` (by name)."""
+    def of(
+        cls,
+        inputs: Mapping[str, Any],
+        *,
+        positions_matter: bool,
+        decode_step: bool,
+        keyed: frozenset[str] = frozenset(),
+    ) -> ForwardInputs:
+        """The record of a forward called with ``inputs`` (by name); ``keyed``: as :func:`changing_inputs`."""
         return cls(
             inputs.get("input_ids"),
             inputs.get("inputs_embeds"),
             inputs.get("attention_mask"),
             inputs.get("position_ids"),
             inputs.get("use_cache"),
-            changing_inputs(inputs),
+            changing_inputs(inputs, keyed=keyed),
             positions_matter,
             decode_step,
         )
@@ -142,11 +156,21 @@ def custom_positions(input_ids: torch.Tensor, attention_mask: Any, position_ids:
     if position_ids is None:
         return None
     reason = "position_ids of its own (K/V depend on positions; the cache keys assume the mask's)"
+    position_ids = text_positions(position_ids)
     if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != tuple(input_ids.shape):
         return reason
     shown = torch.ones(input_ids.shape, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
     expected = shown.to(torch.long).cumsum(dim=1) - 1
     return reason if bool(((position_ids.cpu() != expected) & shown).any()) else None
+
+
+def text_positions(position_ids: Any) -> Any:
+    """The text positions of ``position_ids``: generate's multimodal rotary positions (Qwen-VL's ``[4, B, S]``)
+    lead with them, and their three other rows follow from the ids and the images, which the keys carry
+    (prefixkv/hf/vision.py); any other tensor as it is."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        return position_ids[0]
+    return position_ids
 
 
 def mask_rows(mask: Any, rows: int, width: int, since: int) -> list[list[bool]] | Literal[False] | None:
@@ -173,6 +197,7 @@ def position_rows(position_ids: Any, rows: int, q: int) -> list[list[int]] | Lit
     positions the proof cannot read, such as 3-D rotary sections)."""
     if position_ids is None:
         return None
+    position_ids = text_positions(position_ids)
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] not in (1, rows):
         return False
     values: list[list[int]] = position_ids[:, -q:].cpu().tolist()
@@ -238,8 +263,8 @@ def prove_rows(
         skip = min(q, max(0, row.pad - start))  # new columns that are padding
         first = max(0, start - row.pad)  # token index of the first new real column
         shown = [True] * (q - skip) if mask is None else mask[i][new + skip : new + q]
-        keys = [key(t, v) for t, v in zip(ids[i][skip:], shown)]
-        known = row.keys[first : first + len(keys)]
+        known = row.keys[first : first + q - skip]
+        keys = relabel([key(t, v) for t, v in zip(ids[i][skip:], shown)], known)
         verdicts.append(_prove_row(i, row, keys, known, shown, first, mask, new, skip, positions, forward, reused))
     return verdicts
 

@@ -30,8 +30,8 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from ..slots import slot_table
 from ..stats import CacheStats, RowStats
-from ..tokens import common_length, key
-from . import proof, shapes, states
+from ..tokens import common_length, is_image_key, key, relabel
+from . import proof, shapes, states, vision
 from .parts import StoreParts
 
 
@@ -94,8 +94,9 @@ def new_slots(rows: list[Row], start: int, q: int, block_size: int) -> tuple[tor
 def chunk_end(keys: list[int], chunk: int) -> int:
     """Where the canonical chunks of a prompt row end in an invariant store: after the whole chunks before the
     one that holds its last token (generate's own forward computes that one) and before its first token the mask
-    hides (a prefill without the row's mask would compute other K/V). Does not mutate."""
-    hidden = next((t for t, k in enumerate(keys) if k < 0), len(keys))
+    hides (a prefill without the row's mask would compute other K/V) or its first image placeholder (a prefill of ids
+    alone has no image). Does not mutate."""
+    hidden = next((t for t, k in enumerate(keys) if k < 0 or is_image_key(k)), len(keys))
     return min(len(keys) - 1, hidden) // chunk * chunk
 
 
@@ -185,6 +186,7 @@ class RowSet:
         # in an invariant store only the runner's chunk forwards publish
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
+        self.images: vision.ImagePlan | None = None  # the prompt's images, keyed by what they are
 
     # -- a prompt --------------------------------------------------------------------------------
 
@@ -202,6 +204,9 @@ class RowSet:
         publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With ``chunks``
         the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every whole
         chunk the store holds, and its forwards publish."""
+        plan = self.images
+        if plan is not None:  # an image's placeholders are keyed by the image (hf/vision.py)
+            rows = [relabel(r, known) for r, known in zip(rows, plan.keys)]
         if self.states:
             self._attach_states(store, pads, rows, count=count, split=not chunks)
             return
@@ -218,6 +223,11 @@ class RowSet:
             if chunk is not None:
                 matched = [m // chunk * chunk for m in matched]
             offset = min(p + m for p, m in zip(pads, matched))  # one offset per batch
+            while plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
+                snapped = min(p + plan.snap(i, max(0, offset - p)) for i, p in enumerate(pads))
+                if snapped == offset:
+                    break
+                offset = snapped
             return [max(0, offset - p) for p in pads]
 
         with contextlib.ExitStack() as prefills:
@@ -259,7 +269,7 @@ class RowSet:
         prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
         from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
         call then resumes at its last token. Mutates."""
-        snapshots, n = store.snapshots, len(rows)
+        snapshots, n, plan = store.snapshots, len(rows), self.images
         states.clear(self.states)
         self.publishes = True
         # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
@@ -275,6 +285,8 @@ class RowSet:
             # the deepest column where every row holds a snapshot (at that column less its pads)
             c = min(p + min(m, cap) for p, m, cap in zip(pads, lengths, caps))
             while c > 0:
+                if plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
+                    c = min(p + plan.snap(i, max(0, c - p)) for i, p in enumerate(pads))
                 if any(c - p < 1 for p in pads):
                     c = 0
                     break
@@ -325,9 +337,12 @@ class RowSet:
     def _stops(self, store: StoreParts, rows: list[list[int]], i: int, cap: int) -> list[int]:
         """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded): at the store's
         match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
-        ``cap``; only past the deepest snapshot the store holds, and none if one is at ``cap`` already or the row has
-        tokens its mask hides (the runner computes without the row's mask). Does not mutate."""
+        ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
+        the store holds, and none if one is at ``cap`` already or the row has tokens its mask hides (the runner computes
+        without the row's mask). Does not mutate."""
         row = rows[i]
+        # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
+        cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
         if cap < 1 or any(k < 0 for k in row[:cap]):
             return []
         found = store.snapshots.find(self.space, row, cap)

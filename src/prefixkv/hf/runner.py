@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .._compat import forward_cache_kwarg
 from ..kv.key_space import user_space
 from ..stats import CacheStats, RowStats
-from ..tokens import common_length
+from ..tokens import common_length, is_image_key
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 
@@ -155,6 +155,11 @@ def prefill_shared(store: StoreParts, rows: list[list[int]], namespace: str | No
     for prefix, members in _shared_prefixes(rows, store.settings.block_size):
         if any(k < 0 for k in prefix):
             continue  # hidden tokens: a prefill without the rows' mask would compute other K/V
+        # an image's placeholders: a prefill of ids alone has no image; the text before it is shared
+        prefix = prefix[: next((t for t, k in enumerate(prefix) if is_image_key(k)), len(prefix))]
+        prefix = prefix[: len(prefix) // store.settings.block_size * store.settings.block_size]
+        if not prefix:
+            continue
         if store.blocks.cached_length(prefix, user_space(namespace, space)) >= len(prefix):
             continue
         with prefill(store, prefix, keep_partial=False, count=False, namespace=namespace) as row:
