@@ -14,6 +14,8 @@ Markers, an HTML comment on the line before a fence (invisible on the site):
   ``real`` extra, ``PREFIXKV_REAL=1 bash scripts/setup.sh``; it loads in about 30 s, see
   docs/getting-started.md), or with ``PREFIXKV_REAL_TESTS=1``, which fails where it is not. It runs in the
   page's namespace like any block, so it must not rebind a name that a later block uses.
+- ``<!-- docs-test: transformers5 -->`` runs the block on transformers 5 and later only: it shows what prefixkv
+  serves from that release on (recurrent layers, which transformers 4.57 keeps in caches of their own).
 - ``<!-- docs-test: output -->`` before a ```text block: the expected output of the block above.
 """
 
@@ -35,6 +37,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import transformers
 
 import prefixkv
 
@@ -53,7 +56,8 @@ def _smollm2_installed() -> bool:
 REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1" or _smollm2_installed()
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
-_KINDS = {"skip", "real", "output"}
+_KINDS = {"skip", "real", "output", "transformers5"}
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ class Block:
     lang: str
     code: str
     line: int
-    marker: str | None  # skip, real, output, or None
+    marker: str | None  # skip, real, transformers5, output, or None
 
 
 def blocks(text: str) -> list[Block]:
@@ -110,7 +114,8 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     printed: str | None = None
     for b in blocks(page.read_text()):
         if b.lang == "python":
-            if b.marker == "skip" or (b.marker == "real" and not REAL):
+            skipped = b.marker == "skip" or (b.marker == "transformers5" and not TRANSFORMERS_5)
+            if skipped or (b.marker == "real" and not REAL):
                 printed = None
                 continue
             out = io.StringIO()
