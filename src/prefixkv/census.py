@@ -104,7 +104,8 @@ _TINY_FIELDS: dict[str, Any] = {
 # layer of each kind, named as each family's config names them
 _ONE_OF_EACH = ["linear_attention", "full_attention"]
 _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text")},
+    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     # hybrids whose attention layers are latent (MLA): as many KV heads as query heads, as below
     **{t: {"layer_types": _ONE_OF_EACH, "num_key_value_heads": 4} for t in ("kimi_linear", "bailing_hybrid")},
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
@@ -177,7 +178,7 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # checkpoints); DeepSeek's grouped routing needs no more groups than experts
     **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
     "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
-    "longcat_flash": {"num_layers": 1, "head_dim": 8},  # 2 layers: it builds 2 per num_layers
+    "longcat_flash": {"num_layers": 1, "head_dim": 8, "num_key_value_heads": 4},  # 2 layers: 2 per num_layers; MLA
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
     "xlnet": {"d_head": 16},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
