@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import cache_kw, max_logit_diff, stock_twin
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
@@ -799,3 +800,34 @@ def test_names_imported_from_the_package_work(imports: str) -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["24"], run.stdout
+
+
+@pytest.mark.skipif(_compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 5 feeds a warm forward its images")
+def test_a_call_with_images_reuses_nothing_on_transformers_4() -> None:
+    """transformers 4.x's vision-language models drop the images from a forward whose cache_position does not start
+    at 0: a call with images that reused the text before its image would embed the image's placeholders as text (a
+    tiny LLaVA: 0.67 off stock). There it reuses and publishes nothing, says why, and gives stock's logits; a later
+    text-only call still reuses."""
+    from test_images import prompt, text
+
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    twin = stock_twin(model)
+    system = text(10, 1)
+    gen = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    with prefixkv.PagedPrefixCache(store, torch.tensor([system + text(3, 3)])) as cache:  # the text alone, cached
+        model.generate(torch.tensor([system + text(3, 3)]), **cache_kw(cache), **gen)
+    for built_with_images in (False, True, True):
+        inputs = prompt("llava", [[system, 7, text(5, 2)]])
+        ref = twin.generate(**inputs, **gen)
+        given = inputs if built_with_images else {"input_ids": inputs["input_ids"]}
+        with prefixkv.PagedPrefixCache(store, **given) as cache:
+            out = model.generate(**inputs, **cache_kw(cache), **gen)
+        assert out.sequences.tolist() == ref.sequences.tolist()
+        assert max_logit_diff(out.logits, ref.logits) < 1e-6
+        assert cache.stats.cached_tokens == 0 and "pixel_values" in (cache.stats.not_cached or "")
+    ids = torch.tensor([system + text(4, 4)])
+    ref = twin.generate(ids, **gen)
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        out = model.generate(ids, **cache_kw(cache), **gen)
+    assert max_logit_diff(out.logits, ref.logits) < 1e-6 and cache.stats.cached_tokens == len(system)

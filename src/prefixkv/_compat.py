@@ -219,6 +219,12 @@ def _sizes_of_positions(own: Callable[..., Any]) -> Callable[..., Any]:
     return get_mask_sizes
 
 
+# whether generate hands a forward that starts past position 0 the images of its ids (transformers 5: it passes them,
+# or their encoded features, to every first forward, is_first_iteration); transformers 4.x's vision-language models
+# drop them from any forward whose cache_position does not start at 0, so there a call with images reuses nothing
+# (docs/generate.md, "Images"). Delete when the oldest supported release is 5.0 or newer.
+WARM_FORWARDS_TAKE_IMAGES = int(transformers.__version__.split(".")[0]) >= 5
+
 # inputs of a forward that do not change K/V and that only some releases pass: num_logits_to_keep (4.x, before
 # logits_to_keep), cache_position (dropped by the newest releases), is_first_iteration and next_sequence_length
 # (prepare_inputs_for_generation's first-step markers, 5.x); prefixkv.hf.proof.NEUTRAL_INPUTS adds them to its own
