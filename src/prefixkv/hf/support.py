@@ -200,16 +200,18 @@ def _sees_later_tokens(model: Any) -> bool:
     ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 7]], device=weight.device)
     try:
         with eval_mode(model), torch.random.fork_rng(devices=[]), torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits.double()
+            logits = model(input_ids=ids, use_cache=False).logits
     except Exception:
         return False
-    earlier, last = (logits[0] - logits[1]).abs().amax(dim=-1).split([3, 1])  # [3], [1]
-    return bool(earlier.max() > _LATER_TOKEN_SHARE * last.max())
+    share = _LATER_TOKEN_SHARE.get(logits.dtype, _LATER_TOKEN_SHARE[None])
+    earlier, last = (logits[0] - logits[1]).double().abs().amax(dim=-1).split([3, 1])  # [3], [1]
+    return bool(earlier.max() > share * last.max())
 
 
 # how much of the change at the changed position an earlier position must show to count as attention to later
-# tokens (causal models' rounding: at most 3e-7 of it; encoders: at least 5e-3, in float64, float32 and bfloat16)
-_LATER_TOKEN_SHARE = 1e-4
+# tokens, by the logits' dtype (causal models' rounding: 4e-16 of it in float64, at most 3e-7 in float32; encoders: at
+# least 5e-3, in float64, float32 and bfloat16): in float64 a leak far under the fidelity bound of 1e-6 still counts
+_LATER_TOKEN_SHARE: dict[torch.dtype | None, float] = {torch.float64: 1e-9, None: 1e-4}
 
 
 @contextlib.contextmanager
