@@ -264,3 +264,114 @@ def test_files_crops_drafts_and_compiled_steps_are_refused(lfm2: Any, tmp_path: 
 def test_state_kernels_that_do_not_resume_exactly_are_refused(family: str) -> None:
     with pytest.raises(UnsupportedModelError, match=rf"^{family} does not resume a forward of several ids.*off in"):
         prefixkv.PrefixStore(tiny(family), block_size=4)
+
+
+# -- the snapshots' defects of issue 52: each test failed on the code before its fix -----------------------------------
+
+
+def held_paths(store: prefixkv.PrefixStore) -> list[tuple[int, int]]:
+    """Per snapshot held, its position and how many tokens of its path the store's trie holds in its key space."""
+    return [(len(path), store.blocks.cached_length(list(path), space)) for space, path in store.snapshots._held]
+
+
+def test_snapshots_go_with_their_paths_in_every_namespace_and_weight_version() -> None:
+    model = tiny("lfm2")
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=12)
+    for seed in range(8):
+        namespace = f"user{seed % 4}"
+        if seed % 3 == 2:
+            with torch.no_grad():  # a weight edited in place: a new weight version, a new key space
+                model.model.embed_tokens.weight[0, 0] += 0.5
+        result = compare(model, store, random_tokens(14, seed=40 + seed)[None], max_new_tokens=3, namespace=namespace)
+        assert result.max_diff <= TOL and result.same_tokens
+        # every snapshot's path's K/V is held in its own key space (the old drop check looked at the adder's only)
+        assert all(held >= position for position, held in held_paths(store)), held_paths(store)
+    assert store.stats.evictions > 0 and store.stats.snapshots_dropped_path > 0
+    later = compare(model, store, random_tokens(14, seed=47)[None], namespace="user3")  # an ordinary request after
+    assert later.max_diff <= TOL and later.same_tokens and later.cache.stats.cached_tokens == 13
+
+
+def test_adding_a_snapshot_costs_the_same_however_many_are_held(lfm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = prefixkv.PrefixStore(lfm2, block_size=4)
+    trie = store.blocks.holdings.trie
+    walked = [0]  # tokens of path the trie's lookups walked
+    match = trie.match
+
+    def counting(seq: Any, space: Any = None) -> Any:
+        walked[0] += len(seq)
+        return match(seq, space)
+
+    monkeypatch.setattr(trie, "match", counting)
+    check = store.snapshots.check
+    monkeypatch.setattr(store.snapshots, "check", lambda held=None: None)  # compare's check walks every path itself
+    per_call = []
+    for seed in range(24):
+        walked[0] = 0
+        result = compare(lfm2, store, random_tokens(14, seed=100 + seed)[None], max_new_tokens=2)
+        assert result.max_diff <= TOL and result.same_tokens
+        per_call.append(walked[0])
+    assert len(store.snapshots) >= 24
+    # the old drop check walked every snapshot's path at each snapshot added: it grew with their number
+    assert max(per_call[12:]) <= max(per_call[2:6]), per_call
+    check(lambda space, path: store.blocks.cached_length(path, space))
+
+
+def test_a_tight_snapshot_budget_drops_the_oldest_never_the_newest(lfm2: Any) -> None:
+    store = prefixkv.PrefixStore(lfm2, block_size=4)
+    store.snapshots.max_bytes = 5 * 1536  # five of this model's float64 snapshots; each call takes two
+    prompts = [random_tokens(14, seed=200 + seed)[None] for seed in range(10)]
+    for ids in prompts:
+        assert compare(lfm2, store, ids, max_new_tokens=2).max_diff <= TOL
+    assert store.stats.snapshots_dropped_budget > 0
+    assert 0 < store.snapshots.bytes_used <= store.snapshots.max_bytes  # type: ignore[operator]
+    again = compare(lfm2, store, prompts[-1], max_new_tokens=2)  # the last prompt asked again
+    assert again.max_diff <= TOL and again.same_tokens and again.cache.stats.cached_tokens == 13
+    later = compare(lfm2, store, random_tokens(14, seed=299)[None])  # an ordinary request after it
+    assert later.max_diff <= TOL and later.same_tokens
+
+
+def test_the_pool_and_the_snapshots_together_stay_within_max_memory(lfm2: Any) -> None:
+    budget = 64 * 1024
+    store = prefixkv.PrefixStore(lfm2, block_size=4, max_memory=budget)
+    for seed in range(12):
+        result = compare(lfm2, store, random_tokens(18, seed=300 + seed)[None], max_new_tokens=3)
+        assert result.max_diff <= TOL and result.same_tokens
+        pool = store.pool.capacity * store.bytes_per_block  # the pool's tensors, its padding block included
+        assert pool + store.snapshots.bytes_used <= budget, (pool, store.snapshots.bytes_used)
+    assert store.stats.evictions > 0  # the pool was full
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_snapshot_bytes_are_counted_in_bytes(dtype: torch.dtype) -> None:
+    model = prefixkv.models.build(census.tiny_config("lfm2"), dtype=dtype)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    ids = random_tokens(11, seed=400)[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    held = list(store.snapshots._held.values())
+    tensors = [t for s in held for t in s.tensors.values()]
+    assert held and all(t.dtype == dtype for t in tensors)
+    assert store.stats.snapshot_bytes == store.snapshots.bytes_used == sum(t.nbytes for t in tensors)
+
+
+def test_a_private_namespaces_split_prefill_stays_private(lfm2: Any) -> None:
+    store = prefixkv.PrefixStore(lfm2, block_size=4)
+    ids = prompt(random_tokens(12, seed=500), [130, 131])
+    alice = compare(lfm2, store, ids, namespace="alice")  # the runner computes it up to its last token, snapshotted
+    assert alice.max_diff <= TOL and alice.cache.stats.split_tokens == 13
+    assert store.cached_length(ids[0].tolist()) == 0  # nothing of it in the shared namespace
+    shared = compare(lfm2, store, ids)
+    assert shared.max_diff <= TOL and shared.same_tokens and shared.cache.stats.cached_tokens == 0
+    again = compare(lfm2, store, ids, namespace="alice")  # an ordinary request after it, alice's own reuse
+    assert again.max_diff <= TOL and again.same_tokens and again.cache.stats.cached_tokens == 13
+
+
+def test_each_row_of_a_batch_keeps_its_own_state_for_its_next_turn(lfm2: Any) -> None:
+    store = prefixkv.PrefixStore(lfm2, block_size=4)
+    ids = torch.cat([prompt(random_tokens(9, seed=600), [140]), prompt(random_tokens(9, seed=601), [141])])
+    first = compare(lfm2, store, ids, max_new_tokens=4)
+    assert first.max_diff <= TOL and first.same_tokens
+    history = first.out.sequences[1:2]  # row 1's conversation so far, then its next turn
+    second = compare(lfm2, store, torch.cat([history, torch.tensor([[150, 151]])], dim=1))
+    assert second.max_diff <= TOL and second.same_tokens
+    assert second.cache.stats.cached_tokens == history.shape[1] - 1, second.cache.stats

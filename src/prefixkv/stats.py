@@ -48,6 +48,17 @@ class StoreStats:
     """Recurrent-state snapshots held (a model with recurrent layers: docs/memory.md, "Recurrent state")."""
     snapshot_bytes: int = 0
     """Their bytes, beside ``bytes_used`` (the pool's)."""
+    snapshots_taken: int = 0
+    """Snapshots taken (at grid positions, junctions, call ends and pins), ``snapshots_used`` of them resumed from
+    (each resume counts), ``snapshots_dropped_budget`` dropped for the snapshots' budget and
+    ``snapshots_dropped_path`` dropped with the K/V of their path (evicted, in any namespace)."""
+    snapshots_used: int = 0
+    snapshots_dropped_budget: int = 0
+    snapshots_dropped_path: int = 0
+    kv_hit_tokens: int = 0
+    """Hits per kind, for a model with recurrent layers: of the prompt tokens looked up, those whose K/V the store
+    held (what an attention-only model would reuse, one token short of each prompt), beside ``hit_tokens``, those
+    resumed from a snapshot of the states there (each attention layer's K/V reused with them)."""
 
 
 @dataclass(frozen=True)

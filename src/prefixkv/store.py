@@ -120,9 +120,7 @@ class PrefixStore:
             for i, (s, d) in enumerate(zip(measured, devices))
         ]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
-        self.snapshots = Snapshots(snapshot_budget(self.layer_kinds, max_memory))
-        """The recurrent layers' state snapshots (docs/memory.md, "Recurrent state"): empty for other models."""
-        spare = self.snapshots.max_bytes  # the snapshots' share of max_memory; the pool gets the rest
+        spare = snapshot_budget(self.layer_kinds, max_memory)  # the snapshots' share of max_memory
         kv_memory = max_memory if max_memory is None or spare is None else parse_bytes(max_memory) - spare
         # per process of a split model, the same in each (docs/getting-started.md, "Several GPUs")
         self.max_blocks = agreed_budget(
@@ -132,6 +130,14 @@ class PrefixStore:
             model,
         )
         first = _INITIAL_BLOCKS if self.max_blocks is None else min(_INITIAL_BLOCKS, self.max_blocks)
+        self.snapshots = Snapshots(
+            spare,
+            kv_bytes_per_token=self.bytes_per_block / block_size,
+            pool_bytes=None if self.max_blocks is None else (self.max_blocks + 1) * self.bytes_per_block,
+        )
+        """The recurrent layers' state snapshots (docs/memory.md, "Recurrent state"): empty for other models. The pool
+        and they share ``max_memory``: the pool gets what the snapshots' budget (``snapshots.max_bytes``) leaves."""
+        self.snapshots.block_size = block_size
         kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
         tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model)
         self.blocks = BlockManager(
@@ -142,6 +148,8 @@ class PrefixStore:
             tier=tier,
             key_space=KeySpace(model),
         )
+        # a snapshot goes with its path's K/V, in whichever key space the trie evicts them
+        self.blocks.holdings.trie.watchers.append(self.snapshots.evicted)
         self.runner = ModelRunner(self)
         # the switch to prefixkv attention that the backend was chosen for (interface.can_install); the line that
         # says which backend reads the pool and why is the settings' (docs/generate.md)
@@ -170,15 +178,24 @@ class PrefixStore:
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters (the recurrent-state snapshots' beside the pool's). Does not
         mutate."""
-        snapshots = self.snapshots
+        s = self.snapshots
         return dataclasses.replace(
-            self.blocks.ledger.stats(), snapshots=len(snapshots), snapshot_bytes=snapshots.bytes_used
+            self.blocks.ledger.stats(),
+            snapshots=len(s),
+            snapshot_bytes=s.bytes_used,
+            snapshots_taken=s.taken,
+            snapshots_used=s.used,
+            snapshots_dropped_budget=s.dropped_budget,
+            snapshots_dropped_path=s.dropped_path,
+            kv_hit_tokens=s.kv_hit_tokens,
         )
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if any refcount disagrees with its holders (trie nodes and live
-        cache rows), or the trie is malformed. Does not mutate."""
+        cache rows), or the trie is malformed, or a recurrent-state snapshot outlives its path's K/V or its budget.
+        Does not mutate."""
         self.blocks.ledger.check_invariants()
+        self.snapshots.check(lambda space, path: self.blocks.cached_length(path, space))
 
     def cached_length(self, tokens: Sequence[int], space: Hashable = None, *, namespace: str | None = None) -> int:
         """How many leading ``tokens`` namespace ``space`` holds (``None``: the model without adapters) for user
@@ -230,9 +247,7 @@ class PrefixStore:
 
         Returns the number of pool blocks freed.
         """
-        freed = self.blocks.room.clear()
-        self.snapshots.clear()
-        return freed
+        return self.blocks.room.clear()  # the snapshots on the paths dropped go with them (Snapshots.evicted)
 
     def warm(
         self,

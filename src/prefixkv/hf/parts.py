@@ -6,6 +6,7 @@ imports the store."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -33,10 +34,12 @@ class Prefills(Protocol):
         locked until the context exits. Mutates the store."""
         ...
 
-    def prefill_states(self, tokens: list[int], stops: list[int], namespace: str | None) -> AbstractContextManager[int]:
-        """For a model with recurrent layers: compute ``tokens`` up to each of ``stops`` in turn, publishing the K/V
-        and a state snapshot at each stop; yields the tokens computed, all of them locked until the context exits.
-        Mutates the store."""
+    def prefill_states(
+        self, tokens: list[int], stops: list[int], namespace: str | None, junctions: Collection[int] = ()
+    ) -> AbstractContextManager[int]:
+        """For a model with recurrent layers: compute ``tokens`` up to each of ``stops`` (``junctions`` among them)
+        and grid position in turn, publishing the K/V and a state snapshot at each; yields the tokens computed, all
+        of them locked until the context exits. Mutates the store."""
         ...
 
     def prefill_shared(self, rows: list[list[int]], namespace: str | None) -> list[tuple[int, list[int]]]:

@@ -275,8 +275,10 @@ class RowSet:
         # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
         refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
         caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+        # what the store held before this call computed anything: the K/V an attention-only model would reuse
+        held = [self.blocks.cached_length(r[: len(r) - 1], self.space) for r in rows] if split or count else [0] * n
         computed = [0] * n
-        junction = 0  # the deepest stop short of a row's last token: where a match ended without a snapshot
+        missed: str | None = None  # why the first row that resumes short of the K/V held does
         chosen: list[states.Snapshot | None] = [None] * n
         offset = 0
 
@@ -302,14 +304,17 @@ class RowSet:
         with contextlib.ExitStack() as prefills:
             if split and refusal is None:
                 for i, prompt in enumerate(rows):
-                    stops = self._stops(store, rows, i, caps[i])
+                    stops, junctions, why = self._stops(store, rows, i, caps[i], held[i])
+                    missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
                     if stops:
-                        junction = max([junction, *stops[:-1]])
-                        held = store.runner.prefill_states(prompt[: stops[-1]], stops, self.namespace)
-                        computed[i] = prefills.enter_context(held)
+                        run = store.runner.prefill_states(prompt[: stops[-1]], stops, self.namespace, junctions)
+                        computed[i] = prefills.enter_context(run)
             claims, reused = self.blocks.claim(rows, self.space, choose)
         if offset:
             states.restore(self.states, [s for s in chosen if s is not None])
+            for keys, snapshot in zip(rows, chosen):
+                if snapshot is not None:
+                    snapshots.use(self.space, keys, snapshot)
         self.rows = [Row(p, keys, c, r // self.block_size) for p, keys, c, r in zip(pads, rows, claims, reused)]
         for row, r in zip(self.rows, reused):
             row.real = real_count(row.keys[:r])
@@ -324,34 +329,51 @@ class RowSet:
             per_row,
             f"a left-padded batch of this model reuses no prefix: {refusal[0]}; it is computed whole, its K/V kept"
             if refusal is not None
-            else f"the cached prefix ends at token {junction}, where no recurrent-state snapshot was taken yet: it was "
-            "computed up to there by a forward of its own and snapshotted, so the next prompt with that prefix resumes "
-            "there"
-            if junction and not sum(cached)
-            else None,
+            else missed,
             split_tokens=sum(computed),
         )
         if count:
             self.blocks.ledger.count_query([len(t) for t in rows], cached)
+            snapshots.kv_hit_tokens += sum(held)
 
-    def _stops(self, store: StoreParts, rows: list[list[int]], i: int, cap: int) -> list[int]:
-        """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded): at the store's
-        match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
+    def _stops(
+        self, store: StoreParts, rows: list[list[int]], i: int, cap: int, held: int
+    ) -> tuple[list[int], list[int], str | None]:
+        """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded), which of those
+        stops are junctions (where prompts part: kept longest, :class:`prefixkv.hf.states.Snapshots`), and why the
+        row resumes short of the ``held`` tokens whose K/V the store holds (``None``: it does not). It stops at the
+        store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
         ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
-        the store holds, and none if one is at ``cap`` already or the row has tokens its mask hides (the runner computes
-        without the row's mask). Does not mutate."""
+        the store holds, and nowhere if one is at ``cap`` already or the row has tokens its mask hides (the runner
+        computes without the row's mask). The runner adds the grid's stops on the way (:func:`prefill_states`). Does
+        not mutate."""
         row = rows[i]
         # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
         cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
         if cap < 1 or any(k < 0 for k in row[:cap]):
-            return []
+            return [], [], None
         found = store.snapshots.find(self.space, row, cap)
         deepest = 0 if found is None else found.position
+        match = min(held, cap)
+        why = None
+        if deepest < match:
+            dropped = store.snapshots.why_missing(self.space, row, match)
+            what = {
+                None: "no recurrent-state snapshot was taken there yet",
+                "budget": "its recurrent-state snapshot was taken and then dropped for the snapshots' budget "
+                '(store.snapshots.max_bytes: docs/memory.md, "Recurrent state")',
+                "path": "its recurrent-state snapshot was dropped when that path's K/V were evicted",
+            }[dropped]
+            why = (
+                f"the prefix the store holds ends at token {match}, where {what}: resumed at token {deepest} (the "
+                f"deepest snapshot on the path) and computed up to {match} by a forward of its own, snapshotted "
+                "there, so the next prompt with that prefix resumes there"
+            )
         if deepest == cap:
-            return []
-        junctions = {self.blocks.cached_length(row[:cap], self.space)}
-        junctions |= {common_length(row, other) for j, other in enumerate(rows) if j != i}
-        return sorted({j for j in junctions if deepest < j < cap} | {cap})
+            return [], [], why
+        junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
+        kept = sorted(j for j in junctions if deepest < j < cap)
+        return sorted({*kept, cap}), kept, why
 
     def keep_ends(self) -> None:
         """At the end of a call (the cache closes), for a model with recurrent layers: publish every proven,
@@ -359,7 +381,6 @@ class RowSet:
         the next turn of a chat resumes there. Mutates the store."""
         if not self.states or self.broken or not self.publishes or not self.rows:
             return
-        held = store_held(self.blocks, self.space)
         for b, row in enumerate(self.rows):
             end = self.length - row.pad
             if not row.proven or row.pad or end < 1 or len(row.keys) != end or self.snapshots is None:
@@ -368,15 +389,15 @@ class RowSet:
             if found is not None and found.position == end:
                 continue  # the runner's last stop
             self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
-            self.snapshots.add(self.space, row.keys, states.take(self.states, b, end), held)
+            self.snapshots.add(self.space, row.keys, states.take(self.states, b, end))
 
-    def snapshot_row(self, snapshots: states.Snapshots) -> None:
+    def snapshot_row(self, snapshots: states.Snapshots, *, junction: bool = False) -> None:
         """Publish the one row's tokens (a last part-filled block included) and a snapshot of its states after them
-        (the runner's stops). Mutates the store."""
+        (the runner's stops; a ``junction`` is kept longest). Mutates the store."""
         (row,) = self.rows
         end = self.length  # the row's keys are its whole prompt's from the start; its columns, what was computed
         self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
-        snapshots.add(self.space, row.keys, states.take(self.states, 0, end), store_held(self.blocks, self.space))
+        snapshots.add(self.space, row.keys, states.take(self.states, 0, end), junction=junction)
 
     def note_silent(self, ok: bool) -> None:
         """At a forward's end: the layers that write no K/V now count its columns too (``ok``: it returned);
@@ -564,8 +585,3 @@ class RowSet:
     def held_blocks(self) -> Counter[int]:
         """How many of the rows' table entries name each block. Does not mutate."""
         return Counter(b for row in self.rows for b in row.table)
-
-
-def store_held(blocks: BlockManager, space: Hashable) -> Callable[[list[int]], int]:
-    """How many leading tokens of a path the store's trie holds in ``space`` (what keeps a snapshot usable)."""
-    return lambda path: blocks.cached_length(path, space)

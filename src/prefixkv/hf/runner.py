@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from ..stats import CacheStats, RowStats
 from ..tokens import common_length, is_image_key
 from .cache import PagedPrefixCache
 from .parts import StoreParts
+from .states import MIN_STEP
 
 
 @contextlib.contextmanager
@@ -82,21 +83,33 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
 
 
 @contextlib.contextmanager
-def prefill_states(store: StoreParts, tokens: list[int], stops: list[int], namespace: str | None) -> Iterator[int]:
+def prefill_states(
+    store: StoreParts, tokens: list[int], stops: list[int], namespace: str | None, junctions: Collection[int] = ()
+) -> Iterator[int]:
     """For a model with recurrent layers (docs/how-it-works.md, "Layer kinds"): compute ``tokens`` with a one-row
     cache from the deepest snapshot the store holds on their path, one forward up to each of ``stops`` in turn
-    (ascending, the last ``len(tokens)``), and after each publish the K/V (a last part-filled block included) and a
-    snapshot of the states there, so that a later prompt with that prefix resumes at the stop. Yields how many tokens
-    it computed; what it published stays locked until the block exits. In user ``namespace``. Mutates the store."""
+    (ascending, the last ``len(tokens)``) and to each grid position on the way (multiples of
+    ``store.snapshots.step()``: docs/memory.md, "Recurrent state"), and after each publish the K/V (a last
+    part-filled block included) and a snapshot of the states there, so that a later prompt with that prefix resumes
+    there, or at most one grid step before the point where it parts from these tokens; the ``junctions`` among the
+    stops are kept longest. Yields how many tokens it computed; what it published stays locked until the block exits.
+    In user ``namespace``. Mutates the store."""
+    snapshots = store.snapshots
     with PagedPrefixCache(store, namespace=namespace) as cache:
         rows = cache.forward.rows
         rows.attach(store, [0], [tokens], count=False, chunks=True)  # reuse only: no stops of its own
         start = done = cache.get_seq_length()
-        for stop in stops:
-            if stop > done:
-                _forward(cache, tokens[done:stop])
-                rows.snapshot_row(store.snapshots)
-                done = stop
+        last = len(tokens)
+        pending = sorted(s for s in set(stops) if s > done)
+        while pending:
+            # the grid's next position: known once a snapshot's size is (a first stop after MIN_STEP measures it)
+            step = snapshots.step()
+            grid = (done // (step or MIN_STEP) + 1) * (step or MIN_STEP) if step != 0 else last
+            stop = min(pending[0], grid)
+            _forward(cache, tokens[done:stop])
+            rows.snapshot_row(snapshots, junction=stop in junctions)
+            done = stop
+            pending = [s for s in pending if s > done]
         yield done - start
 
 
@@ -184,10 +197,10 @@ class ModelRunner:
         return prefill_shared(self.store, rows, namespace)
 
     def prefill_states(
-        self, tokens: list[int], stops: list[int], namespace: str | None
+        self, tokens: list[int], stops: list[int], namespace: str | None, junctions: Collection[int] = ()
     ) -> contextlib.AbstractContextManager[int]:
         """:func:`prefill_states` with this runner's store. Mutates the store."""
-        return prefill_states(self.store, tokens, stops, namespace)
+        return prefill_states(self.store, tokens, stops, namespace, junctions)
 
     def prefill_chunks(
         self, prefixes: list[list[int]], namespace: str | None

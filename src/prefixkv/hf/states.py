@@ -6,13 +6,16 @@ A recurrent layer (linear attention, Mamba, a short convolution) keeps no K/V pe
 the next forward resumes from; so a prefix is reused exactly only where a snapshot of every state layer was taken
 at its end. A snapshot is keyed by the key space and the whole token path to its position, the keys a row's K/V are
 published under (:mod:`prefixkv.hf.rows`): it is never used for another prefix, another namespace or another
-adapter. It is usable while the store holds the K/V of that path (the trie's match reaches its position); a snapshot
-whose path the trie no longer holds is dropped at the next :meth:`Snapshots.add`, and the oldest go first when the
-snapshots' bytes pass their budget.
+adapter. It is usable while the store holds the K/V of that path: the trie tells the snapshots of every node it
+evicts, in any key space (:meth:`Snapshots.evicted`), and the snapshots on that node's stretch of path go with it,
+at a cost of that stretch, never of how many snapshots are held. Past their budget the least useful go first
+(docs/memory.md, "Recurrent state"): those taken once and never used (grid positions, call ends), oldest first,
+before the ones used or taken where prompts part (junctions), and the newest last.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -21,8 +24,18 @@ from typing import Any
 
 import torch
 
+from ..kv.nodes import Node, path_tokens
+
 # one state of one layer: (layer index, state index, "conv" or "recurrent")
 StateKey = tuple[int, int, str]
+# a snapshot's key: its key space and the token path to its position
+Key = tuple[Hashable, tuple[int, ...]]
+
+MIN_STEP = 64
+"""The finest grid (tokens between grid snapshots) and the grid without a snapshot budget: a prompt that parts from
+an earlier one recomputes at most this many tokens of their shared prefix (docs/memory.md, "Recurrent state")."""
+
+_REMEMBERED = 4096  # dropped snapshots remembered, to tell a miss "dropped" from "never taken"
 
 
 @dataclass(frozen=True)
@@ -41,82 +54,179 @@ class Snapshot:
 
 
 class Snapshots:
-    """A store's snapshots, keyed by key space and token path, least recently used first, within ``max_bytes``
-    (``None``: bounded only by the paths the store holds). Thread-safe: one lock of its own, never held while
+    """A store's snapshots, keyed by key space and token path, within ``max_bytes`` (``None``: bounded only by the
+    paths the store holds). ``kv_bytes_per_token`` and ``pool_bytes`` (the pool's bound, ``None``: unbounded) size
+    the grid (:meth:`step`); :attr:`grid` overrides it (``0``: no grid). Counts what it took, resumed and dropped
+    (``taken``, ``used``, ``dropped_budget``, ``dropped_path``). Thread-safe: one lock of its own, never held while
     calling out."""
 
-    def __init__(self, max_bytes: int | None) -> None:
+    def __init__(self, max_bytes: int | None, *, kv_bytes_per_token: float = 0, pool_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
-        self._held: OrderedDict[tuple[Hashable, tuple[int, ...]], Snapshot] = OrderedDict()
+        self.grid: int | None = None
+        """Tokens between the snapshots a long prefill takes on its way (``None``: :meth:`step` derives it; ``0``:
+        none)."""
+        self.block_size = 1
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.pool_bytes = pool_bytes
+        self._held: dict[Key, Snapshot] = {}
+        self._once: OrderedDict[Key, None] = OrderedDict()  # taken, never used: grid positions, call ends
+        self._kept: OrderedDict[Key, None] = OrderedDict()  # used, or taken where prompts part
         self._positions: dict[Hashable, dict[int, int]] = {}  # per space: position -> how many snapshots there
+        self._gone: OrderedDict[tuple[Hashable, int, int], str] = OrderedDict()  # (space, position, hash) -> why
         self._lock = threading.Lock()
+        self._size = 0  # the bytes of the first snapshot taken (every one of a model is alike)
         self.bytes_used = 0
-        self.dropped = 0
+        self.taken = self.used = self.dropped_budget = self.dropped_path = 0
+        self.kv_hit_tokens = 0  # prompt tokens looked up whose K/V the store held (StoreStats.kv_hit_tokens)
 
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def dropped(self) -> int:
+        """Snapshots dropped, for the budget or with their path."""
+        return self.dropped_budget + self.dropped_path
+
+    def step(self) -> int | None:
+        """Tokens between grid snapshots: :attr:`grid` if set; else :data:`MIN_STEP` without a budget; else the
+        step at which the grid's snapshots of a full pool's tokens fit the budget (one snapshot's bytes over the K/V
+        bytes of a token, times the pool's bytes over the snapshots' budget), at least :data:`MIN_STEP`, in whole
+        blocks. ``None`` while that is unknown (no snapshot taken yet). Does not mutate."""
+        if self.grid is not None:
+            return self.grid
+        if self.max_bytes is None or not self.pool_bytes or not self.kv_bytes_per_token:
+            return MIN_STEP
+        if not self._size:
+            return None
+        tokens = self._size * self.pool_bytes / (self.kv_bytes_per_token * self.max_bytes)
+        bs = self.block_size
+        return max(MIN_STEP, math.ceil(tokens / bs) * bs)
+
     def find(self, space: Hashable, keys: Sequence[int], limit: int) -> Snapshot | None:
         """The deepest snapshot of ``space`` at a position ``1 <= p <= limit`` on the path ``keys``, or ``None``.
-        Marks it used (LRU). Mutates the order only."""
+        Does not mutate (:meth:`use` marks one used)."""
         with self._lock:
-            positions = sorted((p for p in self._positions.get(space, {}) if p <= min(limit, len(keys))), reverse=True)
+            counts = self._positions.get(space, {})
+            top = min(limit, len(keys))
+            # the positions held or the path's, whichever are fewer, deepest first
+            fewer = len(counts) > top
+            positions = range(top, 0, -1) if fewer else sorted((p for p in counts if p <= top), reverse=True)
             for p in positions:
-                key = (space, tuple(keys[:p]))
-                found = self._held.get(key)
-                if found is not None:
-                    self._held.move_to_end(key)
-                    return found
+                if p in counts:
+                    found = self._held.get((space, tuple(keys[:p])))
+                    if found is not None:
+                        return found
         return None
 
-    def add(self, space: Hashable, keys: Sequence[int], snapshot: Snapshot, held: Callable[[list[int]], int]) -> None:
-        """Keep ``snapshot`` of the path ``keys[:snapshot.position]`` in ``space``; first drop every snapshot of
-        ``space`` whose path the store no longer holds (``held(path)``: how many leading tokens of ``path`` the
-        store's trie holds), then the least recently used ones beyond :attr:`max_bytes`. Mutates."""
-        path = tuple(keys[: snapshot.position])
+    def use(self, space: Hashable, keys: Sequence[int], snapshot: Snapshot) -> None:
+        """Count a resume from ``snapshot`` (of the path ``keys`` in ``space``) and keep it among the useful ones,
+        as used last. Mutates."""
+        key = (space, tuple(keys[: snapshot.position]))
         with self._lock:
-            stale = [k for k in self._held if k[0] == space]
-        gone = [k for k in stale if held(list(k[1])) < len(k[1])]
+            if self._held.get(key) is snapshot:
+                self.used += 1
+                self._once.pop(key, None)
+                self._kept[key] = None
+                self._kept.move_to_end(key)
+
+    def why_missing(self, space: Hashable, keys: Sequence[int], position: int) -> str | None:
+        """Why no snapshot is held at ``position`` of the path ``keys``: ``"budget"`` or ``"path"`` when one was
+        taken there and dropped (for the snapshots' budget, or with its path's K/V), ``None`` when none was taken
+        (or it was dropped too long ago to be remembered). Does not mutate."""
         with self._lock:
-            for k in gone:
-                self._drop(k)
-            key = (space, path)
+            return self._gone.get((space, position, hash(tuple(keys[:position]))))
+
+    def add(self, space: Hashable, keys: Sequence[int], snapshot: Snapshot, *, junction: bool = False) -> None:
+        """Keep ``snapshot`` of the path ``keys[:snapshot.position]`` in ``space`` (whose K/V the store holds), among
+        the useful ones where it is a ``junction`` (where prompts part); then, past :attr:`max_bytes`, drop the least
+        useful others (:class:`Snapshots`). Mutates."""
+        key = (space, tuple(keys[: snapshot.position]))
+        with self._lock:
             if key in self._held:
-                self._drop(key)
+                self._drop(key, None)
             self._held[key] = snapshot
+            (self._kept if junction else self._once)[key] = None
             counts = self._positions.setdefault(space, {})
             counts[snapshot.position] = counts.get(snapshot.position, 0) + 1
             self.bytes_used += snapshot.nbytes
-            while self.max_bytes is not None and self.bytes_used > self.max_bytes and self._held:
-                self._drop(next(iter(self._held)))
+            self._size = self._size or snapshot.nbytes
+            self.taken += 1
+            self._gone.pop((space, snapshot.position, hash(key[1])), None)
+            while self.max_bytes is not None and self.bytes_used > self.max_bytes and len(self._held) > 1:
+                # the new one is last in its segment: the oldest of the segment that holds another goes first
+                order = self._once if len(self._once) > (key in self._once) else self._kept
+                self._drop(next(iter(order)), "budget")
+            if self.max_bytes is not None and self.bytes_used > self.max_bytes:
+                self._drop(key, "budget")  # one snapshot larger than the whole budget
 
-    def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
+    def evicted(self, space: Hashable, node: Node) -> None:
+        """The trie evicted ``node`` of ``space`` (its ``parent`` chain still spells its path): drop the snapshots on
+        its stretch of path, whose K/V the store no longer holds. Costs that stretch, not the snapshots held.
+        Mutates."""
+        with self._lock:
+            counts = self._positions.get(space)
+            if not counts:
+                return
+            lo, hi = node.start, node.end
+            span = range(lo + 1, hi + 1)
+            hits = [p for p in span if p in counts] if len(span) < len(counts) else [p for p in counts if lo < p <= hi]
+            if not hits:
+                return
+            path = path_tokens(node)
+            for p in hits:
+                key = (space, tuple(path[:p]))
+                if key in self._held:
+                    self._drop(key, "path")
+
+    def _drop(self, key: Key, why: str | None) -> None:
         snapshot = self._held.pop(key)
+        self._once.pop(key, None)
+        self._kept.pop(key, None)
         self.bytes_used -= snapshot.nbytes
-        self.dropped += 1
         counts = self._positions[key[0]]
         counts[snapshot.position] -= 1
         if not counts[snapshot.position]:
             del counts[snapshot.position]
+        if not counts:
+            del self._positions[key[0]]
+        if why is not None:
+            if why == "budget":
+                self.dropped_budget += 1
+            else:
+                self.dropped_path += 1
+            self._gone[(key[0], snapshot.position, hash(key[1]))] = why
+            while len(self._gone) > _REMEMBERED:
+                self._gone.popitem(last=False)
 
     def clear(self) -> None:
-        """Drop every snapshot. Mutates."""
+        """Drop every snapshot (not counted as dropped) and what was remembered of dropped ones. Mutates."""
         with self._lock:
             self._held.clear()
+            self._once.clear()
+            self._kept.clear()
             self._positions.clear()
+            self._gone.clear()
             self.bytes_used = 0
 
-    def check(self) -> None:
-        """Raise ``AssertionError`` unless the byte count and the position index agree with the snapshots held.
-        Does not mutate."""
+    def check(self, held: Callable[[Hashable, list[int]], int] | None = None) -> None:
+        """Raise ``AssertionError`` unless the byte count, the position index and the retention order agree with the
+        snapshots held, and (``held(space, path)``: how many leading tokens of ``path`` the store holds in ``space``)
+        every snapshot's path is held. Does not mutate."""
         with self._lock:
-            assert self.bytes_used == sum(s.nbytes for s in self._held.values()), "snapshot bytes miscounted"
+            items = list(self._held.items())
+            assert self.bytes_used == sum(s.nbytes for _, s in items), "snapshot bytes miscounted"
             index: dict[Hashable, dict[int, int]] = {}
-            for (space, path), s in self._held.items():
+            for (space, path), s in items:
                 assert len(path) == s.position, "a snapshot keyed by a path of another length"
                 index.setdefault(space, {})
                 index[space][s.position] = index[space].get(s.position, 0) + 1
-            assert index == {k: v for k, v in self._positions.items() if v}, "snapshot positions miscounted"
+            assert index == self._positions, "snapshot positions miscounted"
+            assert set(self._once) | set(self._kept) == set(self._held), "a snapshot outside the retention order"
+            assert not set(self._once) & set(self._kept), "a snapshot in both retention segments"
+            assert self.max_bytes is None or self.bytes_used <= self.max_bytes, "snapshots over their budget"
+        if held is not None:
+            for (space, path), _ in items:
+                assert held(space, list(path)) >= len(path), f"a snapshot at {len(path)} outlives its path's K/V"
 
 
 # -- the states a cache's layers hold for its rows ------------------------------------------------------------------

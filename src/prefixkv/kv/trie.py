@@ -20,7 +20,7 @@ every event the order depends on.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 from .eviction import DEFAULT_PRIORITY, PROTECT_AFTER, PROTECTED_SHARE, EvictionPolicy, SegmentedLRU
@@ -93,6 +93,9 @@ class RadixTrie:
         )
         self._roots = Roots()
         self.root = self.root_of(None)
+        self.watchers: list[Callable[[Hashable, Node], None]] = []
+        """Told of every node evicted, with its key space (a store's recurrent-state snapshots, which go with their
+        path: :meth:`prefixkv.hf.states.Snapshots.evicted`); they must not call the trie."""
 
     def root_of(self, space: Hashable) -> Node:
         """The root of key space ``space``, made (locked forever: a root is never evicted) on first use. Mutates then;
@@ -332,6 +335,10 @@ class RadixTrie:
         del parent.children[node.tokens[0]]
         node.alive = False
         self.policy.evicted(node)
+        if self.watchers:
+            space = self.space_of(node)
+            for watch in self.watchers:
+                watch(space, node)
         if parent.parent is None and not parent.children:
             self._roots.emptied(parent)
         return node
