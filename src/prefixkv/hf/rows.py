@@ -359,7 +359,7 @@ class RowSet:
         if deepest < match:
             dropped = store.snapshots.why_missing(self.space, row, match)
             what = {
-                None: "no recurrent-state snapshot was taken there yet",
+                None: "no recurrent-state snapshot was taken yet",
                 "budget": "its recurrent-state snapshot was taken and then dropped for the snapshots' budget "
                 '(store.snapshots.max_bytes: docs/memory.md, "Recurrent state")',
                 "path": "its recurrent-state snapshot was dropped when that path's K/V were evicted",
