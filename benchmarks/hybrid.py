@@ -9,12 +9,26 @@ attention) against the pure-attention model of the same size, in one run.
   with an earlier one) and what a block-grid policy would hit: state only at multiples of ``--grid`` tokens (528,
   vLLM's align mode for Qwen3.5), every such boundary of every earlier prompt kept.
 
-A model ``PrefixStore`` refuses is reported with the reason. Run: ``python benchmarks/hybrid.py [--smoke]``.
+With ``--parting SIZE`` (``tiny``, ``10M``, ``100M``: the Qwen3-Next-shaped model and the attention model of that
+size), issue 56's measures instead (docs/benchmarks.md, "Where prompts part"):
+
+- A = S shared tokens + its own, then B and C the same S + others, on a fresh store: the tokens B and C reuse (and
+  B on the attention model), and B's and A's time to the first token over stock ``generate``'s on the same prompt.
+- The agent-like trace (4 documents of 600 tokens, 40 prompts each of a document's first 100-600 tokens and 30 of
+  their own, in random order): the hybrid's hit rate against the attention model's, the most any cache reuses, and
+  256- and 528-token grids computed from the same prompts; then under snapshot budgets of 0.5, 1, 2 and 4 times the
+  K/V pool's bytes: the grid step, hit rate, snapshots' memory, what was dropped, and every miss's reason checked.
+- A 6-turn chat: the warm call's time to the first token over stock's, per turn.
+
+A model ``PrefixStore`` refuses is reported with the reason. Run: ``python benchmarks/hybrid.py [--smoke]`` or
+``python benchmarks/hybrid.py --parting 10M``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -220,12 +234,317 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=4)
     ap.add_argument("--lengths", type=int, nargs=2, default=[100, 1500], metavar=("LO", "HI"))
     ap.add_argument("--grid", type=int, default=528, help="the block-grid policy's state interval in tokens")
+    ap.add_argument("--parting", choices=sorted(PARTING_SIZES), help="issue 56's measures at this size instead")
+    ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 1, 2, 4], help="x the K/V pool's bytes")
+    ap.add_argument("--per-document", type=int, default=40, help="the trace's prompts per document")
     args = ap.parse_args(argv)
+    if args.parting:
+        parted = run_parting(args.parting, args.repeat, args.budgets, args.per_document)
+        save(f"hybrid_parting_{args.parting}", parted)
+        print(report_parting(parted))
+        return
     if args.smoke:
         args.prefix, args.repeat, args.prompts, args.lengths = 48, 1, 6, [20, 60]
     result = run(args.smoke, args.prefix, args.repeat, args.prompts, args.documents, *args.lengths, args.grid)
     save("hybrid", result)
     print(report(result))
+
+
+# -- issue 56: where the next prompt parts --------------------------------------------------------------------------
+
+# the sizes of the Qwen3-Next-shaped model the parting benchmark runs: hidden 64 (smoke), ~10M and ~100M
+PARTING_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": _SMOKE_SIZES["hybrid"],
+    "10M": {
+        "hidden_size": 256,
+        "intermediate_size": 640,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+    },
+    "100M": {},
+}
+# the attention model of each size: the hybrid's hidden size, layers and attention heads
+_ATTENTION_OF = {
+    "tiny": _SMOKE_SIZES["attention"],
+    "10M": {
+        "hidden_size": 256,
+        "intermediate_size": 640,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "100M": {},
+}
+# (S, own): A = S shared + own, then B and C the same S + others (the issue's table)
+ABC = [(100, 40), (527, 40), (1000, 40), (1500, 40), (1500, 700)]
+
+
+def timed(model: Any, ids: torch.Tensor, cache: Any) -> float:
+    """Milliseconds to ``ids``'s first token with ``cache``."""
+    start = time.perf_counter()
+    first_token(model, ids, cache)
+    return 1000 * (time.perf_counter() - start)
+
+
+def abc(model: Any, shared: int, own: int, repeat: int) -> dict[str, Any]:
+    """A, B, C over ``shared`` tokens on a fresh store per repeat (each repeat its own prefix): the tokens each
+    reused, and B's and A's time to the first token over stock ``generate``'s on the same prompt (medians of the
+    ratios, stock timed right after each)."""
+    vocab = model.config.vocab_size
+    reused: dict[str, int] = {}
+    ratios: dict[str, list[float]] = {"A": [], "B": []}
+    ms: dict[str, list[float]] = {"A": [], "B": [], "stock A": [], "stock B": []}
+    for r in range(repeat):
+        prefix = tokens(shared, vocab, seed=7000 + r)
+        store, _ = open_store(model)
+        assert store is not None
+        try:
+            for name, seed in (("A", 1), ("B", 2), ("C", 3)):
+                ids = torch.cat([prefix, tokens(own, vocab, seed=8000 + 10 * r + seed)])[None]
+                with prefixkv.PagedPrefixCache(store, ids) as cache:
+                    took = timed(model, ids, cache)
+                reused[name] = cache.stats.cached_tokens
+                if name in ratios:
+                    stock = timed(model, ids, DynamicCache(config=model.config))
+                    ms[name].append(took)
+                    ms[f"stock {name}"].append(stock)
+                    ratios[name].append(took / stock)
+        finally:
+            store.close()
+    median = statistics.median
+    return {
+        "shared": shared,
+        "own": own,
+        "reused": reused,
+        "ratio": {k: median(v) for k, v in ratios.items()},
+        "ms": {k: median(v) for k, v in ms.items()},
+    }
+
+
+def trace(vocab: int, documents: int = 4, length: int = 600, per_document: int = 40, own: int = 30) -> list[list[int]]:
+    """The issue's agent-like trace: per document of ``length`` tokens, ``per_document`` prompts of its first X
+    tokens (X from 100 to ``length``) and ``own`` tokens of their own, all in one random order."""
+    g = torch.Generator().manual_seed(56)
+    docs = [tokens(length, vocab, seed=560 + d).tolist() for d in range(documents)]
+    prompts = []
+    for d, doc in enumerate(docs):
+        for k in range(per_document):
+            x = int(torch.randint(100, length + 1, (), generator=g))
+            prompts.append(doc[:x] + tokens(own, vocab, seed=56_000 + 100 * d + k).tolist())
+    return [prompts[i] for i in torch.randperm(len(prompts), generator=g).tolist()]
+
+
+def run_trace(model: Any, prompts: list[list[int]], budget: int | None = None, pool: int | None = None) -> dict:
+    """``prompts`` in turn on one store whose snapshots get ``budget`` bytes (the grid sized against a ``pool`` of
+    that many bytes): the hit rate, the K/V the store held, the snapshots' memory and what the stats say of the
+    drops, and every miss (a prompt that resumes short of the K/V the store held) with its reason checked against the
+    snapshots that were taken (``right``: "dropped" where one was taken at the point the K/V end, "was taken yet"
+    where none was)."""
+    store, refused = open_store(model)
+    if store is None:
+        return {"refused": refused}
+    snapshots = store.snapshots
+    snapshots.max_bytes, snapshots.pool_bytes = budget, pool
+    taken: set[tuple[Any, tuple[int, ...]]] = set()
+    add = snapshots.add
+
+    def noting(space: Any, keys: Any, snapshot: Any, **kw: Any) -> None:
+        taken.add((space, tuple(keys[: snapshot.position])))
+        add(space, keys, snapshot, **kw)
+
+    snapshots.add = noting  # type: ignore[method-assign]
+    misses = right = peak = 0
+    try:
+        for p in prompts:
+            space = store.blocks.space()
+            held = store.cached_length(p[:-1])
+            dropped = (space, tuple(p[:held])) in taken  # before this call takes one there
+            with prefixkv.PagedPrefixCache(store, torch.tensor([p])) as cache:
+                first_token(model, torch.tensor([p]), cache)
+            if cache.stats.cached_tokens < held and snapshots is not None:
+                misses += 1
+                why = cache.stats.not_cached or ""
+                right += ("dropped" in why) if dropped else ("no recurrent-state snapshot was taken yet" in why)
+            peak = max(peak, snapshots.bytes_used)
+        s = store.stats
+    finally:
+        store.close()
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "hit_tokens": s.hit_tokens,
+        "kv_hit_tokens": s.kv_hit_tokens,
+        "kv_bytes": s.bytes_used,
+        "snapshot_bytes": s.snapshot_bytes,
+        "peak_snapshot_bytes": peak,
+        "snapshots": s.snapshots,
+        "taken": s.snapshots_taken,
+        "used": s.snapshots_used,
+        "dropped_budget": s.snapshots_dropped_budget,
+        "dropped_path": s.snapshots_dropped_path,
+        "step": snapshots.step(),
+        "misses": misses,
+        "reasons_right": right,
+        "refused": None,
+    }
+
+
+def chat(model: Any, turns: int = 6, system: int = 300, user: int = 30, answer: int = 40) -> list[dict[str, Any]]:
+    """A ``turns``-turn chat on one store: each turn's prompt is the conversation so far and ``user`` new tokens
+    (the answers are ``answer`` random tokens, the same for both); milliseconds to the first token warm and with
+    stock ``generate``, and the tokens reused."""
+    vocab = model.config.vocab_size
+    store, _ = open_store(model)
+    assert store is not None
+    history = tokens(system, vocab, seed=600)
+    rows = []
+    try:
+        for t in range(turns):
+            history = torch.cat([history, tokens(user, vocab, seed=610 + t)])
+            ids = history[None]
+            with prefixkv.PagedPrefixCache(store, ids) as cache:
+                warm = timed(model, ids, cache)
+            cold = timed(model, ids, DynamicCache(config=model.config))
+            rows.append(
+                {"turn": t + 1, "prompt": len(history), "reused": cache.stats.cached_tokens, "warm": warm, "cold": cold}
+            )
+            history = torch.cat([history, tokens(answer, vocab, seed=620 + t)])
+    finally:
+        store.close()
+    return rows
+
+
+def run_parting(size: str, repeat: int, budgets: list[float], per_document: int) -> dict[str, Any]:
+    """Issue 56's measures on the Qwen3-Next-shaped model of ``size`` and the attention model of its size."""
+    hybrid_model = prefixkv.models.bench_model("hybrid", **PARTING_SIZES[size])
+    attention = prefixkv.models.bench_model("attention", **_ATTENTION_OF[size])
+    vocab = hybrid_model.config.vocab_size
+    prompts = trace(vocab, per_document=per_document)
+    result: dict[str, Any] = {
+        "size": size,
+        "machine": machine(),
+        "repeat": repeat,
+        "parameters": {
+            "hybrid": sum(p.numel() for p in hybrid_model.parameters()),
+            "attention": sum(p.numel() for p in attention.parameters()),
+        },
+    }
+    with torch.no_grad():
+        first_token(hybrid_model, tokens(64, vocab, seed=1)[None], DynamicCache(config=hybrid_model.config))  # warm-up
+        result["abc"] = [abc(hybrid_model, s, o, repeat) for s, o in ABC]
+        result["abc_attention"] = [abc(attention, s, o, 1)["reused"] for s, o in ABC]
+        unbounded = run_trace(hybrid_model, prompts)
+        pool = unbounded["kv_bytes"]
+        result["trace"] = {
+            "prompts": len(prompts),
+            "prompt_tokens": unbounded["prompt_tokens"],
+            "ceiling": sum(reachable([torch.tensor(p) for p in prompts])),
+            "grid_256": sum(reachable([torch.tensor(p) for p in prompts], 256)),
+            "grid_528": sum(reachable([torch.tensor(p) for p in prompts], 528)),
+            "attention": run_trace(attention, prompts),
+            "hybrid": unbounded,
+            "budgets": {str(f): run_trace(hybrid_model, prompts, int(f * pool), pool) for f in budgets},
+        }
+        result["chat"] = chat(hybrid_model)
+    return result
+
+
+def report_parting(r: dict[str, Any]) -> str:
+    """The B/C table, B's and A's time to the first token over stock's, the trace's hit rates and the snapshots'
+    memory under each budget, and the chat's turns."""
+    size = f"{r['parameters']['hybrid'] / 1e6:.3g}M"
+    rows = []
+    for row, att in zip(r["abc"], r["abc_attention"]):
+        re_, ratio, ms = row["reused"], row["ratio"], row["ms"]
+        rows.append(
+            [
+                f"{row['shared']} + {row['own']}",
+                re_["B"],
+                att["B"],
+                re_["C"],
+                f"{ratio['B']:.2f}x",
+                f"{ms['B']:.0f} / {ms['stock B']:.0f}",
+                f"{ratio['A']:.2f}x",
+            ]
+        )
+    t = r["trace"]
+    total = t["prompt_tokens"]
+    pct = lambda n: f"{100 * n / total:.1f}%"  # noqa: E731
+    hits = [
+        ["attention model, prefixkv", pct(t["attention"]["hit_tokens"]), "1.00"],
+        ["at most (token-granular)", pct(t["ceiling"]), "1.00"],
+        [
+            "hybrid, prefixkv (default grid)",
+            pct(t["hybrid"]["hit_tokens"]),
+            f"{t['hybrid']['hit_tokens'] / t['ceiling']:.2f}",
+        ],
+        ["256-token grid (SGLang's interval)", pct(t["grid_256"]), f"{t['grid_256'] / t['ceiling']:.2f}"],
+        ["528-token grid (vLLM's align mode)", pct(t["grid_528"]), f"{t['grid_528'] / t['ceiling']:.2f}"],
+    ]
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    memory = []
+    for name, h in [("none (unbounded)", t["hybrid"]), *((f"{f}x pool", h) for f, h in t["budgets"].items())]:
+        memory.append(
+            [
+                name,
+                h["step"],
+                pct(h["hit_tokens"]),
+                mib(h["peak_snapshot_bytes"]),
+                mib(h["kv_bytes"]),
+                h["taken"],
+                h["dropped_budget"],
+                h["dropped_path"],
+                f"{h['reasons_right']} / {h['misses']}",
+            ]
+        )
+    chat_rows = [
+        [c["turn"], c["prompt"], c["reused"], f"{c['warm']:.0f}", f"{c['cold']:.0f}", f"{c['warm'] / c['cold']:.2f}"]
+        for c in r["chat"]
+    ]
+    return "\n\n".join(
+        [
+            f"Qwen3-Next-shaped hybrid, {size} (attention model {r['parameters']['attention'] / 1e6:.3g}M); "
+            f"{r['machine']}",
+            f"A = S shared + own tokens, then B and C the same S + others; time ratios: median of {r['repeat']}:",
+            table(
+                [
+                    "S + own",
+                    "B reuses (hybrid)",
+                    "B reuses (attention)",
+                    "C reuses (hybrid)",
+                    "B / stock",
+                    "B ms / stock ms",
+                    "A / stock",
+                ],
+                rows,
+            ),
+            f"Trace: {t['prompts']} prompts ({total} tokens), 4 documents of 600 tokens, each prompt a document's "
+            "first 100-600 tokens + 30 of its own, in random order:",
+            table(["policy", "hit rate", "of the ceiling"], hits),
+            "The hybrid on the trace with its snapshots' budget a multiple of the K/V pool's bytes after the trace:",
+            table(
+                [
+                    "snapshot budget",
+                    "grid step",
+                    "hit rate",
+                    "snapshots MiB (peak)",
+                    "K/V pool MiB",
+                    "taken",
+                    "dropped (budget)",
+                    "dropped (path)",
+                    "misses' reasons right",
+                ],
+                memory,
+            ),
+            "A 6-turn chat (300-token system prompt, 30-token user turns, 40-token answers), ms to the first token:",
+            table(["turn", "prompt", "reused", "warm", "stock", "warm / stock"], chat_rows),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -81,6 +81,25 @@ def test_hybrid_reachable_counts_the_block_grid() -> None:
     assert hybrid.reachable([second, doc[:1100]], 528) == [0, 1056]
 
 
+def test_hybrid_parting_smoke() -> None:
+    """Issue 56's measures at hidden size 64: B resumes at the grid position before S, C at S, the attention model's
+    B at S; the trace's hybrid reuses at most the ceiling, the grids computed from the same prompts; every miss has
+    the right reason; the budget's drops are counted."""
+    r = hybrid.run_parting("tiny", 1, [0.5], per_document=3)
+    for row, attention in zip(r["abc"], r["abc_attention"]):
+        s = row["shared"]
+        assert row["reused"]["B"] == s - s % 64 and row["reused"]["C"] == s and attention["B"] == s
+    t = r["trace"]
+    assert t["attention"]["hit_tokens"] == t["ceiling"] >= t["hybrid"]["hit_tokens"] > 0
+    assert t["ceiling"] >= t["grid_256"] >= t["grid_528"]
+    for h in (t["hybrid"], *t["budgets"].values()):
+        assert h["reasons_right"] == h["misses"]
+    assert t["budgets"]["0.5"]["dropped_budget"] > 0
+    # each turn resumes where the last call ended: before the answer (40 tokens) and the new user turn (30)
+    assert [c["reused"] for c in r["chat"]][1:] == [c["prompt"] - 70 for c in r["chat"]][1:]
+    assert "B reuses (hybrid)" in hybrid.report_parting(r)
+
+
 def test_compiled_smoke() -> None:
     """The compiled-decoding benchmark at smoke size, compiled by dynamo alone (inductor takes minutes here)."""
     r = compiled.run("tiny", [1], prefix=24, new=4, repeat=1, backend="eager")
