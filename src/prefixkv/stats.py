@@ -74,7 +74,9 @@ class RowStats:
 class CacheStats:
     """Batch totals of :class:`RowStats`, and ``per_row``. ``not_cached`` says why the call's K/V are not kept for
     later calls, or construction's reuse was dropped (``"use_cache=False"``, ``"inputs_embeds ..."``, a model in
-    training mode, ...): ``None`` when nothing stopped it, so that a call that reuses nothing is never silent."""
+    training mode, ...), or, for a model with recurrent layers, why a row resumed short of the prefix whose K/V the
+    store held (no state snapshot taken there yet, or one taken and dropped for the budget or with its path):
+    ``None`` when nothing stopped it, so that a call that reuses nothing is never silent."""
 
     prompt_tokens: int
     cached_tokens: int
