@@ -114,10 +114,11 @@ def test_a_tight_budget_keeps_the_junction_and_says_what_it_dropped() -> None:
     prefix = tokens(300, seed=10)
     exact(compare(model, store, joined(prefix, tokens(40, seed=11)), max_new_tokens=2))
     size = next(iter(store.snapshots._held.values())).nbytes
-    store.snapshots.max_bytes = 3 * size  # the newest three: A's last grid position, its last token, its end
+    store.snapshots.max_bytes = 4 * size  # A's four newest kept: grid positions 256 and 320, its last token, its end
+    assert sorted(len(path) for _, path in store.snapshots._held) == [256, 320, 339, 341]
     b = exact(compare(model, store, joined(prefix, tokens(40, seed=12)), max_new_tokens=2))
     stats = store.stats
-    assert stats.snapshots_dropped_budget > 0 and stats.snapshot_bytes <= 3 * size
+    assert stats.snapshots_dropped_budget > 0 and stats.snapshot_bytes <= 4 * size
     c = exact(compare(model, store, joined(prefix, tokens(40, seed=13)), max_new_tokens=2))
     assert b.cached_tokens == below(300) and c.cached_tokens == 300  # B's junction is kept over one-off ends
     later = exact(compare(model, store, tokens(50, seed=14)[None]))  # an ordinary request after them

@@ -334,7 +334,7 @@ class RowSet:
         )
         if count:
             self.blocks.ledger.count_query([len(t) for t in rows], cached)
-            snapshots.kv_hit_tokens += sum(held)
+            snapshots.count_kv_hits(sum(held))
 
     def _stops(
         self, store: StoreParts, rows: list[list[int]], i: int, cap: int, held: int

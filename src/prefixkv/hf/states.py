@@ -61,7 +61,7 @@ class Snapshots:
     calling out."""
 
     def __init__(self, max_bytes: int | None, *, kv_bytes_per_token: float = 0, pool_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes
+        self._max_bytes = max_bytes
         self.grid: int | None = None
         """Tokens between the snapshots a long prefill takes on its way (``None``: :meth:`step` derives it; ``0``:
         none)."""
@@ -83,6 +83,23 @@ class Snapshots:
         return len(self._held)
 
     @property
+    def max_bytes(self) -> int | None:
+        """The bytes the snapshots may hold (``None``: no bound): a quarter of the store's ``max_memory``, or set by
+        hand, which drops the least useful at once down to the new bound (docs/memory.md, "Recurrent state")."""
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None) -> None:
+        with self._lock:
+            self._max_bytes = value
+            self._trim(None)
+
+    def count_kv_hits(self, tokens: int) -> None:
+        """Count ``tokens`` looked-up prompt tokens whose K/V the store held (``StoreStats.kv_hit_tokens``). Mutates."""
+        with self._lock:
+            self.kv_hit_tokens += tokens
+
+    @property
     def dropped(self) -> int:
         """Snapshots dropped, for the budget or with their path."""
         return self.dropped_budget + self.dropped_path
@@ -94,7 +111,7 @@ class Snapshots:
         blocks. ``None`` while that is unknown (no snapshot taken yet). Does not mutate."""
         if self.grid is not None:
             return self.grid
-        if self.max_bytes is None or not self.pool_bytes or not self.kv_bytes_per_token:
+        if not self.max_bytes or not self.pool_bytes or not self.kv_bytes_per_token:
             return MIN_STEP
         if not self._size:
             return None
@@ -152,12 +169,17 @@ class Snapshots:
             self._size = self._size or snapshot.nbytes
             self.taken += 1
             self._gone.pop((space, snapshot.position, hash(key[1])), None)
-            while self.max_bytes is not None and self.bytes_used > self.max_bytes and len(self._held) > 1:
-                # the new one is last in its segment: the oldest of the segment that holds another goes first
-                order = self._once if len(self._once) > (key in self._once) else self._kept
-                self._drop(next(iter(order)), "budget")
-            if self.max_bytes is not None and self.bytes_used > self.max_bytes:
-                self._drop(key, "budget")  # one snapshot larger than the whole budget
+            self._trim(key)
+
+    def _trim(self, key: Key | None) -> None:
+        """Drop the least useful snapshots until they fit :attr:`max_bytes`, ``key`` (the newest) last. Mutates."""
+        limit = self._max_bytes
+        while limit is not None and self.bytes_used > limit and len(self._held) > 1:
+            # the newest is last in its segment: the oldest of the segment that holds another goes first
+            order = self._once if len(self._once) > (key in self._once) else self._kept
+            self._drop(next(iter(order)), "budget")
+        if limit is not None and self.bytes_used > limit and self._held:
+            self._drop(next(iter(self._held)), "budget")  # one snapshot larger than the whole budget
 
     def evicted(self, space: Hashable, node: Node) -> None:
         """The trie evicted ``node`` of ``space`` (its ``parent`` chain still spells its path): drop the snapshots on
