@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import max_logit_diff, stock_twin
 from test_images import RECURRENT, run
 
 import prefixkv
@@ -105,15 +106,29 @@ def llava_next(onevision: bool) -> tuple[Any, Any, str]:
 
 
 def qwen(family: str) -> tuple[Any, Any, str]:
-    """Qwen2-VL, Qwen3-VL, Qwen3.5: flat patches of 2 pixels, merged 2x2, with image_grid_thw."""
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5: flat patches of 2 pixels, merged 2x2, with image_grid_thw."""
     images = image_processor(
         "Qwen2VLImageProcessor", patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=256
     )
-    cls = transformers.Qwen2VLProcessor if family == "qwen2_vl" else transformers.Qwen3VLProcessor
+    cls = {"qwen2_vl": transformers.Qwen2VLProcessor, "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}
     tok = tokenizer("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
     with no_video_processor():
-        processor = cls(image_processor=images, tokenizer=tok, video_processor=None)
-    return tiny_config(family), processor, "<|vision_start|><|image_pad|><|vision_end|>"
+        processor = cls.get(family, transformers.Qwen3VLProcessor)(
+            image_processor=images, tokenizer=tok, video_processor=None
+        )
+    if family != "qwen2_5_vl":
+        return tiny_config(family), processor, "<|vision_start|><|image_pad|><|vision_end|>"
+    fields = tiny_config("qwen2_vl").to_dict()  # Qwen2-VL's, with Qwen2.5-VL's windowed vision tower
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={**fields["text_config"], "model_type": "qwen2_5_vl_text"},
+        vision_config={
+            **{"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 2},
+            **{"spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64},
+            **{"window_size": 8, "fullatt_block_indexes": [1]},
+        },
+        **{"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253},
+    )
+    return config, processor, "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def gemma3() -> tuple[Any, Any, str]:
@@ -165,6 +180,7 @@ BUILDERS: dict[str, Callable[[], tuple[Any, Any, str]]] = {
     "llava_next": lambda: llava_next(False),
     "llava_onevision": lambda: llava_next(True),
     "qwen2_vl": lambda: qwen("qwen2_vl"),
+    "qwen2_5_vl": lambda: qwen("qwen2_5_vl"),
     "qwen3_vl": lambda: qwen("qwen3_vl"),
     "qwen3_5": lambda: qwen("qwen3_5"),
     "gemma3": gemma3,
@@ -249,8 +265,6 @@ def test_image_sizes_key_the_image(family: str) -> None:
 
 def stock_outputs(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The last position's logits of a stock forward (the twin of ``model``)."""
-    from conftest import stock_twin
-
     with torch.no_grad():
         return stock_twin(model)(**inputs).logits[0, -1]
 
@@ -270,3 +284,26 @@ def test_a_layout_prefixkv_does_not_know_is_refused_by_name() -> None:
         model.generate(**inputs, max_new_tokens=2, do_sample=False)
     prefixkv.disable(model)
     model.config.model_type = "llava"
+
+
+def test_a_chats_second_call_with_a_new_image_under_enable() -> None:
+    """LLaVA-NeXT under enable: a chat's second call, with the first image and a new one, reuses the first image and
+    gives stock's logits (its image_sizes once sliced as Idefics3's tiles raised an IndexError)."""
+    config, processor, tag = BUILDERS["llava_next"]()
+    model = build(config, dtype=torch.float64)
+    twin = stock_twin(model)
+    store = prefixkv.enable(model, block_size=4)
+    first = dict(processor(images=[picture(0, 16, 16)], text=f"ba be bi bo {tag} fa fe", return_tensors="pt"))
+    chat = dict(
+        processor(
+            images=[picture(0, 16, 16), picture(1, 16, 16)],
+            text=f"ba be bi bo {tag} fa fe go {tag} ka",
+            return_tensors="pt",
+        )
+    )
+    gen = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    for inputs in (first, chat, {"input_ids": first["input_ids"][:, :4]}):
+        out, ref = model.generate(**inputs, **gen), twin.generate(**inputs, **gen)
+        assert max_logit_diff(out.logits, ref.logits) < 1e-6
+    assert store.stats.hit_tokens >= first["input_ids"].shape[1] - 1
+    prefixkv.disable(model)

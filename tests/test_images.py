@@ -454,3 +454,21 @@ def test_a_keyword_that_changes_the_encoding_is_keyed() -> None:
     out = model.generate(torch.tensor([system + question]), max_new_tokens=3, do_sample=False)  # an ordinary request
     assert out.tolist() == twin.generate(torch.tensor([system + question]), max_new_tokens=3, do_sample=False).tolist()
     prefixkv.disable(model)
+
+
+def test_every_input_an_image_encoder_of_a_known_layout_takes_is_keyed() -> None:
+    """generate hands a model's image encoder every keyword its get_image_features names: each family prefixkv keys
+    must have them all among the inputs that key an image (a release that adds one fails here, not silently)."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    checked = 0
+    for family in vision.LAYOUTS:
+        cls = getattr(transformers, NAMES.get(family, ""), None)
+        if cls is None:  # a family this release does not have
+            continue
+        taken = set(inspect.signature(cls.get_image_features).parameters) - {"self", "kwargs"}
+        assert taken <= vision.IMAGE_INPUTS, (family, sorted(taken - vision.IMAGE_INPUTS))
+        checked += 1
+    assert checked >= 7

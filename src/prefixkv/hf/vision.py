@@ -175,8 +175,9 @@ class ImagePlan:
         return out
 
     def check(self, inputs: Mapping[str, Any], order: list[int] | None = None) -> None:
-        """Raise ``ValueError`` unless ``inputs`` (by name) carry the images the plan was built from (``order``: which
-        of them, in order; all by default), compared by digest where they are other tensors."""
+        """Raise ``ValueError`` unless ``inputs`` (by name) carry the images the plan was built from: a call's
+        (``order`` ``None``) every image input and encoding keyword as the cache was given them, a forward's the
+        images ``order`` names, in order, compared by digest where they are other tensors."""
         if not self.digests:
             return
         if order is None:  # a call's inputs: every one that keys the images, as the cache was built with
