@@ -148,10 +148,8 @@ def mistral3() -> tuple[Any, Any, str]:
     """Mistral 3 (Pixtral's processor, which needs torchvision): rows of patches with image_sizes."""
     pytest.importorskip("torchvision")
     images = image_processor("PixtralImageProcessor", size={"longest_edge": 32}, patch_size={"height": 4, "width": 4})
-    processor = transformers.PixtralProcessor(
-        image_processor=images, tokenizer=tokenizer("[IMG]", "[IMG_BREAK]", "[IMG_END]"), patch_size=4
-    )
-    processor.spatial_merge_size = 2
+    tok = tokenizer("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+    processor = transformers.PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=4, spatial_merge_size=2)
     return tiny_config("mistral3"), processor, "[IMG]"
 
 
