@@ -221,7 +221,14 @@ def test_each_layout_with_its_own_processor(family: str) -> None:
     stats, diff = run(model, store, chat)
     assert diff < 1e-6, diff
     assert stats.cached_tokens >= (before if family in RECURRENT else n - len(processor.tokenizer.tokenize(question)))
-    if family == "llava_onevision":  # the two in one row (nested): each encoded otherwise than alone, not keyed
+    if family == "llava_onevision":
+        # two new images fed together, each encoded alone (batch_num_images of 1 each) as stock encodes them
+        three = inputs(
+            [a, picture(2), picture(3)], f"{system} {tag} {question} {follow} {tag} {question} {tag} {follow}"
+        )
+        stats, diff = run(model, store, three)
+        assert stats.cached_tokens >= n - len(processor.tokenizer.tokenize(question)) and diff < 1e-6, (stats, diff)
+        # the two in one row (nested): each encoded otherwise than alone, not keyed
         stats, diff = run(model, store, inputs([[a, b]], f"{system} {tag} {question} {follow} {tag} {question}"))
         assert stats.cached_tokens == before and "batch_num_images" in (stats.not_cached or "") and diff < 1e-6, stats
     # another image behind the same text: the text before it only

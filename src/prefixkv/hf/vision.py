@@ -169,9 +169,10 @@ class ImagePlan:
                 out[name] = torch.cat([value[slice(*spans[n])] for n in fed])
             else:
                 out[name] = value[torch.tensor(fed, device=value.device)]
-        if isinstance(kwargs.get("batch_num_images"), torch.Tensor):  # LLaVA-OneVision: the images fed in each row
-            in_row = [sum(1 for n in fed if order[n][0] == b) for b in range(len(starts))]
-            out["batch_num_images"] = torch.tensor(in_row, device=kwargs["batch_num_images"].device)
+        several = kwargs.get("batch_num_images")
+        if isinstance(several, torch.Tensor):
+            # LLaVA-OneVision encodes an image alone (in patches) where its count is 1, as every keyed one's is (plan)
+            out["batch_num_images"] = several.new_ones(len(fed))
         return out
 
     def check(self, inputs: Mapping[str, Any], order: list[int] | None = None) -> None:
