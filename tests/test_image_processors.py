@@ -312,3 +312,24 @@ def test_a_chats_second_call_with_a_new_image_under_enable() -> None:
         assert max_logit_diff(out.logits, ref.logits) < 1e-6
     assert store.stats.hit_tokens >= first["input_ids"].shape[1] - 1
     prefixkv.disable(model)
+
+
+def test_gemma3_pan_and_scan_crops_count_as_images() -> None:
+    """Gemma 3's processor cuts a wide image into crops (do_pan_and_scan), each a row of pixel_values with its own
+    placeholders: the image and its crops are reused together, another image's are not."""
+    config, processor, tag = BUILDERS["gemma3"]()
+    model = build(config, dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    pan = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 4, "pan_and_scan_min_ratio_to_activate": 1.2}
+
+    def inputs(seed: int) -> dict[str, torch.Tensor]:
+        return dict(processor(images=[picture(seed, 16, 48)], text=f"ba be {tag} fa", return_tensors="pt", **pan))
+
+    wide = inputs(0)
+    assert wide["pixel_values"].shape[0] > 1  # the image and its crops
+    n, before = wide["input_ids"].shape[1], first_placeholder(model, wide["input_ids"])
+    for given, cached in ((wide, 0), (wide, n - 1), (inputs(1), before)):
+        stats, diff = run(model, store, given)
+        assert stats.cached_tokens == cached and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": wide["input_ids"][:, :before]})  # a later ordinary request
+    assert diff < 1e-6
