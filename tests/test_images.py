@@ -472,3 +472,19 @@ def test_every_input_an_image_encoder_of_a_known_layout_takes_is_keyed() -> None
         assert taken <= vision.IMAGE_INPUTS, (family, sorted(taken - vision.IMAGE_INPUTS))
         checked += 1
     assert checked >= 7
+
+
+def test_a_forward_given_raw_images_checks_their_keywords() -> None:
+    """Where generate hands a forward the images raw (a release or model that does not encode them first), the
+    forward's encoding keywords and token types must be those the cache keyed the images by."""
+    config = prefixkv.models.tiny_config("gemma3")
+    inputs = prompt("gemma3", [[text(6, 1), 7, text(3, 2)]])
+    pads, keys = [0], inputs["input_ids"].tolist()
+    plan = vision.plan(config, pads, keys, {k: v for k, v in inputs.items() if k != "input_ids"})
+    assert plan is not None
+    assert plan.feed([0], dict(inputs)) == dict(inputs)  # as the cache was built: unchanged
+    untyped = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    with pytest.raises(ValueError, match="this forward's token_type_ids differ"):
+        plan.feed([0], untyped)
+    with pytest.raises(ValueError, match="this forward's vision_feature_layer differ"):
+        plan.feed([0], {**inputs, "vision_feature_layer": -2})

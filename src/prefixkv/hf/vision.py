@@ -147,6 +147,14 @@ class ImagePlan:
                     "mm_encoder_outputs), but the PagedPrefixCache was built with them"
                 )
             return kwargs
+        # a forward given the images raw (generate did not encode them first) is given the keywords as the call was
+        other = [name for name in ENCODING if not _same(kwargs.get(name), self.given[name])]
+        other += [name for name in TOKEN_TYPES if (kwargs.get(name) is None) != (self.given[name] is None)]
+        if other:
+            raise ValueError(
+                f"this forward's {', '.join(other)} differ from what the PagedPrefixCache was built with (they change "
+                "its images' K/V): build it with the same"
+            )
         if all(kwargs.get(name) is self.inputs[name] for name in _PER_IMAGE):
             spans = _spans(self.config, kwargs)
         else:
