@@ -782,6 +782,55 @@ MUTATIONS = [
         "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
         "split_tokens are lost and the reuse it computed itself is counted as cached)",
     ),
+    # -- images of issue 52: every byte, every side tensor and every encoding keyword keys an image
+    Mutation(
+        "images-digest-first-4kib",
+        "images.py",
+        'h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")',
+        'h.update(t.view(torch.uint8).numpy().tobytes()[:4096] if t.numel() else b"")',
+        ("tests/test_images.py::test_images_one_value_apart_never_share",),
+        "two images that differ past their first 4 KiB of pixel data (a third colour channel) share K/V",
+    ),
+    Mutation(
+        "images-sizes-not-keyed",
+        "hf/vision.py",
+        '{"pixel_values": _real_patches(pixels[i]), "image_sizes": inputs["image_sizes"][i]}',
+        '{"pixel_values": _real_patches(pixels[i])}',
+        ("tests/test_image_processors.py::test_image_sizes_key_the_image",),
+        "LLaVA-NeXT's patches under other image_sizes (another grid, the same placeholder count) share K/V",
+    ),
+    Mutation(
+        "images-token-types-not-keyed",
+        "hf/vision.py",
+        "digests = [images.digest({**one, **extra, **encoding}) for one, extra in zip(per, types)]",
+        "digests = [images.digest({**one, **encoding}) for one, extra in zip(per, types)]",
+        ("tests/test_images.py::test_token_types_key_the_image",),
+        "a prompt with and without token_type_ids (Gemma 3) or mm_token_type_ids (Qwen2-VL) shares an image's K/V",
+    ),
+    Mutation(
+        "images-encoding-keywords-not-keyed",
+        "hf/vision.py",
+        "digests = [images.digest({**one, **extra, **encoding}) for one, extra in zip(per, types)]",
+        "digests = [images.digest({**one, **extra}) for one, extra in zip(per, types)]",
+        ("tests/test_images.py::test_a_keyword_that_changes_the_encoding_is_keyed",),
+        "an image encoded at another vision_feature_layer reuses the K/V of the default layer's",
+    ),
+    Mutation(
+        "images-call-inputs-unchecked",
+        "hf/vision.py",
+        "other = sorted(name for name in IMAGE_INPUTS if not _same(inputs.get(name), self.given[name]))",
+        "other: list[str] = []",
+        ("tests/test_image_processors.py::test_image_sizes_key_the_image",),
+        "generate given other image_sizes than the cache was built with runs on the cache's keys",
+    ),
+    Mutation(
+        "images-unknown-layout-read-as-rows",
+        "hf/vision.py",
+        "layout = LAYOUTS.get(str(family))",
+        'layout = LAYOUTS.get(str(family), "rows")',
+        ("tests/test_image_processors.py::test_a_layout_prefixkv_does_not_know_is_refused_by_name",),
+        "a family whose layout prefixkv does not know is read as one image per row of pixel_values",
+    ),
 ]
 
 

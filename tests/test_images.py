@@ -335,3 +335,156 @@ def test_generate_many_refuses_images() -> None:
         prefixkv.generate_many(model, [inputs["input_ids"][0]], store=store, pixel_values=inputs["pixel_values"])
     _, diff = run(model, store, {"input_ids": torch.tensor([text(6, 1) + text(3, 2)])})  # a later ordinary request
     assert diff < 1e-6
+
+
+def _nudged(family: str, seed: int, where: str) -> dict[str, torch.Tensor]:
+    """The image ``seed`` of ``family`` with one value changed: the first of its last channel, the first of its last
+    row, or its last byte (Qwen-VL's flat patches: the last value of the first patch, the first of the last patch, the
+    last value)."""
+    one = _pixels(family, seed)
+    pixels = one["pixel_values"].clone()
+    if family in ("qwen2_vl", "qwen3_vl", "qwen3_5"):
+        index: tuple[int, ...] = {"channel": (0, -1), "row": (-1, 0), "byte": (-1, -1)}[where]
+    else:
+        index = {"channel": (..., -1, 0, 0), "row": (..., 0, -1, 0), "byte": (..., -1, -1, -1)}[where]
+    if where == "byte":  # the last byte of a little-endian float64: its sign and highest exponent bits
+        pixels.view(torch.uint8).view(-1)[-1] ^= 0x01
+    else:
+        pixels[index] += 0.5
+    return {**one, "pixel_values": pixels}
+
+
+@pytest.mark.parametrize("where", ["channel", "row", "byte"])
+def test_images_one_value_apart_never_share(vlm: tuple[str, Any], where: str) -> None:
+    """Two images that differ in one value anywhere (the digest reads every byte of every tensor) are two images."""
+    family, model = vlm
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(10, 1), text(5, 2)
+    base = prompt(family, [[system, 7, question]])
+    run(model, store, base)
+    nudged = dict(base)
+    one = _nudged(family, 7, where)
+    if family == "idefics3":
+        nudged["pixel_values"] = one["pixel_values"]
+    else:
+        nudged.update({k: v for k, v in one.items() if k in base})
+    assert not torch.equal(nudged["pixel_values"], base["pixel_values"])
+    stats, diff = run(model, store, nudged)
+    before = len(system) + _image_tokens(family).index(IMAGE)
+    assert stats.cached_tokens == before and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})  # a later ordinary request
+    assert diff < 1e-6
+
+
+def test_the_grid_alone_keys_the_image() -> None:
+    """The same patches in another grid of the same placeholder count: another image, end to end."""
+    model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(10, 1), text(5, 2)
+    square = prompt("qwen2_vl", [[system, 7, question]])
+    run(model, store, square)
+    wide = {**square, "image_grid_thw": torch.tensor([[1, 2, 8]])}
+    stats, diff = run(model, store, wide)
+    assert stats.cached_tokens == len(system) + 1 and diff < 1e-6, stats
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})
+    assert diff < 1e-6
+
+
+@pytest.mark.parametrize(("family", "name"), [("gemma3", "token_type_ids"), ("qwen2_vl", "mm_token_type_ids")])
+def test_token_types_key_the_image(family: str, name: str) -> None:
+    """The same prompt with and without its token types (Gemma 3's attention within an image, Qwen2-VL's rotary
+    positions) are two prompts: neither reuses the other's image; a cache built with them refuses a call without."""
+    model = prefixkv.models.tiny_model(family, dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(10, 1), text(5, 2)
+    typed = prompt(family, [[system, 7, question]])
+    untyped = {k: v for k, v in typed.items() if k != name}
+    n, before = typed["input_ids"].shape[1], len(system) + _image_tokens(family).index(IMAGE)
+    for inputs, cached in ((typed, 0), (untyped, before), (typed, n - 1), (untyped, n - 1)):
+        stats, diff = run(model, store, inputs)
+        assert stats.cached_tokens == cached and diff < 1e-6, (inputs.keys(), stats)
+    with (
+        prefixkv.PagedPrefixCache(store, **typed) as cache,
+        pytest.raises(CacheMisuseError, match=f"other {name}"),
+    ):
+        model.generate(**untyped, **cache_kw(cache), max_new_tokens=2, do_sample=False)
+    stats, diff = run(model, store, {"input_ids": torch.tensor([system + question])})  # a later ordinary request
+    assert diff < 1e-6
+
+
+def test_token_types_of_a_token_that_is_no_placeholder_are_refused() -> None:
+    model = prefixkv.models.tiny_model("gemma3", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    inputs = prompt("gemma3", [[text(10, 1), 7, text(5, 2)]])
+    inputs["token_type_ids"] = inputs["token_type_ids"].clone()
+    inputs["token_type_ids"][0, 3] = 1
+    with pytest.raises(ValueError, match="token_type_ids marks token 3 of row 0"):
+        prefixkv.PagedPrefixCache(store, **inputs)
+
+
+def test_a_keyword_that_changes_the_encoding_is_keyed() -> None:
+    """vision_feature_layer changes every image's features: the cache keys it (given to it, or to generate under
+    enable); a call given another than its cache was built with is refused."""
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    system, question = text(10, 1), text(5, 2)
+    inputs = prompt("llava", [[system, 7, question]])
+    layer = {**inputs, "vision_feature_layer": -2}
+    n, before = inputs["input_ids"].shape[1], len(system)
+    for given, cached in ((inputs, 0), (layer, before), (layer, n - 1), (inputs, n - 1)):
+        stats, diff = run(model, store, given)
+        assert stats.cached_tokens == cached and diff < 1e-6, stats
+    with (
+        prefixkv.PagedPrefixCache(store, **inputs) as cache,
+        pytest.raises(CacheMisuseError, match="other vision_feature_layer"),
+    ):
+        model.generate(**layer, **cache_kw(cache), max_new_tokens=2, do_sample=False)
+    store.close()
+    twin = stock_twin(model)
+    store = prefixkv.enable(model, block_size=4)
+    for given in (inputs, layer, layer):
+        ref = twin.generate(
+            **given, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        out = model.generate(
+            **given, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        assert max_logit_diff(out.logits, ref.logits) < 1e-6
+    assert store.stats.hit_tokens == before + n - 1
+    out = model.generate(torch.tensor([system + question]), max_new_tokens=3, do_sample=False)  # an ordinary request
+    assert out.tolist() == twin.generate(torch.tensor([system + question]), max_new_tokens=3, do_sample=False).tolist()
+    prefixkv.disable(model)
+
+
+def test_every_input_an_image_encoder_of_a_known_layout_takes_is_keyed() -> None:
+    """generate hands a model's image encoder every keyword its get_image_features names: each family prefixkv keys
+    must have them all among the inputs that key an image (a release that adds one fails here, not silently)."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    checked = 0
+    for family in vision.LAYOUTS:
+        cls = getattr(transformers, NAMES.get(family, ""), None)
+        if cls is None:  # a family this release does not have
+            continue
+        taken = set(inspect.signature(cls.get_image_features).parameters) - {"self", "kwargs"}
+        assert taken <= vision.IMAGE_INPUTS, (family, sorted(taken - vision.IMAGE_INPUTS))
+        checked += 1
+    assert checked >= 7
+
+
+def test_a_forward_given_raw_images_checks_their_keywords() -> None:
+    """Where generate hands a forward the images raw (a release or model that does not encode them first), the
+    forward's encoding keywords and token types must be those the cache keyed the images by."""
+    config = prefixkv.models.tiny_config("gemma3")
+    inputs = prompt("gemma3", [[text(6, 1), 7, text(3, 2)]])
+    pads, keys = [0], inputs["input_ids"].tolist()
+    plan = vision.plan(config, pads, keys, {k: v for k, v in inputs.items() if k != "input_ids"})
+    assert plan is not None
+    assert plan.feed([0], dict(inputs)) == dict(inputs)  # as the cache was built: unchanged
+    untyped = {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    with pytest.raises(ValueError, match="this forward's token_type_ids differ"):
+        plan.feed([0], untyped)
+    with pytest.raises(ValueError, match="this forward's vision_feature_layer differ"):
+        plan.feed([0], {**inputs, "vision_feature_layer": -2})

@@ -12,9 +12,9 @@ import torch
 
 
 def digest(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """A digest of one image's processed inputs by name (its rows of ``pixel_values``, its ``image_grid_thw``,
-    ``image_sizes``, masks): every name, dtype, shape and byte, so the same image processed alike has the same digest
-    and anything else another.
+    """A digest of one image's processed inputs by name (its part of ``pixel_values``, its ``image_grid_thw``,
+    ``image_sizes``, masks, its placeholders' token types, the keywords that change its encoding): every name, dtype,
+    shape and byte, so the same image processed and encoded alike has the same digest and anything else another.
 
     >>> a = {"pixel_values": torch.zeros(2, 3)}
     >>> same, other = {"pixel_values": torch.zeros(2, 3)}, {"pixel_values": torch.zeros(3, 2)}

@@ -120,6 +120,8 @@ class PagedPrefixCache(Cache):
                 vision.reset_rope_deltas(store.hf_model)
                 self.forward.call = GenerateCall(input_ids.cpu().tolist())
                 self._rowset.attach(store, pads, keys)
+                if self._rowset.images is not None and self._rowset.images.refusal is not None:
+                    self._rowset.not_cached(self._rowset.images.refusal)
             elif attention_mask is not None or any(v is not None for v in inputs.values()):
                 raise ValueError("attention_mask or image inputs were given without input_ids")
         refusal = self.forward.refusal

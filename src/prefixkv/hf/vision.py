@@ -3,10 +3,13 @@ placeholders, which processed inputs belong to each image, and the keys that mak
 same image processed alike (:func:`plan`, an :class:`ImagePlan`), and the inputs a forward that feeds only a prompt's
 uncached tail gets: those of the images in it (:meth:`ImagePlan.feed`).
 
-A placeholder run takes the keys of its image's digest (:func:`prefixkv.images.digest` of its rows of
-``pixel_values`` and every other tensor the model's forward takes for it); the placeholders of an image the cache
-was not given (a video, audio, a cache built from the ids alone) take the keys of a digest no image has, so nothing
-is reused at or past them, and the text before them is. Nothing here mutates but :func:`reset_rope_deltas`."""
+A placeholder run takes the keys of its image's digest (:func:`prefixkv.images.digest` of its part of
+``pixel_values``, every other tensor the model's forward takes for it, its placeholders' token types and the
+``generate`` keywords that change how it is encoded); the placeholders of an image the cache was not given (a video,
+audio, a cache built from the ids alone) take the keys of a digest no image has, so nothing is reused at or past
+them, and the text before them is. Each family's images come in a layout of their own (:data:`LAYOUTS`, by
+``model_type``): a family whose layout prefixkv does not know is refused with its name, never read as another's.
+Nothing here mutates but :func:`reset_rope_deltas`."""
 
 from __future__ import annotations
 
@@ -19,17 +22,33 @@ import torch
 from .. import images
 from ..tokens import image_key, token
 
+# the token types of a prompt's tokens (Gemma 3's token_type_ids make an image's placeholders attend each other,
+# Qwen-VL's mm_token_type_ids place its multimodal rotary positions): each image's digest holds those of its span
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+# the generate keywords that change how an image is encoded (the LLaVA family's): keyed with every image's digest
+ENCODING = ("vision_feature_layer", "vision_feature_select_strategy", "vision_aspect_ratio")
 # what a vision-language model's forward takes for its images, videos and audio, besides the ids: their K/V are
-# keyed by the digests of the images (ImagePlan); the token type ids mark the placeholders, a function of the ids
+# keyed by the digests of the images (ImagePlan)
 IMAGE_INPUTS = frozenset(
     {
         *("pixel_values", "pixel_mask", "pixel_attention_mask", "image_sizes", "image_grid_thw", "num_patches"),
-        *("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "image_sizes_videos"),
+        *("batch_num_images", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "image_sizes_videos"),
         *("input_features", "input_features_mask", "feature_attention_mask"),
         *("aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"),
-        *("token_type_ids", "mm_token_type_ids"),
+        *TOKEN_TYPES,
+        *ENCODING,
     }
 )
+# the layout of each family's image inputs, by model_type (docs/generate.md, "Images"): Qwen-VL's flat patches with
+# image_grid_thw ("grid"); one image per row of a 4-D pixel_values, cut to its image_sizes where given ("rows");
+# each row's images in a 5-D one, padded with all-zero ones ("tiles"); one image per row of a 5-D one of its patches,
+# read to its image_sizes ("patches")
+LAYOUTS = {
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), "grid"),
+    **dict.fromkeys(("llava", "gemma3", "mistral3"), "rows"),
+    **dict.fromkeys(("idefics3", "smolvlm"), "tiles"),
+    **dict.fromkeys(("llava_next", "llava_onevision"), "patches"),
+}
 # what the rows' keys carry on a forward of a prompt with images: its image inputs, or those images encoded
 # (transformers 5's generate encodes them before the prefill; ImagePlan.feed keeps the features of those fed)
 KEYED = IMAGE_INPUTS | {"mm_encoder_outputs"}
@@ -79,13 +98,19 @@ class ImagePlan:
         inputs: Mapping[str, Any],
         digests: list[bytes],
         counts: list[int],
+        layout: str | None = None,
+        parts: list[bytes] | None = None,
     ) -> None:
         self.config = config
         self.keys = keys
         self.rows = rows
         self.inputs = {name: inputs.get(name) for name in _PER_IMAGE}
+        self.given = {name: inputs.get(name) for name in IMAGE_INPUTS}
         self.digests = digests
         self.counts = counts
+        self.layout = layout
+        self.parts = parts or []  # each image's digest of its tensors alone, to check a forward's images by
+        self.refusal: str | None = None  # why the images given are not keyed (their placeholders match nothing)
         # where each prompt row's encoded images begin: generate encodes only those a call feeds (encode_only)
         self.encoded_from: list[int] | None = None
 
@@ -122,6 +147,14 @@ class ImagePlan:
                     "mm_encoder_outputs), but the PagedPrefixCache was built with them"
                 )
             return kwargs
+        # a forward given the images raw (generate did not encode them first) is given the keywords as the call was
+        other = [name for name in ENCODING if not _same(kwargs.get(name), self.given[name])]
+        other += [name for name in TOKEN_TYPES if (kwargs.get(name) is None) != (self.given[name] is None)]
+        if other:
+            raise ValueError(
+                f"this forward's {', '.join(other)} differ from what the PagedPrefixCache was built with (they change "
+                "its images' K/V): build it with the same"
+            )
         if all(kwargs.get(name) is self.inputs[name] for name in _PER_IMAGE):
             spans = _spans(self.config, kwargs)
         else:
@@ -137,26 +170,42 @@ class ImagePlan:
                 continue
             if not fed:
                 out[name] = None
-            elif kwargs["pixel_values"].dim() == 5:
+            elif self.layout == "tiles":
                 real = _real_images(kwargs["pixel_values"])
                 out[name] = _pick_5d(value, [real[n] for n in fed], value.shape[0])
             elif name == "pixel_values" and spans:
                 out[name] = torch.cat([value[slice(*spans[n])] for n in fed])
             else:
                 out[name] = value[torch.tensor(fed, device=value.device)]
+        several = kwargs.get("batch_num_images")
+        if isinstance(several, torch.Tensor):
+            # LLaVA-OneVision encodes an image alone (in patches) where its count is 1, as every keyed one's is (plan)
+            out["batch_num_images"] = several.new_ones(len(fed))
         return out
 
     def check(self, inputs: Mapping[str, Any], order: list[int] | None = None) -> None:
-        """Raise ``ValueError`` unless ``inputs`` (by name) carry the images the plan was built from (``order``: which
-        of them, in order; all by default), compared by digest where they are other tensors."""
-        if not self.digests or all(inputs.get(name) is self.inputs[name] for name in _PER_IMAGE):
+        """Raise ``ValueError`` unless ``inputs`` (by name) carry the images the plan was built from: a call's
+        (``order`` ``None``) every image input and encoding keyword as the cache was given them, a forward's the
+        images ``order`` names, in order, compared by digest where they are other tensors."""
+        if not self.digests:
             return
-        order = list(range(len(self.digests))) if order is None else order
+        if order is None:  # a call's inputs: every one that keys the images, as the cache was built with
+            other = sorted(name for name in IMAGE_INPUTS if not _same(inputs.get(name), self.given[name]))
+            if other:
+                raise ValueError(
+                    f"the images generate was given are not those the PagedPrefixCache was built with (other "
+                    f"{', '.join(other)}, which change their K/V): build it from the same processor outputs "
+                    f"(pixel_values, image_grid_thw, ...) and {', '.join(ENCODING)} you pass to generate"
+                )
+            return
+        if all(inputs.get(name) is self.inputs[name] for name in _PER_IMAGE):
+            return
         pixels = inputs.get("pixel_values")
         same = False
-        if isinstance(pixels, torch.Tensor):
-            per, _, _ = _split(self.config, inputs, sum(self.counts[i] for i in order))
-            same = [images.digest(one) for one in per] == [self.digests[i] for i in order]
+        if isinstance(pixels, torch.Tensor) and self.layout is not None:
+            counts = [self.counts[i] for i in order]
+            per, _ = _split(self.layout, self.config, inputs, counts)
+            same = [images.digest(one) for one in per] == [self.parts[i] for i in order]
         if not same:
             raise ValueError(
                 "the images generate was given are not those the PagedPrefixCache was built with: build it from the "
@@ -229,15 +278,44 @@ def _spans(config: Any, inputs: Mapping[str, Any]) -> list[tuple[int, int]]:
     return [(stop - size, stop) for size, stop in zip(sizes, stops)]
 
 
-def _split(
-    config: Any, inputs: Mapping[str, Any], total: int
-) -> tuple[list[dict[str, torch.Tensor]], list[int], list[tuple[int, int]]]:
-    """Each image's processed inputs by name, its number of placeholder tokens, and its run of ``pixel_values``
-    rows, from the processor's ``inputs`` (``total``: the image placeholders of the prompt). Raises ``ValueError``
-    for a layout it does not know, naming it."""
+def layout_of(config: Any, inputs: Mapping[str, Any]) -> str:
+    """The layout of ``inputs``' images on a model of ``config`` (:data:`LAYOUTS`). Raises ``ValueError`` naming the
+    family and its ``pixel_values`` where prefixkv does not know the family's layout, or the tensors are not in it."""
+    family = getattr(config, "model_type", None)
     pixels = inputs["pixel_values"]
-    grid = inputs.get("image_grid_thw")
-    if isinstance(grid, torch.Tensor):  # Qwen-VL: flat patches, each image's t*h*w of them
+    shape = tuple(pixels.shape)
+    layout = LAYOUTS.get(str(family))
+    if layout is None:
+        raise ValueError(
+            f"{family}: a layout of images prefixkv does not know (pixel_values of shape {shape}); it keys the images "
+            f"of {', '.join(sorted(LAYOUTS))}: build the cache from input_ids alone (it reuses the text before the "
+            "first image)"
+        )
+    sizes = inputs.get("image_sizes")
+    wanted = {"grid": 2, "rows": 4, "tiles": 5, "patches": 5}[layout]
+    if pixels.dim() != wanted or (layout == "grid") != isinstance(inputs.get("image_grid_thw"), torch.Tensor):
+        raise ValueError(
+            f"{family}: pixel_values of shape {shape} are not in its layout ({layout}: {wanted}-D"
+            f"{' with image_grid_thw' if layout == 'grid' else ''})"
+        )
+    if layout == "patches" and not (isinstance(sizes, torch.Tensor) and tuple(sizes.shape) == (shape[0], 2)):
+        got = tuple(sizes.shape) if isinstance(sizes, torch.Tensor) else None
+        raise ValueError(
+            f"{family}: pixel_values of shape {shape} need image_sizes of shape ({shape[0]}, 2), got {got}"
+        )
+    return layout
+
+
+def _split(
+    layout: str, config: Any, inputs: Mapping[str, Any], runs: list[int]
+) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """Each image's processed inputs by name and its number of placeholder tokens, from the processor's ``inputs``
+    in ``layout`` (``runs``: the lengths of the prompt's runs of image placeholders, in order). Raises
+    ``ValueError`` where the inputs do not fit the placeholders."""
+    pixels = inputs["pixel_values"]
+    total = sum(runs)
+    if layout == "grid":  # Qwen-VL: flat patches, each image's t*h*w of them
+        grid = inputs["image_grid_thw"]
         merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
         if not isinstance(merge, int):
             raise ValueError("image_grid_thw without a vision_config.spatial_merge_size: an unknown layout")
@@ -245,8 +323,8 @@ def _split(
         if spans[-1][1] != pixels.shape[0]:
             raise ValueError(f"image_grid_thw holds {spans[-1][1]} patches, pixel_values {pixels.shape[0]}")
         per = [{"pixel_values": pixels[a:b], "image_grid_thw": grid[i]} for i, (a, b) in enumerate(spans)]
-        return per, [(b - a) // merge**2 for a, b in spans], spans
-    if pixels.dim() == 4:  # one image per row of pixel_values (LLaVA, Gemma 3, Mistral 3)
+        return per, [(b - a) // merge**2 for a, b in spans]
+    if layout == "rows":  # one image per row of pixel_values (LLaVA, Gemma 3, Mistral 3)
         n = pixels.shape[0]
         sizes_in = inputs.get("image_sizes")
         per = []
@@ -256,23 +334,35 @@ def _split(
                 h, w = sizes_in[i].tolist()
                 one["pixel_values"] = pixels[i, :, :h, :w]
             per.append(one)
-        counts = _counts_by_size(config, sizes_in, n, total)
-        return per, counts, []
-    if pixels.dim() == 5:  # each row's images, padded with all-zero ones (Idefics3, SmolVLM)
-        masks = inputs.get("pixel_attention_mask")
-        per = []
-        for b, j in _real_images(pixels):
-            one = {"pixel_values": pixels[b, j]}
-            if isinstance(masks, torch.Tensor):
-                one["pixel_attention_mask"] = masks[b, j]
-            per.append(one)
-        if not per or total % len(per):
-            raise ValueError(f"{total} image placeholders cannot be shared among {len(per)} images of pixel_values")
-        return per, [total // len(per)] * len(per), []
-    raise ValueError(
-        f"pixel_values of shape {tuple(pixels.shape)}: a layout prefixkv cannot split per image (it splits Qwen-VL's "
-        "flat patches with image_grid_thw and one image per row of a 4-D tensor)"
-    )
+        return per, _counts_by_size(config, sizes_in, n, total)
+    if layout == "patches":  # one image per row of its patches, padded with all-zero ones (LLaVA-NeXT, -OneVision)
+        if len(runs) != pixels.shape[0]:
+            raise ValueError(
+                f"{config.model_type}: {len(runs)} runs of image placeholders for {pixels.shape[0]} images (an image "
+                "is one run: text between images tells them apart)"
+            )
+        per = [
+            {"pixel_values": _real_patches(pixels[i]), "image_sizes": inputs["image_sizes"][i]}
+            for i in range(len(runs))
+        ]
+        return per, list(runs)
+    masks = inputs.get("pixel_attention_mask")  # tiles: each row's images, padded with all-zero ones (Idefics3)
+    per = []
+    for b, j in _real_images(pixels):
+        one = {"pixel_values": pixels[b, j]}
+        if isinstance(masks, torch.Tensor):
+            one["pixel_attention_mask"] = masks[b, j]
+        per.append(one)
+    if not per or total % len(per):
+        raise ValueError(f"{total} image placeholders cannot be shared among {len(per)} images of pixel_values")
+    return per, [total // len(per)] * len(per)
+
+
+def _real_patches(patches: torch.Tensor) -> torch.Tensor:
+    """One image's patches (LLaVA-NeXT's ``[patches, 3, h, w]``) without the all-zero ones that pad it to the batch's
+    most: the model reads the first of them its ``image_sizes`` give, which the digest holds too."""
+    real = (patches != 0).flatten(1).any(dim=1).nonzero()
+    return patches[: int(real[-1]) + 1 if len(real) else 0]
 
 
 def _real_images(pixels: torch.Tensor) -> list[tuple[int, int]]:
@@ -308,11 +398,97 @@ def _counts_by_size(config: Any, sizes: Any, n: int, total: int) -> list[int]:
     return [total // n] * n
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two inputs of one name are the same: both absent, one object, or tensors of one dtype, shape and
+    values (a tensor in place of a number or a string is another)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return bool(a == b)
+
+
+def _encoding(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The keywords of ``inputs`` that change how an image is encoded (:data:`ENCODING`), as tensors for a digest:
+    the bytes of each value's ``repr``."""
+    return {
+        name: torch.tensor(list(repr(inputs[name]).encode()), dtype=torch.uint8)
+        for name in ENCODING
+        if inputs.get(name) is not None
+    }
+
+
+def _unkeyed(config: Any, inputs: Mapping[str, Any]) -> str | None:
+    """Why the images of ``inputs`` are not keyed, in a layout prefixkv knows, or ``None``: their placeholders then
+    match nothing, as those of images the cache was not given."""
+    several = inputs.get("batch_num_images")
+    if isinstance(several, torch.Tensor) and bool((several > 1).any()):
+        return (
+            f"{config.model_type} encodes each image of a row with several (batch_num_images={several.tolist()}) "
+            "otherwise than one alone, which prefixkv does not key: the images of this call are not reused"
+        )
+    return None
+
+
+def _runs(keys: list[list[int]], image_id: int | None) -> list[int]:
+    """The lengths of the runs of image placeholders (``image_id``, shown or hidden) of the rows ``keys``, in order."""
+    runs: list[int] = []
+    for row in keys:
+        last = -2
+        for t, k in enumerate(row):
+            if token(k) == image_id:
+                if t == last + 1:
+                    runs[-1] += 1
+                else:
+                    runs.append(1)
+                last = t
+    return runs
+
+
+def _token_types(
+    inputs: Mapping[str, Any], pads: list[int], keys: list[list[int]], media: set[int], found: list[tuple[int, Image]]
+) -> list[dict[str, torch.Tensor]]:
+    """The token types of each image's placeholders (``found``: each image's row and span), by name
+    (:data:`TOKEN_TYPES`: the model reads them for the attention within an image and its rotary positions). Raises
+    ``ValueError`` where a type marks a token that is no placeholder, or two images' placeholders touch: the types of
+    one image would then change another's K/V."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in found]
+    for name in TOKEN_TYPES:
+        types = inputs.get(name)
+        if types is None:
+            continue
+        width = max(p + len(row) for p, row in zip(pads, keys))
+        if not isinstance(types, torch.Tensor) or tuple(types.shape) != (len(keys), width):
+            got = tuple(types.shape) if isinstance(types, torch.Tensor) else type(types).__name__
+            raise ValueError(f"{name} of shape {got} for input_ids of shape {(len(keys), width)}")
+        rows = types.detach().cpu()
+        for b, (pad, row) in enumerate(zip(pads, keys)):
+            marked = [t for t, v in enumerate(rows[b, pad:].tolist()) if v != 0 and token(row[t]) not in media]
+            if marked:
+                t = marked[0]
+                raise ValueError(
+                    f"{name} marks token {t} of row {b} (id {token(row[t])}, type {int(rows[b, pad + t])}), which is "
+                    "no image placeholder: prefixkv keys an image by its placeholders' types"
+                )
+        for (b, image), extra in zip(found, out):
+            extra[name] = rows[b, pads[b] + image.begin : pads[b] + image.end + 1]
+        for (b, one), (c, two) in itertools.pairwise(found):
+            if b == c and one.end + 1 == two.begin and bool(rows[b, pads[b] + two.begin] != 0):
+                raise ValueError(
+                    f"{name}: the images at tokens {one.begin}..{one.end} and {two.begin}..{two.end} of row {b} touch, "
+                    "and the model reads their placeholders as one image: put a token between them"
+                )
+    return out
+
+
 def plan(config: Any, pads: list[int], keys: list[list[int]], inputs: Mapping[str, Any]) -> ImagePlan | None:
     """The images of a prompt whose rows are ``keys`` (after ``pads``) on a model of ``config``, given the
-    processor's ``inputs`` (none: every placeholder is an image the cache was not given); ``None`` for a model that
-    takes no images or a prompt without placeholders. Raises ``ValueError`` where the inputs do not fit the
-    placeholders, with the numbers."""
+    processor's ``inputs`` (none: every placeholder is an image the cache was not given) and the ``generate``
+    keywords that change how they are encoded (:data:`ENCODING`); ``None`` for a model that takes no images or a
+    prompt without placeholders. Raises ``ValueError`` where the inputs do not fit the placeholders, with the numbers,
+    or their layout is not one prefixkv knows (:func:`layout_of`), naming it."""
     ids = placeholder_ids(config)
     if not ids:
         return None
@@ -321,43 +497,64 @@ def plan(config: Any, pads: list[int], keys: list[list[int]], inputs: Mapping[st
     at = [[t for t, k in enumerate(row) if token(k) in media] for row in keys]
     if not any(at):
         return None
-    count = sum(1 for row, where in zip(keys, at) for t in where if token(row[t]) == image_id)
     per: list[dict[str, torch.Tensor]] = []
     counts: list[int] = []
+    layout = None
+    refusal = None
     if isinstance(inputs.get("pixel_values"), torch.Tensor):
-        per, counts, _ = _split(config, inputs, count)
-        if sum(counts) != count:
+        layout = layout_of(config, inputs)
+        refusal = _unkeyed(config, inputs)
+    if refusal is None and layout is not None:
+        runs = _runs(keys, image_id)
+        per, counts = _split(layout, config, inputs, runs)
+        if sum(counts) != sum(runs):
             raise ValueError(
-                f"the prompt holds {count} image placeholder tokens, but its {len(per)} images need {sum(counts)} "
+                f"the prompt holds {sum(runs)} image placeholder tokens, but its {len(per)} images need {sum(counts)} "
                 f"({counts}): build the cache from the processor's outputs for these input_ids"
             )
-    digests = [images.digest(one) for one in per]
-    out_keys, out_rows = [], []
+    found: list[tuple[int, Image]] = []  # each image's row and span
+    out_rows: list[list[Image]] = []
+    placed: list[list[tuple[int, int, int]]] = []  # each row's placeholders: token index, image (-1: none), index in it
     image, used = 0, 0  # the image now, and how many of its placeholders the rows used so far
-    for row, where in zip(keys, at):
-        row_keys, row_images = list(row), []
-        unknown: bytes | None = None
+    for b, (row, where) in enumerate(zip(keys, at)):
+        row_images: list[Image] = []
+        row_placed: list[tuple[int, int, int]] = []
         for t in where:
             k = row[t]
             if k < 0 or token(k) != image_id or image >= len(per):
                 # a video, audio, an image not given, or a placeholder the mask hides: matches nothing from here
-                unknown = unknown or images.unknown()
-                row_keys[t] = image_key(unknown, t, token(k))
                 row_images.append(Image(t, t, -1))
+                row_placed.append((t, -1, 0))
                 continue
-            row_keys[t] = image_key(digests[image], used, token(k))
             if used == 0:
                 row_images.append(Image(t, t, image))
+                found.append((b, row_images[-1]))
             else:
                 row_images[-1] = row_images[-1]._replace(end=t)
+                found[-1] = (b, row_images[-1])
+            row_placed.append((t, image, used))
             used += 1
             if used == counts[image]:
                 image, used = image + 1, 0
-        out_keys.append(row_keys)
         out_rows.append(row_images)
+        placed.append(row_placed)
     if per and (image, used) != (len(per), 0):
         raise ValueError(f"the prompt's placeholders end inside image {image} of {len(per)}")
-    return ImagePlan(config, out_keys, out_rows, inputs, digests, counts)
+    types = _token_types(inputs, pads, keys, media, found) if per else []
+    encoding = _encoding(inputs)
+    parts = [images.digest(one) for one in per]
+    digests = [images.digest({**one, **extra, **encoding}) for one, extra in zip(per, types)]
+    out_keys = []
+    for row, row_placed in zip(keys, placed):
+        row_keys, unknown = list(row), images.unknown()
+        for t, number, index in row_placed:
+            row_keys[t] = image_key(
+                unknown if number < 0 else digests[number], t if number < 0 else index, token(row[t])
+            )
+        out_keys.append(row_keys)
+    out = ImagePlan(config, out_keys, out_rows, inputs if per else {}, digests, counts, layout, parts)
+    out.refusal = refusal
+    return out
 
 
 def reset_rope_deltas(model: torch.nn.Module) -> None:
