@@ -118,8 +118,7 @@ def test_each_layer_keeps_the_shapes_it_hands_over(family: str, model: Any, stor
         assert [k[1] for k, _ in shapes] == [256, 512]
     expected = sum(k[0] * k[1] + v[0] * v[1] for k, v in shapes) * 8 * store.block_size
     assert store.bytes_per_block == expected
-    if family != "mimo_v2_flash":  # the config's estimate (MiMo's doubled sliding heads are in its code alone)
-        assert prefixkv.kv_bytes_per_token(model.config, torch.float64) * store.block_size == expected
+    assert prefixkv.kv_bytes_per_token(model.config, torch.float64) * store.block_size == expected  # the estimate
 
 
 def test_a_file_keeps_each_layers_shapes(tmp_path: Any) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import FeedCounter, assert_no_leak, compare, left_pad, random_tokens
-from transformers import LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 import prefixkv
-from prefixkv import CapacityError, estimate, kv_bytes_per_token
+from prefixkv import CapacityError, census, estimate, kv_bytes_per_token
 
 TOL = 1e-6
 
@@ -252,4 +252,27 @@ def test_many_random_requests_through_a_small_pool(llama64: Any) -> None:
     assert store.blocks._trie.policy.queued() <= 2 * s.nodes + 65
     assert cached(store, system) == len(system)
     assert_no_leak(store, pinned=4)
+    store.close()
+
+
+@pytest.mark.parametrize("family", ["mimo_v2_flash", "gemma4_text", "deepseek_v2"])
+def test_the_estimate_is_what_the_pool_of_a_mixed_shape_model_holds(family: str) -> None:
+    """Issue 52: ``kv_bytes_per_token`` against the bytes per token of the shapes the layers hand over, which the
+    store's pool holds, for the families
+    whose K and V differ (MiMo-V2-Flash: V narrower than K, twice the KV heads in its sliding layer; DeepSeek-V2:
+    a latent and a rotary key) or whose layers do (Gemma 4: wider full-attention layers, KV-shared ones). Sizing V
+    at K's head size made MiMo's estimate 85% too high, and the test that checked it skipped MiMo."""
+
+    torch.manual_seed(0)  # experts run eagerly: grouped_mm has no float64 kernel, and a model that cannot run is
+    # not measured (its pool takes the estimate, which would then be compared with itself)
+    config = census.tiny_config(family)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64, experts_implementation="eager").eval()
+    cache = DynamicCache(config=model.config)  # what the layers hand stock's cache, KV-shared layers nothing
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]), cache=cache, use_cache=True)
+    held = [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "keys", None) is not None]
+    per_token = sum(k[0, :, 0].numel() + v[0, :, 0].numel() for k, v in held if k.numel()) * 8
+    store = prefixkv.PrefixStore(model, block_size=4, num_blocks=3)
+    assert pool_bytes(store) == store.pool.capacity * store.block_size * per_token
+    assert kv_bytes_per_token(model.config, torch.float64) == per_token
     store.close()

@@ -274,3 +274,50 @@ def test_looking_up_a_namespace_leaves_no_trace(llama64: Any) -> None:
         store.clear()
         assert trie.spaces() == [None] and trie.policy.queued() == 0
         store.check_invariants()
+
+
+def _books(store: PrefixStore) -> tuple[Any, ...]:
+    """The entries of a store's own bookkeeping: the pool's and the allocator's blocks, the free list, the trie's
+    roots and nodes, the eviction queues, the snapshots."""
+    alloc, trie = store.blocks.holdings.allocator, store.blocks._trie
+    return (
+        store.pool.capacity,
+        alloc.capacity,
+        len(alloc._free),
+        alloc.num_free,
+        trie.spaces(),
+        len(trie._roots._spaces),
+        trie.policy.queued(),
+        trie.policy.nodes,
+        len(store.snapshots),
+    )
+
+
+def test_clear_brings_the_books_back_to_a_fresh_stores(llama64: Any) -> None:
+    """Issue 52: a request in a namespace of its own left 173 B behind after ``clear()`` (a million namespaces: 165
+    MiB): without a budget the pool grows to hold every namespace's prefixes, and the pool and the allocator's
+    free list and refcounts kept that size. ``clear()`` gives them back, down to the last block still held (a
+    pinned prefix keeps its blocks, served exactly after the clear)."""
+    system = random_tokens(24, seed=70)
+    with PrefixStore(llama64, block_size=BS) as store:
+        fresh = _books(store)
+        store.pin(system.tolist(), namespace="kept")
+        for i in range(60):  # each request in a namespace of its own: 2 whole blocks each, nothing evicted
+            ids = random_tokens(9, seed=100 + i)[None]
+            with prefixkv.PagedPrefixCache(store, ids, namespace=f"request-{i}") as cache, torch.no_grad():
+                llama64(input_ids=ids[:, cache.get_seq_length() :], cache=cache)
+        assert store.pool.capacity > 4 * fresh[0]
+        store.clear()
+        assert store.stats.blocks_used == store.stats.blocks_pinned == 6
+        assert _books(store)[:4] == (fresh[0], fresh[1], fresh[2] - 6, fresh[3] - 6)  # 127 blocks before the fix
+        store.check_invariants()
+        kept = compare(llama64, store, _prompt(71, system), namespace="kept", do_sample=False)
+        _exact(kept)
+        assert kept.cache.stats.cached_tokens == 24
+        store.unpin(system.tolist(), namespace="kept")
+        store.clear()
+        assert _books(store) == fresh
+        later = compare(llama64, store, _prompt(72, system), do_sample=False)  # an ordinary request, against stock
+        _exact(later)
+        assert later.cache.stats.cached_tokens == 0
+        store.check_invariants()

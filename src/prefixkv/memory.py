@@ -87,7 +87,8 @@ def layer_shapes(config: Any) -> list[LayerShape]:
     :func:`attention_shape` is (docs/memory.md). Multi-head latent attention (``kv_lora_rank``) keeps a latent of
     ``kv_lora_rank`` and a rotary key of ``qk_rope_head_dim``, one head each; ``v_head_dim`` sizes V's heads; a
     per-layer config (``per_layer_config``) sizes each layer; a layer that reuses another's K/V
-    (``kv_sharing_modes``) keeps none.
+    (``kv_sharing_modes``) keeps none; MiMo-V2-Flash's sliding layers have twice the config's KV heads (its
+    attention's code, :data:`_SLIDING_HEADS`).
 
     >>> from transformers import DeepseekV3Config
     >>> layer_shapes(DeepseekV3Config(num_hidden_layers=1, kv_lora_rank=16, qk_rope_head_dim=8))
@@ -100,15 +101,23 @@ def layer_shapes(config: Any) -> list[LayerShape]:
         return [LayerShape((1, int(rank)), (1, int(text.qk_rope_head_dim)))] * uniform.num_layers
     per_layer = list(getattr(text, "per_layer_config", None) or []) if getattr(text, "is_heterogeneous", False) else []
     modes = list(getattr(text, "kv_sharing_modes", None) or [None] * uniform.num_layers)
+    types = list(getattr(text, "layer_types", None) or [])
+    sliding = _SLIDING_HEADS.get(getattr(text, "model_type", ""), 1)
     shapes = []
     for i in range(uniform.num_layers):
         layer = per_layer[i] if i < len(per_layer) else text
         heads = int(_read(layer, "num_key_value_heads") or uniform.kv_heads)
+        if i < len(types) and types[i] == "sliding_attention":
+            heads *= sliding
         dim = int(_read(layer, "head_dim") or uniform.head_dim)
         value = int(_read(text, "v_head_dim") or dim)
         if i >= len(modes) or modes[i] != "reuse":
             shapes.append(LayerShape((heads, dim), (heads, value)))
     return shapes
+
+
+# families whose sliding-window layers have a multiple of the config's KV heads, set in their attention's code
+_SLIDING_HEADS = {"mimo_v2_flash": 2}
 
 
 def _read(config: Any, name: str) -> Any:

@@ -84,6 +84,24 @@ class BlockAllocator:
         self._free.extend(range(old, new_capacity))  # larger than every id in the heap: still a heap
         self._num_free += new_capacity - old
 
+    def shrink(self, new_capacity: int) -> None:
+        """Drop the ids from ``new_capacity`` on, all free, and the free list's stale entries: the books of an
+        allocator made with ``new_capacity`` and holding what this one holds. Mutates; raises ``ValueError`` where an
+        id to drop is held.
+
+        >>> a = BlockAllocator(capacity=8)
+        >>> a.allocate(3)
+        [1, 2, 3]
+        >>> a.decref([3]), a.shrink(3), a.capacity, a.num_free
+        (1, None, 3, 0)
+        """
+        held = [b for b in range(max(1, new_capacity), self.capacity) if self._refcount[b]]
+        if new_capacity < 1 or held:
+            raise ValueError(f"cannot shrink to {new_capacity} ids: ids {held[:8]} are held (block 0 is reserved)")
+        del self._refcount[new_capacity:]
+        self._free = [b for b in range(1, new_capacity) if self._refcount[b] == 0]  # sorted: a heap
+        self._num_free = len(self._free)
+
     def allocate(self, n: int, after: int | None = None) -> list[int]:
         """Take ``n`` free blocks, each with refcount 1: those right after block ``after`` while they are free,
         then the lowest free ids. Mutates; raises :class:`OutOfBlocksError`.

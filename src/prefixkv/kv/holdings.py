@@ -21,7 +21,8 @@ class Holdings:
     ``allocator``'s refcounts, the ``trie`` of cached prefixes and the ``lock`` over all of them (an ``RLock``:
     the parts call each other under it). ``max_blocks`` bounds the pool (``None``: it grows as requests need);
     ``bytes_per_block`` is what one block costs (for the messages of :class:`~prefixkv.errors.CapacityError`);
-    ``tier`` is the second tier (``None``: evicted blocks are dropped)."""
+    ``tier`` is the second tier (``None``: evicted blocks are dropped); ``first_capacity`` is the pool's size when the
+    store was made, which :meth:`~prefixkv.kv.room.Room.clear` gives it back."""
 
     def __init__(
         self, pool: BlockPool, *, max_blocks: int | None, bytes_per_block: int, tier: OffloadTier | None
@@ -33,6 +34,7 @@ class Holdings:
         self.tier = tier
         self.lock = threading.RLock()
         self.allocator = BlockAllocator(pool.capacity)
+        self.first_capacity = pool.capacity
         self.trie = RadixTrie(pool.block_size)
 
     def insert(self, tokens: Sequence[int], table: Sequence[int], space: Hashable, **where: Any) -> Node:

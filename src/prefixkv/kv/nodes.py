@@ -97,7 +97,7 @@ class Roots:
                 del self._roots[space]
                 del self._spaces[id(root)]
         self._emptied.clear()
-        if 4 * len(self._roots) < self._high:  # rebuilt at a quarter of the most: O(1) amortised per root
+        if every or 4 * len(self._roots) < self._high:  # at a quarter of the most: O(1) amortised per root
             self._roots, self._spaces = dict(self._roots), dict(self._spaces)
             self._high = len(self._roots)
 

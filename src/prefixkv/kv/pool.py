@@ -151,6 +151,18 @@ class BlockPool:
         # all layers at once: a failure half-way leaves the old pool
         self.keys, self.values, self.key_scales, self.value_scales = grown
 
+    def shrink(self, capacity: int) -> None:
+        """Keep the first ``capacity`` blocks of every layer (those after them hold nothing anyone reads) and give the
+        rest back to the device. Mutates."""
+        if capacity >= self.capacity:
+            return
+        with _normal_tensors():
+            kept = [
+                [t[:, :capacity].clone() for t in tensors]
+                for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
+            ]
+        self.keys, self.values, self.key_scales, self.value_scales = kept
+
     @torch.no_grad()
     def write(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None

@@ -104,13 +104,20 @@ class Room:
 
     def clear(self) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and every block of the second
-        tier (its files too): a later request recomputes what they held. Returns the number of pool blocks
-        freed. Mutates."""
+        tier (its files too): a later request recomputes what they held. The pool and the allocator's books go back
+        to the store's first size, or to the last block still held where that lies beyond it (a pinned prefix, a
+        live cache's blocks): a workload that grew the pool (a namespace per request, no budget) leaves nothing
+        behind. Returns the number of pool blocks freed. Mutates."""
         h = self._holdings
+        alloc = self._allocator
         with h.lock:
-            freed = self._allocator.decref(self._trie.clear())
+            freed = alloc.decref(self._trie.clear())
             if h.tier is not None:
                 h.tier.clear()
+            held = max((b for b in range(1, alloc.capacity) if alloc.refcount(b)), default=0)
+            size = max(h.first_capacity, held + 1)
+            h.pool.shrink(size)
+            alloc.shrink(size)
             return freed
 
     # -- the second tier ------------------------------------------------------------------------------
