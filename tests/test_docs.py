@@ -150,15 +150,16 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             )
 
 
-def _torchrun_blocks() -> list[tuple[Path, Block]]:
-    return [(p, b) for p in PAGES for b in blocks(p.read_text()) if b.marker == "torchrun"]
+def _torchrun_blocks() -> list[object]:
+    found = [(p, b) for p in PAGES for b in blocks(p.read_text()) if b.marker == "torchrun"]
+    return [pytest.param(p, b, id=f"{p.name}:{b.line}") for p, b in found]
 
 
 @pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="this torch build has no torch.distributed with the gloo backend, which torchrun on the CPU needs",
 )
-@pytest.mark.parametrize(("page", "block"), _torchrun_blocks(), ids=lambda x: getattr(x, "name", getattr(x, "line", "")))
+@pytest.mark.parametrize(("page", "block"), _torchrun_blocks())
 def test_torchrun_blocks_run(page: Path, block: Block, tmp_path: Path) -> None:
     """A script of the docs written for several processes (getting-started.md's ``serve.py``) runs as written under
     ``torchrun --nproc-per-node 2`` on the CPU, on a stand-in checkpoint: the second question reuses the shared
