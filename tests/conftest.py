@@ -1,4 +1,12 @@
-"""Shared test helpers: tiny models, a stock-vs-prefixkv generate comparison, a token counter.
+"""Shared test helpers: tiny models, a stock-vs-prefixkv generate comparison, a token counter; and which tests run.
+
+Which tests run: ``python -m pytest`` runs the suite a contributor runs before a commit (every fidelity and never-wrong
+test, the census's quick form, the benchmark smoke tests that check a claim of the docs); ``PREFIXKV_FULL=1`` runs
+everything, as ``.ci/run`` does: the tests marked ``slow`` and those of :data:`FULL_ONLY` (the whole census, the
+notebooks, the other benchmark smoke tests, the longest profiles), and it turns on the real-checkpoint tests
+(``PREFIXKV_REAL_TESTS=1``, SmolLM2 from ``PREFIXKV_REAL=1 bash scripts/setup.sh``) and the slow experiments
+(``PREFIXKV_SLOW_TESTS=1``), unless those are set otherwise (``PREFIXKV_REAL_TESTS=0`` where SmolLM2 is not
+installed, as in CI's oldest-release job). tests/README.md has the measured times.
 
 Every fidelity reference runs on a model prefixkv has never touched (its attention, hooks and wrapped methods
 would otherwise run in the reference too, and a bug there would cancel out): the first time a store is built on
@@ -15,6 +23,7 @@ import contextlib
 import copy
 import gc
 import inspect
+import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +36,54 @@ from transformers import DynamicCache, GenerationMixin
 import prefixkv
 from prefixkv._compat import GENERATE_CACHE_KWARG
 from prefixkv.kv.pool import BlockPool, LayerSpec
+
+FULL = os.environ.get("PREFIXKV_FULL") == "1"
+"""Whether this run is the full suite (``PREFIXKV_FULL=1``), which ``.ci/run`` runs; else the quick one."""
+if FULL:  # the one switch turns these on too, where they are not set otherwise (tests read them at import)
+    os.environ.setdefault("PREFIXKV_REAL_TESTS", "1")
+    os.environ.setdefault("PREFIXKV_SLOW_TESTS", "1")
+
+FULL_ONLY: dict[str, str] = {
+    # a test id, or the start of one (a file, a test without its parameters) -> why only the full suite runs it; the
+    # seconds are one run's at load 6 on the shared 2-core machine (about 2.5x a quiet core), tests/README.md
+    "tests/test_census.py::test_no_family_is_served_wrong_crashes_or_misses_silently": "the whole census (6+ minutes);"
+    " test_the_quick_census_serves_one_family_of_each_kind runs one family of each kind",
+    "tests/test_census.py::test_architectures_md_shows_this_census": "the whole census's table",
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom": "a Jupyter kernel per notebook (1-5 minutes each)",
+}
+
+
+def full_only(nodeid: str) -> str | None:
+    """Why the test ``nodeid`` runs only with ``PREFIXKV_FULL=1`` (:data:`FULL_ONLY`), or ``None``."""
+    for start, why in FULL_ONLY.items():
+        if nodeid == start or nodeid.startswith((start + "::", start + "[")):
+            return why
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without ``PREFIXKV_FULL=1``, leave out the tests marked ``slow`` and those of :data:`FULL_ONLY`."""
+    if FULL:
+        return
+    left = [item for item in items if item.get_closest_marker("slow") or full_only(item.nodeid)]
+    if left:
+        kept = set(map(id, left))
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if id(item) not in kept]
+    config.stash[_LEFT_OUT] = len(left)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    left = config.stash.get(_LEFT_OUT, 0)
+    if left:
+        terminalreporter.write_line(
+            f"prefixkv: the quick suite; {left} slower tests left out (the whole census, the notebooks, the benchmark "
+            "smoke runs, the longest profiles): PREFIXKV_FULL=1 runs them too, as .ci/run does"
+        )
+
 
 SPELLINGS = ("cache", "past_key_values") if GENERATE_CACHE_KWARG == "cache" else ("past_key_values",)
 """Every keyword by which the installed transformers' ``generate`` and models take a cache, the preferred one

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import prefixkv
 from prefixkv import census
@@ -91,4 +92,41 @@ def test_the_command_prints_a_line_per_family(capsys: pytest.CaptureFixture[str]
 
     assert cli.main(["families", "llama", "openai-gpt"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^llama\s+exact\s", out, re.M) and re.search(r"^openai-gpt\s+refused\s", out, re.M), out
+    assert re.search(r"^llama\s+exact\s+float64\s", out, re.M), out  # the dtype it checked, on the line
+    assert re.search(r"^openai-gpt\s+refused\s+float64\s", out, re.M), out
+    assert cli.main(["families", "qwen3_next"]) == 0
+    assert re.search(r"^qwen3_next\s+exact\s+float32\s", capsys.readouterr().out, re.M)  # its kernels refuse float64
+
+
+# the census's quick form, in the default run (the whole census needs PREFIXKV_FULL=1): one family of each kind the
+# census meets, each served as docs/architectures.md's table says
+QUICK = {
+    "llama": "attention, reading the blocks",
+    "mistral": "sliding-window attention",
+    "gemma2": "the model's own attention on whole rows (soft caps)",
+    "deepseek_v3": "multi-head latent attention",
+    "gemma4_text": "layers of two sizes and KV-shared layers",
+    "qwen3_next": "linear attention beside attention; experts whose kernel refuses float64 (float32)",
+    "lfm2": "short convolutions beside attention",
+    "falcon_h1": "Mamba-2 beside attention",
+    "openai-gpt": "refused: no KV cache",
+    "bert": "refused: attends to later tokens",
+    "minimax": "refused: a cache class of its own",
+    "bart": "n/a: stock generate cannot run it tiny",
+}
+
+
+def test_the_quick_census_serves_one_family_of_each_kind_as_the_table_says() -> None:
+    results = census.run(sorted(QUICK), time_limit=60)
+    defects = [census.line(r) for r in results if r.defect]
+    assert not defects, "\n".join(defects)
+    exact = [r for r in results if r.verdict == "exact"]
+    assert all(r.reused == census.SHARED and r.max_diff is not None for r in exact), exact
+    assert all(r.max_diff <= (1e-6 if r.dtype == "float64" else 1e-4) for r in exact if r.max_diff is not None)
+    assert {r.verdict for r in results} == {"exact", "refused", "n/a"}
+    text = DOCS.read_text()
+    shown = text[text.index(MARKERS[0]) + len(MARKERS[0]) : text.index(MARKERS[1])].strip().splitlines()
+    if not shown[0].startswith(f"transformers {transformers.__version__},"):
+        pytest.skip(f"docs/architectures.md's table is of another transformers: {shown[0]}")
+    rows = census.markdown(results).splitlines()[4:]  # past the count line, a blank one and the table's head
+    assert [r for r in rows if r not in shown] == [], "these families are served otherwise than the table says"

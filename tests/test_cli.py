@@ -181,6 +181,18 @@ def test_help_answers_without_torch() -> None:
     assert {o for o, _ in options} >= {"--small", "--model", "--real", "--new-tokens", "--block-size"}, options
 
 
+def test_help_names_every_subcommand(capsys: Any) -> None:
+    """``python -m prefixkv --help`` names each command in its description and lists it with its help: the families
+    census among them (it once said "demo and bench")."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    description = " ".join(text.split("positional arguments:")[0].split("\n")[1:])
+    listed = re.findall(r"^    (\w+) {2,}\S", text, re.M)
+    assert listed == ["demo", "bench", "families"], text
+    assert all(name in description for name in listed), description
+
+
 def test_demo_prints_a_line_per_call_as_it_runs(capsys: Any) -> None:
     assert cli.main(["demo", "--small", "--new-tokens", "2"]) == 0
     err = capsys.readouterr().err

@@ -16,6 +16,12 @@ Markers, an HTML comment on the line before a fence (invisible on the site):
   page's namespace like any block, so it must not rebind a name that a later block uses.
 - ``<!-- docs-test: transformers5 -->`` runs the block on transformers 5 and later only: it shows what prefixkv
   serves from that release on (recurrent layers, which transformers 4.57 keeps in caches of their own).
+- ``<!-- docs-test: checkpoint FOLDER -->`` runs the block with a stand-in checkpoint at ``FOLDER`` (relative to the
+  folder the page runs in): the tiny Llama and tokenizer of :mod:`prefixkv.models`, saved with ``save_pretrained``,
+  so that a block written for a checkpoint of the reader's runs as written.
+- ``<!-- docs-test: torchrun -->`` runs the block as a script of its own (``serve.py``) under ``torchrun
+  --nproc-per-node 2`` on the CPU (gloo), with a stand-in checkpoint folder as its argument
+  (:func:`test_torchrun_blocks_run`), not in the page's namespace.
 - ``<!-- docs-test: output -->`` before a ```text block: the expected output of the block above.
 """
 
@@ -37,6 +43,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 import transformers
 
 import prefixkv
@@ -56,7 +63,7 @@ def _smollm2_installed() -> bool:
 REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1" or _smollm2_installed()
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
-_KINDS = {"skip", "real", "output", "transformers5"}
+_KINDS = {"skip", "real", "output", "transformers5", "checkpoint", "torchrun"}
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
@@ -65,7 +72,8 @@ class Block:
     lang: str
     code: str
     line: int
-    marker: str | None  # skip, real, transformers5, output, or None
+    marker: str | None  # skip, real, transformers5, checkpoint, torchrun, output, or None
+    argument: str = ""  # what follows the marker's kind (checkpoint: the folder)
 
 
 def blocks(text: str) -> list[Block]:
@@ -74,9 +82,18 @@ def blocks(text: str) -> list[Block]:
     for m in _FENCE.finditer(text):
         before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = _MARKER.fullmatch(before.strip())
-        kind = marker.group(1).split()[0] if marker else None
-        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, kind))
+        kind, _, argument = marker.group(1).partition(" ") if marker else (None, "", "")
+        found.append(Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, kind, argument.strip()))
     return found
+
+
+def stand_in_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder at ``folder`` (made once): the tiny Llama of :mod:`prefixkv.models` and its tokenizer, saved
+    as a reader's own checkpoint is, which a block written for that checkpoint loads as written."""
+    if not (folder / "config.json").exists():
+        prefixkv.models.tiny_model("llama").save_pretrained(folder)
+        prefixkv.models.tiny_tokenizer().save_pretrained(folder)
+    return folder
 
 
 def _modules() -> list[ModuleType]:
@@ -100,6 +117,8 @@ def test_markers_are_known_and_well_placed() -> None:
             assert words and words[0] in _KINDS, f"{where}: unknown marker {m.group(0)!r}; use one of {sorted(_KINDS)}"
             if words[0] == "skip":
                 assert len(words) > 1, f"{where}: say why the block is skipped: <!-- docs-test: skip (reason) -->"
+            if words[0] == "checkpoint":
+                assert len(words) == 2, f"{where}: name the folder: <!-- docs-test: checkpoint FOLDER -->"
         for b in blocks(text):
             if b.marker == "output":
                 assert b.lang == "text", f"{page.name}:{b.line}: an output marker goes before a ```text block"
@@ -114,10 +133,12 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     printed: str | None = None
     for b in blocks(page.read_text()):
         if b.lang == "python":
-            skipped = b.marker == "skip" or (b.marker == "transformers5" and not TRANSFORMERS_5)
+            skipped = b.marker in ("skip", "torchrun") or (b.marker == "transformers5" and not TRANSFORMERS_5)
             if skipped or (b.marker == "real" and not REAL):
                 printed = None
                 continue
+            if b.marker == "checkpoint":
+                stand_in_checkpoint(tmp_path / b.argument)
             out = io.StringIO()
             with contextlib.redirect_stdout(out), warnings.catch_warnings():
                 warnings.simplefilter("error")
@@ -127,6 +148,35 @@ def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
             assert printed.strip() == b.code.strip(), (
                 f"{page.name}:{b.line}: the block above printed\n{printed}\nbut the page shows\n{b.code}"
             )
+
+
+def _torchrun_blocks() -> list[object]:
+    found = [(p, b) for p in PAGES for b in blocks(p.read_text()) if b.marker == "torchrun"]
+    return [pytest.param(p, b, id=f"{p.name}:{b.line}") for p, b in found]
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no torch.distributed with the gloo backend, which torchrun on the CPU needs",
+)
+@pytest.mark.parametrize(("page", "block"), _torchrun_blocks())
+def test_torchrun_blocks_run(page: Path, block: Block, tmp_path: Path) -> None:
+    """A script of the docs written for several processes (getting-started.md's ``serve.py``) runs as written under
+    ``torchrun --nproc-per-node 2`` on the CPU, on a stand-in checkpoint: the second question reuses the shared
+    system prompt in the process that prints, and each process saves its own file."""
+    (tmp_path / "serve.py").write_text(block.code)
+    folder = stand_in_checkpoint(tmp_path / "checkpoint")
+    src = str(Path(prefixkv.__file__).parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "serve.py"]
+    run = subprocess.run([*command, str(folder)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{page.name}:{block.line}\n{run.stdout[-4000:]}{run.stderr[-8000:]}"
+    reused = [(int(a), int(b)) for a, b in re.findall(r"^(\d+) of (\d+) prompt tokens reused$", run.stdout, re.M)]
+    assert len(reused) == 2 and reused[0][0] == 0 and 0 < reused[1][0] < reused[1][1], run.stdout
+    assert sorted(p.name for p in tmp_path.glob("prefixes-rank*.safetensors")) == [
+        "prefixes-rank0.safetensors",
+        "prefixes-rank1.safetensors",
+    ]
 
 
 @pytest.mark.parametrize("module", _modules(), ids=lambda m: m.__name__)

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_both_notebooks_are_there() -> None:
-    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "how_it_works.ipynb"}
+def test_the_notebooks_are_there() -> None:
+    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "how_it_works.ipynb", "vlm_chat.ipynb"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

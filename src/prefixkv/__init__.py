@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import display, models
     from .enabling import disable, enable
-    from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+    from .errors import (
+        CacheMisuseError,
+        CapacityError,
+        ModelCodeError,
+        PersistError,
+        PrefixKVError,
+        UnsupportedModelError,
+    )
     from .hf.cache import PagedPrefixCache
     from .kv.prefix_file import PersistStats
     from .many import Generation, generate_many
@@ -23,6 +30,7 @@ __all__ = [
     "CacheStats",
     "CapacityError",
     "Generation",
+    "ModelCodeError",
     "PagedPrefixCache",
     "PersistError",
     "PersistStats",

@@ -8,7 +8,7 @@ from __future__ import annotations
 # _compat first: it refuses an unsupported transformers or torch before anything else imports them
 from . import _compat, display, models
 from .enabling import disable, enable
-from .errors import CacheMisuseError, CapacityError, PersistError, PrefixKVError, UnsupportedModelError
+from .errors import CacheMisuseError, CapacityError, ModelCodeError, PersistError, PrefixKVError, UnsupportedModelError
 from .hf.cache import PagedPrefixCache
 from .kv.prefix_file import PersistStats
 from .many import Generation, generate_many

@@ -40,7 +40,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from . import models
 from ._compat import GENERATE_CACHE_KWARG
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, refuses_float64
 from .hf.cache import PagedPrefixCache
 from .hf.support import REFUSAL_ADVICE
 from .store import PrefixStore
@@ -55,136 +55,6 @@ MAX_PARAMETERS = 20_000_000  # a family whose tiny config still builds more is r
 _BOUND = {torch.float64: 1e-6, torch.float32: 1e-4}
 # every call passes use_cache=True, as a user who wants a cache does (MPT's config turns it off by default)
 _GENERATE = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, use_cache=True)
-
-# the sizes of a tiny model, applied to every field a family's config class (and each of its sub-configs) has
-_TINY_FIELDS: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "decoder_start_token_id": 1,
-    "tie_word_embeddings": False,
-    "experts_implementation": "eager",  # grouped_mm has no float64 kernel
-    # mixtures of experts and multi-head latent attention at the same scale
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "kv_lora_rank": 16,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 16,
-    # hybrids: an attention layer among the 2 (their default period is longer)
-    "full_attention_interval": 2,
-    "attn_layer_period": 2,
-    "attn_layer_offset": 1,
-    # state-space layers at the same scale (expand 2 x hidden 64 = 8 heads of 16)
-    "mamba_n_heads": 8,
-    "mamba_d_state": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    # vision towers of the multimodal families that are causal LMs too
-    "image_size": 32,
-    "patch_size": 8,
-}
-
-# hybrids whose 2 tiny layers would otherwise be of one kind (their attention comes every 4th to 8th layer): one
-# layer of each kind, named as each family's config names them
-_ONE_OF_EACH = ["linear_attention", "full_attention"]
-_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
-    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
-    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
-    # hybrids whose attention layers are latent (MLA): as many KV heads as query heads, as below
-    **{t: {"layer_types": _ONE_OF_EACH, "num_key_value_heads": 4} for t in ("kimi_linear", "bailing_hybrid")},
-    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
-    "bamba": {"attn_layer_indices": [1]},
-    "lfm2": {"full_attn_idxs": [1]},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
-    "zamba": {"layer_types": ["linear_attention", "hybrid"]},
-    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its layer_types alias comes too late
-    "mamba2": {"num_heads": 8, "head_dim": 16},
-    # Gemma 3n and 4: layers that read an earlier layer's K/V (the last 2 of 4), per-layer inputs from a table of the
-    # tiny vocabulary's size, full-attention layers wider than sliding ones (Gemma 4)
-    "gemma3n_text": {
-        "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
-        "num_kv_shared_layers": 2,
-        "activation_sparsity_pattern": [0.0] * 4,
-        "vocab_size_per_layer_input": 256,
-        "hidden_size_per_layer_input": 16,
-        "laurel_rank": 8,
-        "head_dim": 16,
-    },
-    "gemma4_text": {
-        "num_hidden_layers": 4,
-        "layer_types": ["sliding_attention", "full_attention"] * 2,
-        "num_kv_shared_layers": 2,
-        "vocab_size_per_layer_input": 256,
-        "hidden_size_per_layer_input": 16,
-        "head_dim": 16,
-        "global_head_dim": 32,
-    },
-    # multi-head latent attention expands its latent to every query head: transformers' sdpa repeats K/V by
-    # heads // num_key_value_heads all the same, so a resumed forward of several ids fails unless they are equal (as
-    # in every released checkpoint)
-    **{
-        t: {"num_key_value_heads": 4}
-        for t in (
-            "deepseek_v2",
-            "deepseek_v3",
-            "glm4_moe_lite",
-            "minicpm3",
-            "sarvam_mla",
-            "youtu",
-            "deepseek_v32",
-            "glm_moe_dsa",
-        )
-    },
-    # families whose tiny config, not stock, was what failed: a head size or rotary size left at the real model's,
-    # expert groups more than the 4 experts, per-layer-kind rotary parameters, a vision tower left full size
-    **{t: {"head_dim": 16} for t in ("helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
-    "codegen": {"rotary_dim": 8},
-    "cohere_compass_text": {
-        "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 24,
-        "rope_parameters": {
-            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
-        },
-    },
-    # DBRX maps hidden_size to d_model only after sizing its experts; its attention reads rope_theta and clip_qkv
-    # from attn_config (the class declares neither)
-    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
-    "gemma3": {
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            **{k: _TINY_FIELDS[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
-            **{k: _TINY_FIELDS[k] for k in ("num_attention_heads", "image_size", "patch_size")},
-        },
-        "mm_tokens_per_image": 16,  # (image_size / patch_size) ** 2
-    },
-    # latent attention expands its latent to every query head (num_key_value_heads equal, as in the released
-    # checkpoints); DeepSeek's grouped routing needs no more groups than experts
-    **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
-    "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
-    "longcat_flash": {"num_layers": 1, "head_dim": 8, "num_key_value_heads": 4},  # 2 layers: 2 per num_layers; MLA
-    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
-    "xlnet": {"d_head": 16},
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
-    **{t: {"unpadded_vocab_size": 256, "eos_token_id": 2} for t in ("inkling2_text", "inkling2_loop_text")},
-    "xlstm": {"num_heads": 4, "qk_dim_factor": 1.0},  # its cache's matrix state is sized for query heads of v's size
-}
 
 
 @dataclass(frozen=True)
@@ -215,34 +85,9 @@ def families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> Any:
-    """A tiny config of ``model_type`` from its own config class: :func:`prefixkv.models.tiny_config` for the families
-    it knows, else the class's defaults with :data:`_TINY_FIELDS` set wherever the class (or a sub-config) has the
-    field, and a hybrid's layer kinds from :data:`_FAMILY_FIELDS`. Raises what the config class raises."""
-    if model_type in models.families():
-        return models.tiny_config(model_type)
-    cls = transformers.CONFIG_MAPPING[model_type]
-    subs = {name: _fields_of(sub) for name, sub in (getattr(cls, "sub_configs", None) or {}).items()}
-    kwargs = {**_fields_of(cls), **_FAMILY_FIELDS.get(model_type, {})}
-    kwargs.update(
-        {
-            name: {**fields, **_FAMILY_FIELDS.get(getattr(sub, "model_type", ""), {})}
-            for name, sub in (getattr(cls, "sub_configs", None) or {}).items()
-            if (fields := subs[name])
-        }
-    )
-    try:
-        return cls(**kwargs)
-    except Exception:  # a sub-config that validates against its parent: the class's own sub-configs
-        return cls(**_fields_of(cls))
-
-
-def _fields_of(cls: Any) -> dict[str, Any]:
-    """:data:`_TINY_FIELDS` that config class ``cls`` has (by name or through its ``attribute_map``)."""
-    try:
-        known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
-    except Exception:
-        return {}
-    return {k: v for k, v in _TINY_FIELDS.items() if k in known}
+    """The census's tiny config of ``model_type``: :func:`prefixkv.models.tiny_config`, which builds every causal-LM
+    family of the installed transformers from its own config class. Raises what the config class raises."""
+    return models.tiny_config(model_type)
 
 
 class _TimeLimit(Exception):
@@ -310,11 +155,6 @@ def _build(config: Any, dtype: torch.dtype) -> Any:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def _refuses_float64(error: BaseException) -> bool:
-    text = str(error)
-    return any(w in text for w in ("Double", "double", "float64"))
-
-
 def check_family(model_type: str, *, time_limit: float | None = 60.0) -> FamilyResult:
     """The census line of ``model_type`` (see the module's docstring). Builds and runs tiny models; changes
     nothing outside them."""
@@ -341,7 +181,7 @@ def _check(model_type: str) -> FamilyResult:
             refs = [_generate(twin, cold, None), _generate(twin, warm, None)]
             break
         except Exception as e:
-            if dtype == torch.float64 and _refuses_float64(e):
+            if dtype == torch.float64 and refuses_float64(e):
                 dtype = torch.float32
                 continue
             return FamilyResult(model_type, "n/a", f"stock generate cannot run it at this size: {_one_line(e)}")
@@ -454,8 +294,9 @@ def run(
 
 
 def line(result: FamilyResult) -> str:
-    """One census line as text."""
-    return f"{result.family:28} {result.verdict:15} {result.detail}"
+    """One census line as text: the family, the verdict, the dtype it was checked in (float32 where the family's
+    kernels refuse float64; ``-`` where nothing ran), and the detail."""
+    return f"{result.family:28} {result.verdict:15} {result.dtype or '-':8} {result.detail}"
 
 
 def counts(results: Sequence[FamilyResult]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""python -m prefixkv demo and python -m prefixkv bench."""
+"""``python -m prefixkv COMMAND``: the demo, the benchmarks and the family census (``--help`` names each)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def _print_line(result: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="python -m prefixkv")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser("demo", help="a shared-system-prompt workload with and without prefixkv")
     source = d.add_mutually_exclusive_group()
     source.add_argument(
@@ -86,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     f.add_argument("--markdown", action="store_true", help="print docs/architectures.md's census table")
     f.add_argument("--time-limit", type=float, default=60.0, help="seconds per family (default: 60)")
     f.set_defaults(func=_families_main)
+    parser.description = (
+        f"prefixkv from the command line: {', '.join(sub.choices)} "
+        "(python -m prefixkv COMMAND --help for each command's options)"
+    )
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code

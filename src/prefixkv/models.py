@@ -231,9 +231,151 @@ _TINY_VLM: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# every other causal-LM family of the installed transformers (the census's, docs/architectures.md): the sizes of a tiny
+# model, applied to every field a family's config class (and each of its sub-configs) has
+_TINY_FIELDS: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+    "tie_word_embeddings": False,
+    "experts_implementation": "eager",  # grouped_mm has no float64 kernel
+    # mixtures of experts and multi-head latent attention at the same scale
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    # hybrids: an attention layer among the 2 (their default period is longer)
+    "full_attention_interval": 2,
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    # state-space layers at the same scale (expand 2 x hidden 64 = 8 heads of 16)
+    "mamba_n_heads": 8,
+    "mamba_d_state": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    # vision towers of the multimodal families that are causal LMs too
+    "image_size": 32,
+    "patch_size": 8,
+}
+
+# hybrids whose 2 tiny layers would otherwise be of one kind (their attention comes every 4th to 8th layer): one
+# layer of each kind, named as each family's config names them
+_ONE_OF_EACH = ["linear_attention", "full_attention"]
+_FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    **{t: {"layer_types": _ONE_OF_EACH} for t in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # hybrids whose attention layers are latent (MLA): as many KV heads as query heads, as below
+    **{t: {"layer_types": _ONE_OF_EACH, "num_key_value_heads": 4} for t in ("kimi_linear", "bailing_hybrid")},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "bamba": {"attn_layer_indices": [1]},
+    "lfm2": {"full_attn_idxs": [1]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "zamba": {"layer_types": ["linear_attention", "hybrid"]},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"]},  # its layer_types alias comes too late
+    "mamba2": {"num_heads": 8, "head_dim": 16},
+    # Gemma 3n and 4: layers that read an earlier layer's K/V (the last 2 of 4), per-layer inputs from a table of the
+    # tiny vocabulary's size, full-attention layers wider than sliding ones (Gemma 4)
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "activation_sparsity_pattern": [0.0] * 4,
+        "vocab_size_per_layer_input": 256,
+        "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8,
+        "head_dim": 16,
+    },
+    "gemma4_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "vocab_size_per_layer_input": 256,
+        "hidden_size_per_layer_input": 16,
+        "head_dim": 16,
+        "global_head_dim": 32,
+    },
+    # multi-head latent attention expands its latent to every query head: transformers' sdpa repeats K/V by
+    # heads // num_key_value_heads all the same, so a resumed forward of several ids fails unless they are equal (as
+    # in every released checkpoint)
+    **{
+        t: {"num_key_value_heads": 4}
+        for t in (
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm4_moe_lite",
+            "minicpm3",
+            "sarvam_mla",
+            "youtu",
+            "deepseek_v32",
+            "glm_moe_dsa",
+        )
+    },
+    # families whose tiny config, not stock, was what failed: a head size or rotary size left at the real model's,
+    # expert groups more than the 4 experts, per-layer-kind rotary parameters, a vision tower left full size
+    **{t: {"head_dim": 16} for t in ("helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
+    "codegen": {"rotary_dim": 8},
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 24,
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("sliding_attention", "full_attention")
+        },
+    },
+    # DBRX maps hidden_size to d_model only after sizing its experts; its attention reads rope_theta and clip_qkv
+    # from attn_config (the class declares neither)
+    "dbrx": {"d_model": 64, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "gemma3": {
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            **{k: _TINY_FIELDS[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")},
+            **{k: _TINY_FIELDS[k] for k in ("num_attention_heads", "image_size", "patch_size")},
+        },
+        "mm_tokens_per_image": 16,  # (image_size / patch_size) ** 2
+    },
+    # latent attention expands its latent to every query head (num_key_value_heads equal, as in the released
+    # checkpoints); DeepSeek's grouped routing needs no more groups than experts
+    **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
+    "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
+    "longcat_flash": {"num_layers": 1, "head_dim": 8, "num_key_value_heads": 4},  # 2 layers: 2 per num_layers; MLA
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},
+    "xlnet": {"d_head": 16},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 32]},
+    **{t: {"unpadded_vocab_size": 256, "eos_token_id": 2} for t in ("inkling2_text", "inkling2_loop_text")},
+    "xlstm": {"num_heads": 4, "qk_dim_factor": 1.0},  # its cache's matrix state is sized for query heads of v's size
+}
+
+
 def families() -> list[str]:
-    """The families ``tiny_model`` can build (:func:`vision_families` among them)."""
+    """The families with a tiny config of their own here (:func:`vision_families` among them). ``tiny_model`` builds
+    these and every causal-LM family of the installed transformers (:func:`causal_lm_families`)."""
     return sorted([*_TINY, *_TINY_VLM])
+
+
+def causal_lm_families() -> list[str]:
+    """Every causal-LM ``model_type`` of the installed transformers that has a config class, sorted: the families
+    the census checks (docs/architectures.md), which ``tiny_model`` builds by name too, hybrids (``qwen3_next``,
+    ``lfm2``, ``nemotron_h``, ``falcon_h1``, ``jamba``) and latent attention (``deepseek_v3``) among them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t in transformers.CONFIG_MAPPING)
 
 
 def vision_families() -> list[str]:
@@ -242,15 +384,48 @@ def vision_families() -> list[str]:
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """A 2-layer, hidden-64 config of ``family`` (see :func:`families`)."""
+    """A 2-layer, hidden-64 config of ``family``: one of :func:`families`, or any of :func:`causal_lm_families`, built
+    from its config class's defaults with :data:`_TINY_FIELDS` set wherever the class (or a sub-config) has the field,
+    and a hybrid's layer kinds from :data:`_FAMILY_FIELDS` (the census's configs). Raises what the config class
+    raises.
+
+    >>> tiny_config("qwen3_next").layer_types
+    ['linear_attention', 'full_attention']
+    """
     if family in _TINY_VLM:
         cls_name, fields = _TINY_VLM[family]
         return getattr(transformers, cls_name)(**{**fields, **overrides})
-    if family not in _TINY:
-        raise ValueError(f"unknown family {family!r}; choose one of {families()}")
-    cls_name, extra = _TINY[family]
-    kwargs = {**_COMMON, **extra, **overrides}
-    return getattr(transformers, cls_name)(**kwargs)
+    if family in _TINY:
+        cls_name, extra = _TINY[family]
+        return getattr(transformers, cls_name)(**{**_COMMON, **extra, **overrides})
+    if family not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"unknown family {family!r}: neither one of {families()} nor a causal-LM model_type of transformers "
+            f"{transformers.__version__} (prefixkv.models.causal_lm_families())"
+        )
+    cls = transformers.CONFIG_MAPPING[family]
+    subs = {name: _fields_of(sub) for name, sub in (getattr(cls, "sub_configs", None) or {}).items()}
+    kwargs = {**_fields_of(cls), **_FAMILY_FIELDS.get(family, {})}
+    kwargs.update(
+        {
+            name: {**fields, **_FAMILY_FIELDS.get(getattr(sub, "model_type", ""), {})}
+            for name, sub in (getattr(cls, "sub_configs", None) or {}).items()
+            if (fields := subs[name])
+        }
+    )
+    try:
+        return cls(**{**kwargs, **overrides})
+    except Exception:  # a sub-config that validates against its parent: the class's own sub-configs
+        return cls(**{**_fields_of(cls), **overrides})
+
+
+def _fields_of(cls: Any) -> dict[str, Any]:
+    """:data:`_TINY_FIELDS` that config class ``cls`` has (by name or through its ``attribute_map``)."""
+    try:
+        known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    except Exception:
+        return {}
+    return {k: v for k, v in _TINY_FIELDS.items() if k in known}
 
 
 def build(

@@ -19,6 +19,7 @@ import torch
 from . import display, files
 from .attention import interface
 from .errors import CacheMisuseError, UnsupportedModelError
+from .family import model_errors
 from .hf import kinds, shapes
 from .hf.hooks import attach_hooks, install_generation_wrappers
 from .hf.runner import ModelRunner
@@ -231,7 +232,8 @@ class PrefixStore:
         3
         """
         check_priority(priority)
-        return self.runner.pin(as_token_list(ids), priority, namespace)
+        with model_errors(self.hf_model):  # a kernel that refuses the model's dtype is the model's (docs/faq.md)
+            return self.runner.pin(as_token_list(ids), priority, namespace)
 
     def unpin(
         self, ids: Sequence[int] | torch.Tensor, *, priority: int | None = None, namespace: str | None = None
@@ -279,7 +281,8 @@ class PrefixStore:
         """
         given: Iterable[object] = [prompts] if isinstance(prompts, (str, dict)) else prompts
         token_lists = [_as_warm_tokens(prompt) for prompt in given]  # every prompt checked before any is computed
-        return self.runner.warm(token_lists, progress=progress, namespace=namespace)
+        with model_errors(self.hf_model):
+            return self.runner.warm(token_lists, progress=progress, namespace=namespace)
 
     def save(
         self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 from .. import _compat, display
 from ..attention import static
 from ..errors import CacheMisuseError
+from ..family import model_errors
 from ..kv.key_space import user_space
 from ..stats import CacheStats
 from . import kinds, vision
@@ -100,8 +101,9 @@ class PagedPrefixCache(Cache):
         self.namespace = namespace
         space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
         blocks.ensure_open()
-        # the construction, the runner's prefills for its rows included, walks the model's weights once
-        with blocks.key_space.steady():
+        # the construction, the runner's prefills for its rows included, walks the model's weights once; a kernel of
+        # the model that refuses its dtype is reported as the model's (docs/faq.md)
+        with blocks.key_space.steady(), model_errors(store.hf_model):
             self._rowset = RowSet(
                 blocks,
                 num_layers,
