@@ -782,13 +782,33 @@ MUTATIONS = [
         "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
         "split_tokens are lost and the reuse it computed itself is counted as cached)",
     ),
+    # -- the differential test's kind of bug (issue 52): namespace, batch row, digest coverage, budget order, sizing
+    Mutation(
+        "recurrent-split-prefill-without-namespace",
+        "hf/runner.py",
+        "    with PagedPrefixCache(store, namespace=namespace) as cache:\n        rows = cache.forward.rows",
+        "    with PagedPrefixCache(store) as cache:\n        rows = cache.forward.rows",
+        ("tests/test_differential.py",),
+        "the prefill that splits a recurrent model's prompt at its snapshot points publishes in the shared namespace",
+    ),
+    Mutation(
+        "recurrent-end-snapshots-of-row-0",
+        "hf/rows.py",
+        "states.take(self.states, b, end)",
+        "states.take(self.states, 0, end)",
+        ("tests/test_differential.py::test_each_row_of_a_batch_resumes_from_its_own_state",),
+        "the end-of-call snapshots of a batch take row 0's state for every row: row 1's next turn is off stock",
+    ),
     # -- images of issue 52: every byte, every side tensor and every encoding keyword keys an image
     Mutation(
         "images-digest-first-4kib",
         "images.py",
         'h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")',
         'h.update(t.view(torch.uint8).numpy().tobytes()[:4096] if t.numel() else b"")',
-        ("tests/test_images.py::test_images_one_value_apart_never_share",),
+        (
+            "tests/test_images.py::test_images_one_value_apart_never_share",
+            "tests/test_differential.py::test_an_image_that_differs_past_its_first_4_kib_is_another_image",
+        ),
         "two images that differ past their first 4 KiB of pixel data (a third colour channel) share K/V",
     ),
     Mutation(
@@ -830,6 +850,30 @@ MUTATIONS = [
         'layout = LAYOUTS.get(str(family), "rows")',
         ("tests/test_image_processors.py::test_a_layout_prefixkv_does_not_know_is_refused_by_name",),
         "a family whose layout prefixkv does not know is read as one image per row of pixel_values",
+    ),
+    Mutation(
+        "snapshots-budget-drops-newest",
+        "hf/states.py",
+        "self._drop(next(iter(self._held)))",
+        "self._drop(next(reversed(self._held)))",
+        ("tests/test_differential.py::test_the_snapshot_budget_drops_the_least_recently_used_first",),
+        "the snapshots' budget drops the newest snapshot first: the last prompt asked again reuses nothing",
+    ),
+    Mutation(
+        "recurrent-pool-sized-from-all-of-max-memory",
+        "store.py",
+        "kv_memory = max_memory if max_memory is None or spare is None else parse_bytes(max_memory) - spare",
+        "kv_memory = max_memory",
+        ("tests/test_differential.py::test_a_hybrids_blocks_and_snapshots_stay_within_max_memory",),
+        "a recurrent model's K/V pool takes the whole of max_memory, the snapshots' quarter on top",
+    ),
+    Mutation(
+        "estimate-v-at-k-head-size",
+        "memory.py",
+        'value = int(_read(text, "v_head_dim") or dim)',
+        "value = dim",
+        ("tests/test_differential.py::test_the_estimate_sizes_v_at_its_own_head_size",),
+        "kv_bytes_per_token sizes V's heads at K's head size (MiMo-V2-Flash: 85% too high)",
     ),
 ]
 
