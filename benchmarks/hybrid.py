@@ -237,10 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parting", choices=sorted(PARTING_SIZES), help="issue 56's measures at this size instead")
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 1, 2, 4], help="x the K/V pool's bytes")
     ap.add_argument("--per-document", type=int, default=40, help="the trace's prompts per document")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the parting measures to run")
     args = ap.parse_args(argv)
     if args.parting:
-        parted = run_parting(args.parting, args.repeat, args.budgets, args.per_document)
-        save(f"hybrid_parting_{args.parting}", parted)
+        parted = run_parting(args.parting, args.repeat, args.budgets, args.per_document, tuple(args.parts))
+        save(f"hybrid_parting_{args.parting}_{'_'.join(args.parts)}", parted)
         print(report_parting(parted))
         return
     if args.smoke:
@@ -285,11 +286,17 @@ _ATTENTION_OF = {
 ABC = [(100, 40), (527, 40), (1000, 40), (1500, 40), (1500, 700)]
 
 
-def timed(model: Any, ids: torch.Tensor, cache: Any) -> float:
-    """Milliseconds to ``ids``'s first token with ``cache``."""
+def timed(model: Any, ids: torch.Tensor, store: Any = None) -> tuple[float, Any]:
+    """Milliseconds to ``ids``'s first token: with a ``PagedPrefixCache`` of ``store``, built inside the time (it
+    reuses and computes the prompt up to its last token then), or stock ``generate`` with a fresh ``DynamicCache``
+    (``store=None``); and the cache's stats (``None`` for stock)."""
     start = time.perf_counter()
-    first_token(model, ids, cache)
-    return 1000 * (time.perf_counter() - start)
+    if store is None:
+        first_token(model, ids, DynamicCache(config=model.config))
+        return 1000 * (time.perf_counter() - start), None
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        first_token(model, ids, cache)
+    return 1000 * (time.perf_counter() - start), cache.stats
 
 
 def abc(model: Any, shared: int, own: int, repeat: int) -> dict[str, Any]:
@@ -307,11 +314,10 @@ def abc(model: Any, shared: int, own: int, repeat: int) -> dict[str, Any]:
         try:
             for name, seed in (("A", 1), ("B", 2), ("C", 3)):
                 ids = torch.cat([prefix, tokens(own, vocab, seed=8000 + 10 * r + seed)])[None]
-                with prefixkv.PagedPrefixCache(store, ids) as cache:
-                    took = timed(model, ids, cache)
-                reused[name] = cache.stats.cached_tokens
+                took, stats = timed(model, ids, store)
+                reused[name] = stats.cached_tokens
                 if name in ratios:
-                    stock = timed(model, ids, DynamicCache(config=model.config))
+                    stock, _ = timed(model, ids)
                     ms[name].append(took)
                     ms[f"stock {name}"].append(stock)
                     ratios[name].append(took / stock)
@@ -407,11 +413,10 @@ def chat(model: Any, turns: int = 6, system: int = 300, user: int = 30, answer: 
         for t in range(turns):
             history = torch.cat([history, tokens(user, vocab, seed=610 + t)])
             ids = history[None]
-            with prefixkv.PagedPrefixCache(store, ids) as cache:
-                warm = timed(model, ids, cache)
-            cold = timed(model, ids, DynamicCache(config=model.config))
+            warm, stats = timed(model, ids, store)
+            cold, _ = timed(model, ids)
             rows.append(
-                {"turn": t + 1, "prompt": len(history), "reused": cache.stats.cached_tokens, "warm": warm, "cold": cold}
+                {"turn": t + 1, "prompt": len(history), "reused": stats.cached_tokens, "warm": warm, "cold": cold}
             )
             history = torch.cat([history, tokens(answer, vocab, seed=620 + t)])
     finally:
@@ -419,8 +424,14 @@ def chat(model: Any, turns: int = 6, system: int = 300, user: int = 30, answer: 
     return rows
 
 
-def run_parting(size: str, repeat: int, budgets: list[float], per_document: int) -> dict[str, Any]:
-    """Issue 56's measures on the Qwen3-Next-shaped model of ``size`` and the attention model of its size."""
+PARTS = ("abc", "trace", "chat")
+
+
+def run_parting(
+    size: str, repeat: int, budgets: list[float], per_document: int, parts: tuple[str, ...] = PARTS
+) -> dict[str, Any]:
+    """Issue 56's measures (those of ``parts``) on the Qwen3-Next-shaped model of ``size`` and the attention model
+    of its size."""
     hybrid_model = prefixkv.models.bench_model("hybrid", **PARTING_SIZES[size])
     attention = prefixkv.models.bench_model("attention", **_ATTENTION_OF[size])
     vocab = hybrid_model.config.vocab_size
@@ -436,8 +447,13 @@ def run_parting(size: str, repeat: int, budgets: list[float], per_document: int)
     }
     with torch.no_grad():
         first_token(hybrid_model, tokens(64, vocab, seed=1)[None], DynamicCache(config=hybrid_model.config))  # warm-up
-        result["abc"] = [abc(hybrid_model, s, o, repeat) for s, o in ABC]
-        result["abc_attention"] = [abc(attention, s, o, 1)["reused"] for s, o in ABC]
+        if "abc" in parts:
+            result["abc"] = [abc(hybrid_model, s, o, repeat) for s, o in ABC]
+            result["abc_attention"] = [abc(attention, s, o, 1)["reused"] for s, o in ABC]
+        if "chat" in parts:
+            result["chat"] = chat(hybrid_model)
+        if "trace" not in parts:
+            return result
         unbounded = run_trace(hybrid_model, prompts)
         pool = unbounded["kv_bytes"]
         result["trace"] = {
@@ -450,7 +466,6 @@ def run_parting(size: str, repeat: int, budgets: list[float], per_document: int)
             "hybrid": unbounded,
             "budgets": {str(f): run_trace(hybrid_model, prompts, int(f * pool), pool) for f in budgets},
         }
-        result["chat"] = chat(hybrid_model)
     return result
 
 
@@ -458,58 +473,25 @@ def report_parting(r: dict[str, Any]) -> str:
     """The B/C table, B's and A's time to the first token over stock's, the trace's hit rates and the snapshots'
     memory under each budget, and the chat's turns."""
     size = f"{r['parameters']['hybrid'] / 1e6:.3g}M"
-    rows = []
-    for row, att in zip(r["abc"], r["abc_attention"]):
-        re_, ratio, ms = row["reused"], row["ratio"], row["ms"]
-        rows.append(
-            [
-                f"{row['shared']} + {row['own']}",
-                re_["B"],
-                att["B"],
-                re_["C"],
-                f"{ratio['B']:.2f}x",
-                f"{ms['B']:.0f} / {ms['stock B']:.0f}",
-                f"{ratio['A']:.2f}x",
-            ]
-        )
-    t = r["trace"]
-    total = t["prompt_tokens"]
-    pct = lambda n: f"{100 * n / total:.1f}%"  # noqa: E731
-    hits = [
-        ["attention model, prefixkv", pct(t["attention"]["hit_tokens"]), "1.00"],
-        ["at most (token-granular)", pct(t["ceiling"]), "1.00"],
-        [
-            "hybrid, prefixkv (default grid)",
-            pct(t["hybrid"]["hit_tokens"]),
-            f"{t['hybrid']['hit_tokens'] / t['ceiling']:.2f}",
-        ],
-        ["256-token grid (SGLang's interval)", pct(t["grid_256"]), f"{t['grid_256'] / t['ceiling']:.2f}"],
-        ["528-token grid (vLLM's align mode)", pct(t["grid_528"]), f"{t['grid_528'] / t['ceiling']:.2f}"],
+    parts = [
+        f"Qwen3-Next-shaped hybrid, {size} (attention model {r['parameters']['attention'] / 1e6:.3g}M); {r['machine']}"
     ]
-    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
-    memory = []
-    for name, h in [("none (unbounded)", t["hybrid"]), *((f"{f}x pool", h) for f, h in t["budgets"].items())]:
-        memory.append(
-            [
-                name,
-                h["step"],
-                pct(h["hit_tokens"]),
-                mib(h["peak_snapshot_bytes"]),
-                mib(h["kv_bytes"]),
-                h["taken"],
-                h["dropped_budget"],
-                h["dropped_path"],
-                f"{h['reasons_right']} / {h['misses']}",
-            ]
-        )
-    chat_rows = [
-        [c["turn"], c["prompt"], c["reused"], f"{c['warm']:.0f}", f"{c['cold']:.0f}", f"{c['warm'] / c['cold']:.2f}"]
-        for c in r["chat"]
-    ]
-    return "\n\n".join(
-        [
-            f"Qwen3-Next-shaped hybrid, {size} (attention model {r['parameters']['attention'] / 1e6:.3g}M); "
-            f"{r['machine']}",
+    if "abc" in r:
+        rows = []
+        for row, att in zip(r["abc"], r["abc_attention"]):
+            re_, ratio, ms = row["reused"], row["ratio"], row["ms"]
+            rows.append(
+                [
+                    f"{row['shared']} + {row['own']}",
+                    re_["B"],
+                    att["B"],
+                    re_["C"],
+                    f"{ratio['B']:.2f}x",
+                    f"{ms['B']:.0f} / {ms['stock B']:.0f}",
+                    f"{ratio['A']:.2f}x",
+                ]
+            )
+        parts += [
             f"A = S shared + own tokens, then B and C the same S + others; time ratios: median of {r['repeat']}:",
             table(
                 [
@@ -523,6 +505,36 @@ def report_parting(r: dict[str, Any]) -> str:
                 ],
                 rows,
             ),
+        ]
+    if "trace" in r:
+        t = r["trace"]
+        total = t["prompt_tokens"]
+        pct = lambda n: f"{100 * n / total:.1f}%"  # noqa: E731
+        of = lambda n: f"{n / t['ceiling']:.2f}"  # noqa: E731
+        hits = [
+            ["attention model, prefixkv", pct(t["attention"]["hit_tokens"]), of(t["attention"]["hit_tokens"])],
+            ["at most (token-granular)", pct(t["ceiling"]), "1.00"],
+            ["hybrid, prefixkv (default grid)", pct(t["hybrid"]["hit_tokens"]), of(t["hybrid"]["hit_tokens"])],
+            ["256-token grid (SGLang's interval)", pct(t["grid_256"]), of(t["grid_256"])],
+            ["528-token grid (vLLM's align mode)", pct(t["grid_528"]), of(t["grid_528"])],
+        ]
+        mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+        memory = []
+        for name, h in [("none (unbounded)", t["hybrid"]), *((f"{f}x pool", h) for f, h in t["budgets"].items())]:
+            memory.append(
+                [
+                    name,
+                    h["step"],
+                    pct(h["hit_tokens"]),
+                    mib(h["peak_snapshot_bytes"]),
+                    mib(h["kv_bytes"]),
+                    h["taken"],
+                    h["dropped_budget"],
+                    h["dropped_path"],
+                    f"{h['reasons_right']} / {h['misses']}",
+                ]
+            )
+        parts += [
             f"Trace: {t['prompts']} prompts ({total} tokens), 4 documents of 600 tokens, each prompt a document's "
             "first 100-600 tokens + 30 of its own, in random order:",
             table(["policy", "hit rate", "of the ceiling"], hits),
@@ -541,10 +553,24 @@ def report_parting(r: dict[str, Any]) -> str:
                 ],
                 memory,
             ),
+        ]
+    if "chat" in r:
+        chat_rows = [
+            [
+                c["turn"],
+                c["prompt"],
+                c["reused"],
+                f"{c['warm']:.0f}",
+                f"{c['cold']:.0f}",
+                f"{c['warm'] / c['cold']:.2f}",
+            ]
+            for c in r["chat"]
+        ]
+        parts += [
             "A 6-turn chat (300-token system prompt, 30-token user turns, 40-token answers), ms to the first token:",
             table(["turn", "prompt", "reused", "warm", "stock", "warm / stock"], chat_rows),
         ]
-    )
+    return "\n\n".join(parts)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,9 @@ def prefill_states(
     (ascending, the last ``len(tokens)``) and to each grid position on the way (multiples of
     ``store.snapshots.step()``: docs/memory.md, "Recurrent state"), and after each publish the K/V (a last
     part-filled block included) and a snapshot of the states there, so that a later prompt with that prefix resumes
-    there, or at most one grid step before the point where it parts from these tokens; the ``junctions`` among the
-    stops are kept longest. Yields how many tokens it computed; what it published stays locked until the block exits.
-    In user ``namespace``. Mutates the store."""
+    there, or at most one grid step (and 16 tokens) before the point where it parts from these tokens; the
+    ``junctions`` among the stops are kept longest. Yields how many tokens it computed; what it published stays
+    locked until the block exits. In user ``namespace``. Mutates the store."""
     snapshots = store.snapshots
     with PagedPrefixCache(store, namespace=namespace) as cache:
         rows = cache.forward.rows
@@ -105,12 +105,17 @@ def prefill_states(
             # the grid's next position: known once a snapshot's size is (a first stop after MIN_STEP measures it)
             step = snapshots.step()
             grid = (done // (step or MIN_STEP) + 1) * (step or MIN_STEP) if step != 0 else last
-            stop = min(pending[0], grid)
+            # a grid position just before a stop is left to it: a forward of a few tokens costs about what one of a
+            # whole kernel chunk does, and the later prompts that part in between recompute those few tokens
+            stop = pending[0] if pending[0] - grid < _NEAR else grid
             _forward(cache, tokens[done:stop])
             rows.snapshot_row(snapshots, junction=stop in junctions)
             done = stop
             pending = [s for s in pending if s > done]
         yield done - start
+
+
+_NEAR = MIN_STEP // 4  # tokens: a grid position closer than this to the next stop is not one
 
 
 def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:
