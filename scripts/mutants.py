@@ -724,6 +724,63 @@ MUTATIONS = [
         "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
         "split_tokens are lost and the reuse it computed itself is counted as cached)",
     ),
+    # -- issue 52's defects: padded rows in float32, clear(), the census's time limit, the estimate
+    Mutation(
+        "padded-check-takes-rounding-for-columns",
+        "hf/shapes.py",
+        "bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:]))",
+        "bound = tolerance",
+        ("tests/test_never_wrong.py::test_float32_rounding_is_not_a_padded_row_counting_positions_in_columns",),
+        "float32 rounding of a model with large logits is taken for positions counted in columns: no padded reuse",
+    ),
+    Mutation(
+        "padded-check-bound-too-loose",
+        "hf/shapes.py",
+        "_ROUNDING_FACTOR = 64",
+        "_ROUNDING_FACTOR = 10**6",
+        ("tests/test_never_wrong.py::test_float32_padded_check_still_refuses_a_model_that_counts_pads",),
+        "a bound of a million times the model's rounding lets TrOCR's padded rows reuse K/V at other positions",
+    ),
+    Mutation(
+        "clear-keeps-the-grown-pool",
+        "kv/room.py",
+        "size = max(h.first_capacity, held + 1)",
+        "size = alloc.capacity",
+        ("tests/test_namespaces.py::test_clear_brings_the_books_back_to_a_fresh_stores",),
+        "clear() keeps the pool and the allocator's books at the size a namespace per request grew them to",
+    ),
+    Mutation(
+        "clear-keeps-stale-free-list-entries",
+        "kv/allocator.py",
+        "self._free = [b for b in range(1, new_capacity) if self._refcount[b] == 0]",
+        "self._free = [b for b in self._free if b < new_capacity]",
+        ("tests/test_namespaces.py::test_clear_brings_the_books_back_to_a_fresh_stores",),
+        "clear() keeps the free list's stale entries (ids taken out of order, freed twice): the books grow per request",
+    ),
+    Mutation(
+        "census-slow-family-is-a-crash",
+        "census.py",
+        'result = FamilyResult(model_type, "slow",',
+        'result = FamilyResult(model_type, "crash",',
+        ("tests/test_census.py::test_a_family_past_its_time_limit_is_slow_not_a_defect",),
+        "a family past its time limit on a busy machine is a crash: the census test fails on the machine's load",
+    ),
+    Mutation(
+        "estimate-v-at-k-head-size",
+        "memory.py",
+        'value = int(_read(text, "v_head_dim") or dim)',
+        "value = dim",
+        ("tests/test_memory.py::test_the_estimate_is_what_the_pool_of_a_mixed_shape_model_holds",),
+        "kv_bytes_per_token sizes V at K's head size: MiMo-V2-Flash's estimate 85% too high",
+    ),
+    Mutation(
+        "estimate-without-mimo-sliding-heads",
+        "memory.py",
+        'sliding = _SLIDING_HEADS.get(getattr(text, "model_type", ""), 1)',
+        "sliding = 1",
+        ("tests/test_memory.py::test_the_estimate_is_what_the_pool_of_a_mixed_shape_model_holds",),
+        "kv_bytes_per_token counts MiMo-V2-Flash's sliding layers at the config's KV heads, half what they keep",
+    ),
 ]
 
 
