@@ -6,6 +6,7 @@ the docs' table is the census's own output."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,16 @@ def test_no_family_is_served_wrong_crashes_or_misses_silently(results: list[cens
 
 
 def test_architectures_md_shows_this_census(results: list[census.FamilyResult]) -> None:
+    """The table is the census's output; a family that ran past its time limit on a busy machine (``slow``) says
+    nothing, so the rows of the others are compared then, without the count line."""
     text = DOCS.read_text()
     start, end = (text.index(m) for m in MARKERS)
     shown = text[start + len(MARKERS[0]) : end].strip()
-    assert shown == census.markdown(results), (
+    finished = [r for r in results if r.verdict != "slow"]
+    ours = census.markdown(finished).splitlines()
+    if len(finished) < len(results):  # the count line counts the slow ones too: the rows alone
+        shown, ours = "\n".join(r for r in shown.splitlines()[1:] if r in ours), ours[1:]
+    assert shown == "\n".join(ours), (
         "docs/architectures.md's census table is out of date: replace it with `python -m prefixkv families --markdown`"
     )
 
@@ -130,3 +137,20 @@ def test_the_quick_census_serves_one_family_of_each_kind_as_the_table_says() -> 
         pytest.skip(f"docs/architectures.md's table is of another transformers: {shown[0]}")
     rows = census.markdown(results).splitlines()[4:]  # past the count line, a blank one and the table's head
     assert [r for r in rows if r not in shown] == [], "these families are served otherwise than the table says"
+
+
+def test_a_family_past_its_time_limit_is_slow_not_a_defect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 52: on a busy machine a family that ran past its 60 s limit got the verdict "crash", and the census test
+    failed on the machine's load. It is "slow" now, which the census test does not count as a defect."""
+    real = census._check
+
+    def slow(model_type: str) -> census.FamilyResult:
+        time.sleep(0.5)  # signals interrupt a sleep: the limit ends it as it ends a long forward
+        return real(model_type)
+
+    monkeypatch.setattr(census, "_check", slow)
+    result = census.check_family("llama", time_limit=0.1)
+    assert result.verdict == "slow" and not result.defect and "time limit of 0.1 s" in result.detail, result
+    assert census.counts([result]) == {"slow": 1}
+    monkeypatch.setattr(census, "_check", real)
+    assert census.check_family("llama", time_limit=0).verdict == "exact"  # 0: no limit

@@ -135,6 +135,54 @@ def test_trl_generate_runs_in_eval_mode_and_restores_every_module_mode() -> None
     assert "generate" not in vars(model) and store.closed
 
 
+class _Accelerator:
+    """What the adapter reads of accelerate's ``Accelerator``: ``autocast()``, bfloat16 (``bf16=True``)."""
+
+    def autocast(self) -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def _rollout_gap(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """GRPO's figure of a rollout under bfloat16 autocast (GRPOConfig's bf16=True): for each sampled token, how far
+    the log-probability ``generate`` sampled it with is from the one the trainer recomputes in one forward over
+    prompt and completion, as TRL's ``_get_per_token_logps`` does."""
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    torch.manual_seed(seed)
+    with torch.no_grad(), bf16:
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=0, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        whole = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1] :])], 1)
+        recomputed = model(input_ids=out.sequences, attention_mask=whole).logits[:, ids.shape[1] - 1 : -1].float()
+    tokens = out.sequences[:, ids.shape[1] :, None]
+    sampled = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, tokens)
+    return (sampled - torch.log_softmax(recomputed, -1).gather(-1, tokens)).abs()
+
+
+def test_trl_rollout_log_probs_under_bf16_autocast_are_as_close_to_the_trainers_as_stock() -> None:
+    """Issue 52: under TRL's bfloat16 autocast a split prefill rounds otherwise than one forward (stock's own logits
+    move when its prefill is split), so prefixkv's rollout is not TRL's bit for bit, and docs/integrations.md states
+    the promise where it holds: the gap RL users watch, between the rollout's log-probabilities and the trainer's
+    recomputed ones, is stock's. Measured here on the tiny model (2 prompts x 4 generations, left-padded, a warm
+    store: the same prompts before, the same weights) and in docs/integrations.md on SmolLM2."""
+    from conftest import left_pad, random_tokens
+
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float32).train()
+    system = random_tokens(40, seed=1)
+    ids, mask = left_pad([torch.cat([system, random_tokens(n, seed=n)]) for n in (5, 9) for _ in range(4)])
+    stock = _rollout_gap(stock_twin(model), ids, mask, seed=0)
+    trainer = _fake_trainer(model)
+    trainer.accelerator = _Accelerator()
+    store = prefixkv_trl.enable(trainer, block_size=4)
+    _rollout_gap(model, ids, mask, seed=1)  # the store warm
+    fast = _rollout_gap(model, ids, mask, seed=0)
+    prefixkv_trl.disable(trainer)
+    assert store.stats.hit_tokens >= 6 * 40  # the second call's rows and the first's repeats reuse the prompt
+    assert float(fast.mean()) <= 1.5 * float(stock.mean()) + 1e-3, (fast.mean(), stock.mean())
+    assert float(fast.max()) <= 1.5 * float(stock.max()) + 1e-2, (fast.max(), stock.max())
+
+
 def _sampled(model: torch.nn.Module, ids: torch.Tensor, seed: int) -> Any:
     torch.manual_seed(seed)
     return model.generate(

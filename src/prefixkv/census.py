@@ -13,6 +13,9 @@ resumes from). One line per family:
   (:attr:`prefixkv.stats.CacheStats.not_cached`);
 - ``refused``: ``PrefixStore`` raised :class:`~prefixkv.UnsupportedModelError`, with the reason;
 - ``n/a``: stock ``generate`` cannot build or run the family at that size, with transformers' error;
+- ``slow``: the checks ran past the time limit (``time_limit``, 60 s by default: a busy machine, or a family slow at
+  that size), so they say nothing either way; not a defect (the census test does not fail on it), and
+  ``python -m prefixkv families NAME --time-limit 0`` runs that family without a limit;
 - ``wrong``, ``crash``, ``silent miss`` (nothing reused and no reason given): a defect of prefixkv (the census test
   fails on any).
 
@@ -45,7 +48,7 @@ from .hf.cache import PagedPrefixCache
 from .hf.support import REFUSAL_ADVICE
 from .store import PrefixStore
 
-VERDICTS = ("exact", "exact, no reuse", "refused", "n/a", "wrong", "crash", "silent miss")
+VERDICTS = ("exact", "exact, no reuse", "refused", "n/a", "slow", "wrong", "crash", "silent miss")
 DEFECTS = frozenset({"wrong", "crash", "silent miss"})
 """The verdicts that are prefixkv's defects: the census test fails on any of them."""
 
@@ -102,7 +105,7 @@ def _time_limit(seconds: float | None) -> Iterator[None]:
         return
 
     def expire(*_: Any) -> None:
-        raise _TimeLimit(f"over the time limit of {seconds:g} s")
+        raise _TimeLimit(f"ran past the time limit of {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -162,8 +165,8 @@ def check_family(model_type: str, *, time_limit: float | None = 60.0) -> FamilyR
     try:
         with _time_limit(time_limit):
             result = _check(model_type)
-    except _TimeLimit as e:
-        result = FamilyResult(model_type, "crash", str(e))
+    except _TimeLimit as e:  # the machine's load is no verdict on prefixkv: say so, never "crash"
+        result = FamilyResult(model_type, "slow", f"{e}; not checked (--time-limit 0 runs it without a limit)")
     return FamilyResult(**{**vars(result), "seconds": time.perf_counter() - start})
 
 

@@ -84,7 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     f.add_argument("family", nargs="*", help="model types to check (default: every causal-LM family)")
     f.add_argument("--markdown", action="store_true", help="print docs/architectures.md's census table")
-    f.add_argument("--time-limit", type=float, default=60.0, help="seconds per family (default: 60)")
+    f.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds per family, 0 for none (default: 60); past it: slow"
+    )
     f.set_defaults(func=_families_main)
     parser.description = (
         f"prefixkv from the command line: {', '.join(sub.choices)} "

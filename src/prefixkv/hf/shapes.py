@@ -182,9 +182,11 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
     from the mask where the model takes them. A model that counts positions in columns, pads included (TrOCR's
     learned positions), or derives its mask from the cache's length (GIT widens it over image tokens it assumes a
     non-empty cache holds) does not. Only where the model's dtype rounds little enough to tell
-    (:data:`_RESUME_TOLERANCE`). Also whether the model attends a padded row's pad columns once they are cached
-    (GIT), where prefixkv keeps zeros: then no padded batch is served (``True`` beside the reason). Does not mutate
-    the model."""
+    (:data:`_RESUME_TOLERANCE`), and beyond this model's own rounding in that dtype (:func:`_rounding`): a real
+    checkpoint in float32 (SmolLM2, logits of 20) moves 1.3e-4 when a padded row's prefill is split, stock included,
+    which is no position counted in columns (TrOCR's tiny model moves 5.5e-3, 4.6e4 times its rounding). Also
+    whether the model attends a padded row's pad columns once they are cached (GIT), where prefixkv keeps zeros:
+    then no padded batch is served (``True`` beside the reason). Does not mutate the model."""
     params = next(model.parameters(), None)
     tolerance = None if params is None else _RESUME_TOLERANCE.get(params.dtype)
     if tolerance is None:
@@ -201,6 +203,7 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
         return torch.as_tensor(out.logits[:, -1]).float()
 
     try:
+        bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:]))
         real, zeros = DynamicCache(), DynamicCache()
         for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
             run(cache, 0, 3, mask[:, :3])
@@ -210,7 +213,7 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
         seen = float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
     except Exception as e:
         return f"a left-padded row cannot resume a cache of this model ({type(e).__name__}: {e})", True
-    if seen > tolerance:
+    if seen > bound:
         return (
             f"attends the pad columns of a left-padded row once its cache holds them ({seen:.1e} off when they hold "
             "zeros; GIT widens its mask over image tokens it assumes a non-empty cache holds), and prefixkv keeps no "
@@ -230,13 +233,32 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
     if not bool(whole.isfinite().all()):
         return None  # stock's whole padded row is NaN here (a pad query's softmax over no key, Bloom, Gemma 2)
     diff = float((whole - reused).abs().max())
-    if diff <= tolerance:
+    if diff <= bound:
         return None
     return (
-        f"a left-padded row that reuses K/V computed without pads gives other logits ({diff:.1e} off) than the "
-        "whole row (the model counts positions in columns, or derives its mask from the cache's length, pads "
-        "included), so a padded row cannot reuse cached K/V"
+        f"a left-padded row that reuses K/V computed without pads gives other logits ({diff:.1e} off, over "
+        f"{bound:.1e}: the dtype's bound or {_ROUNDING_FACTOR} times the model's own rounding) than the whole row "
+        "(the model counts positions in columns, or derives its mask from the cache's length, pads included), so a "
+        "padded row cannot reuse cached K/V"
     ), False
+
+
+# how many times a model's own rounding (:func:`_rounding`) a padded row's reuse may move its logits: rounding
+# differs between the probes by a small factor (SmolLM2 in float32: 8), a position counted in columns by thousands
+_ROUNDING_FACTOR = 64
+
+
+def _rounding(model: Any, name: str, ids: torch.Tensor) -> float:
+    """How far the last logits of ``ids`` (no pads) move when their prefill is split, at each cut: the rounding of
+    the model's dtype on this model, which a padded row's reuse may show too. Does not mutate the model."""
+    whole = torch.as_tensor(model(input_ids=ids, use_cache=True, **{name: DynamicCache()}).logits[:, -1]).float()
+    moved = 0.0
+    for cut in range(1, ids.shape[1]):
+        cache = DynamicCache()
+        model(input_ids=ids[:, :cut], use_cache=True, **{name: cache})
+        resumed = torch.as_tensor(model(input_ids=ids[:, cut:], use_cache=True, **{name: cache}).logits[:, -1])
+        moved = max(moved, float((whole - resumed.float()).abs().max()))
+    return moved
 
 
 def _check_cross_attention(model: Any) -> None:
