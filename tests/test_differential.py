@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from conftest import cache_kw, max_logit_diff, random_tokens, stock_twin
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
@@ -74,8 +75,9 @@ FAMILIES = {
 if _compat.LINEAR_ATTENTION_LAYER is None:  # transformers 4.x refuses recurrent layers (tests/test_recurrent.py)
     FAMILIES = {f: k for f, k in FAMILIES.items() if k != "hybrid"}
 # draws that meet a defect of issue 52 whose fix is on another branch (the same prompt with and without its token
-# types shares one image's K/V; LLaVA's vision_feature_layer is neither keyed nor refused): left out until it merges
-AWAITING_FIX = frozenset({"token types", "vision_feature_layer"})
+# types shares one image's K/V; LLaVA's vision_feature_layer is neither keyed nor refused), or not fixed yet (beam
+# search over a cached image and a new one raises: test_beams_over_a_cached_image_and_a_new_one): left out until then
+AWAITING_FIX = frozenset({"token types", "vision_feature_layer", "beams over images"})
 NAMESPACES = (None, "alice", "bob")
 IMAGE = 250  # the tiny vision families' placeholder (prefixkv.models); text tokens stay below 240
 # the pool the prompts are built from: segments of lengths around the block sizes (2, 3, 4), so that two prompts part
@@ -84,11 +86,12 @@ SEGMENTS = [random_tokens(n, seed=100 + i, vocab=240).tolist() for i, n in enume
 MAX_PROMPT = 48
 
 _MODELS: dict[str, Any] = {}
+_WEIGHTS: dict[str, dict[str, torch.Tensor]] = {}
 
 
 def model_of(family: str) -> Any:
-    """The tiny float64 model of ``family``, built once (its weights drift as steps edit them: the stock twin
-    follows them)."""
+    """The tiny float64 model of ``family``, built once; each example starts from its first weights
+    (:func:`pristine`)."""
     if family not in _MODELS:
         if family == "mistral":
             _MODELS[family] = prefixkv.models.tiny_model(family, dtype=torch.float64, sliding_window=7)
@@ -98,7 +101,18 @@ def model_of(family: str) -> Any:
             config = census.tiny_config(family)
             config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
             _MODELS[family] = prefixkv.models.build(config, dtype=torch.float64)
+        _WEIGHTS[family] = {k: v.clone() for k, v in _MODELS[family].state_dict().items()}
     return _MODELS[family]
+
+
+def pristine(family: str) -> Any:
+    """:func:`model_of` with its first weights back (a step edits them in place) and no rotary offsets of an earlier
+    call (:func:`forget_rope_deltas`): an example replays alike whatever ran before it."""
+    model = model_of(family)
+    with torch.no_grad():
+        model.load_state_dict(_WEIGHTS[family])
+    forget_rope_deltas(model)
+    return model
 
 
 def forget_rope_deltas(model: Any) -> None:
@@ -300,7 +314,7 @@ class Differential(RuleBasedStateMachine):
 
     def __init__(self, family: str) -> None:
         super().__init__()
-        self.family, self.model = family, model_of(family)
+        self.family, self.model = family, pristine(family)
         self.recurrent = FAMILIES[family] == "hybrid"
         self.store: prefixkv.PrefixStore | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix="prefixkv-differential-")
@@ -312,7 +326,6 @@ class Differential(RuleBasedStateMachine):
     def build(self, block_size: int, budget: str, blocks: int) -> None:
         if self.recurrent and budget == "cpu_tier":  # not carried for recurrent layers (tests/test_recurrent.py)
             budget = "max_memory"
-        forget_rope_deltas(self.model)
         probe = prefixkv.PrefixStore(self.model, block_size=block_size)
         per_block = probe.bytes_per_block
         probe.close()
@@ -461,7 +474,9 @@ class Differential(RuleBasedStateMachine):
         decoding; images' encoding), against the rules. Mutates the store and the test's records."""
         assert self.store is not None
         namespace = data.draw(st.sampled_from((usual, *NAMESPACES)), label="namespace")
-        mode = data.draw(st.sampled_from(["greedy", "sample", "beams"]), label="mode")
+        images = any(images_of(r) for r in rows)
+        modes = ["greedy", "sample"] + ([] if images and "beams over images" in AWAITING_FIX else ["beams"])
+        mode = data.draw(st.sampled_from(modes), label="mode")
         new = data.draw(st.integers(1, 4), label="max_new_tokens")
         seed = data.draw(st.integers(0, 3), label="seed")
         gen: dict[str, Any] = {"max_new_tokens": new}
@@ -474,7 +489,6 @@ class Differential(RuleBasedStateMachine):
             beams = data.draw(st.integers(2, 3), label="beams")
             returned = data.draw(st.integers(1, beams), label="num_return_sequences")
             gen |= {"do_sample": False, "num_beams": beams, "num_return_sequences": returned}
-        images = any(images_of(r) for r in rows)
         types, layer = True, -1
         if images and self.family in ("qwen2_vl", "gemma3") and "token types" not in AWAITING_FIX:
             types = data.draw(st.booleans(), label="token types")
@@ -632,6 +646,8 @@ def test_a_hybrids_blocks_and_snapshots_stay_within_max_memory() -> None:
 def test_the_estimate_sizes_v_at_its_own_head_size() -> None:
     """MiMo-V2-Flash's V heads are narrower than K's: the estimate per token is, per layer, K's heads x ``head_dim``
     plus V's x ``v_head_dim``, in bytes of float64 (the rule written out from the config's fields)."""
+    if "mimo_v2_flash" not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no MiMo-V2-Flash")
     config = census.tiny_config("mimo_v2_flash")
     assert config.v_head_dim != config.head_dim
     per_layer = config.num_key_value_heads * (config.head_dim + config.v_head_dim)
@@ -652,3 +668,20 @@ def test_a_store_built_after_a_batch_of_qwen2_vl_serves_it() -> None:
     store = prefixkv.PrefixStore(model, block_size=4)
     for _ in range(2):
         generate_both(model, store, inputs, {"max_new_tokens": 2})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="issue 52, found by the differential test's long profile: beam search over a cached image followed by a "
+    "new one raises in prefixkv's call (torch.cat of no tensors; Gemma 3: 'Image features and image tokens do not "
+    "match'); greedy decoding of the same prompts is served",
+)
+@pytest.mark.skipif(not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing")
+def test_beams_over_a_cached_image_and_a_new_one() -> None:
+    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    generate_both(model, store, inputs_for("llava", [Row((5, Image(1), 0))], True), {"max_new_tokens": 2})
+    both = inputs_for("llava", [Row((5, Image(1), 0, Image(0), 7))], True)
+    _, stats = generate_both(model, store, both, {"max_new_tokens": 2, "num_beams": 2})
+    assert stats.cached_tokens <= len(SEGMENTS[5]) + 16 + len(SEGMENTS[0])
