@@ -724,6 +724,22 @@ MUTATIONS = [
         "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
         "split_tokens are lost and the reuse it computed itself is counted as cached)",
     ),
+    Mutation(
+        "model-errors-any-error-is-the-models",
+        "family.py",
+        'if below is None or not refuses_float64(e) or _dtype(model) != "float64":',
+        "if below is None:",
+        ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
+        "any error raised in the model's code under a prefixkv forward is called a dtype refusal stock raises too",
+    ),
+    Mutation(
+        "model-errors-without-the-models-frames",
+        "family.py",
+        "if frames.tb_frame.f_code.co_filename in model_files:",
+        "if frames is not None:",
+        ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
+        "an error raised under prefixkv's frames but outside the model's code is called the model's",
+    ),
 ]
 
 
