@@ -449,7 +449,10 @@ def tiny_model(
     attn_implementation: str | None = None,
     **overrides: Any,
 ) -> Any:
-    """A tiny random-weight model of ``family``: what tests use.
+    """A tiny random-weight model of ``family`` (:func:`tiny_config`: one of :func:`families`, or any causal-LM family
+    of the installed transformers by its ``model_type``, hybrids and latent attention among them): what tests use.
+    The first model a process builds imports transformers' model code, which takes most of the time: about 5 s on a
+    quiet core, 35 s was seen on a busy one (issue 55); building a tiny model itself takes a fraction of a second.
 
     >>> tiny_model("qwen2").config.num_hidden_layers
     2
