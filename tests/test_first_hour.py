@@ -130,6 +130,8 @@ def test_tiny_model_names_what_it_builds_when_it_does_not_know_a_family() -> Non
     assert {"qwen3_next", "lfm2", "nemotron_h", "falcon_h1", "jamba", "deepseek_v3"} <= set(
         prefixkv.models.causal_lm_families()
     )
+    with pytest.raises(ValueError, match=r"blt has 193M parameters at the tiny config's sizes \(at most 20M\)"):
+        prefixkv.models.tiny_model("blt")  # a config class whose defaults stay large is refused, not built
 
 
 def test_a_kernel_that_refuses_float64_is_reported_as_the_models_with_the_dtype_it_needs() -> None:

@@ -435,10 +435,12 @@ def build(
     takes transformers' choice: ``sdpa`` where the family has it, else ``eager`` (Gemma 2, Bloom)."""
     torch.manual_seed(seed)
     config._attn_implementation = attn_implementation
+    return _auto_class(config).from_config(config, dtype=dtype).eval()
+
+
+def _auto_class(config: Any) -> Any:
     vision = getattr(config, "vision_config", None) is not None
-    auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=dtype)
-    return model.eval()
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 
 def tiny_model(
@@ -449,12 +451,29 @@ def tiny_model(
     attn_implementation: str | None = None,
     **overrides: Any,
 ) -> Any:
-    """A tiny random-weight model of ``family``: what tests use.
+    """A tiny random-weight model of ``family`` (:func:`tiny_config`: one of :func:`families`, or any causal-LM family
+    of the installed transformers by its ``model_type``, hybrids and latent attention among them): what tests use.
+    The first model a process builds imports transformers' model code, which takes most of the time: about 5 s on a
+    quiet core, 35 s was seen on a busy one (issue 55); building a tiny model itself takes a fraction of a second.
 
     >>> tiny_model("qwen2").config.num_hidden_layers
     2
     """
-    return build(tiny_config(family, **overrides), dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+    config = tiny_config(family, **overrides)
+    if family not in _TINY and family not in _TINY_VLM:  # a config class's defaults may still be large
+        with torch.device("meta"):
+            size = sum(p.numel() for p in _auto_class(config).from_config(config).parameters())
+        if size > MAX_TINY_PARAMETERS:
+            raise ValueError(
+                f"{family} has {size / 1e6:.0f}M parameters at the tiny config's sizes (at most "
+                f"{MAX_TINY_PARAMETERS / 1e6:.0f}M): pass smaller sizes as keyword arguments (the census: n/a)"
+            )
+    return build(config, dtype=dtype, seed=seed, attn_implementation=attn_implementation)
+
+
+MAX_TINY_PARAMETERS = 20_000_000
+"""The most parameters :func:`tiny_model` builds for a family of the census from its config class's defaults (some
+keep sizes no tiny field reaches), as the census does."""
 
 
 TINY_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>")
