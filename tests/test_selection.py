@@ -1,51 +1,87 @@
 """Which tests run (tests/conftest.py): ``python -m pytest`` leaves out the tests marked ``slow`` and those of
 ``FULL_ONLY``, and runs every fidelity and never-wrong test; ``PREFIXKV_FULL=1``, which ``.ci/run`` sets, runs them
-all. Each entry of ``FULL_ONLY`` names tests that exist (a renamed test would otherwise run nowhere but CI, unnoticed,
-or be left out of CI's count)."""
+all. Each entry of ``FULL_ONLY`` names a test that exists (a renamed test would otherwise run in the quick suite
+unnoticed, or a stale entry stay)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import conftest
+import pytest
 from conftest import FULL_ONLY, full_only
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = "tests/test_invariance.py::test_smollm2_the_whole_chat_experiment_is_identical_warm_and_cold_in_bfloat16"
 # the suites that compare with stock generate or prove a refusal: never left out of the quick run
 ALWAYS = ("test_generate_core", "test_generate_modes", "test_never_wrong", "test_families", "test_compat")
 
 
-def collected(files: list[str], *, full: bool) -> set[str]:
+def collected(path: str, *, full: bool) -> set[str]:
     env = {k: v for k, v in os.environ.items() if k != "PREFIXKV_FULL"}
     if full:
         env["PREFIXKV_FULL"] = "1"
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", path]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return {line for line in run.stdout.splitlines() if line.startswith("tests/") and "::" in line}
 
 
-def test_the_quick_run_leaves_out_only_the_full_only_and_slow_tests() -> None:
-    files = sorted({start.split("::")[0] for start in FULL_ONLY} | {SLOW.split("::")[0], "tests/test_errors.py"})
-    quick, full = collected(files, full=False), collected(files, full=True)
-    assert quick < full
+def test_the_switch_runs_what_the_quick_run_leaves_out() -> None:
+    quick, full = collected("tests/test_notebooks.py", full=False), collected("tests/test_notebooks.py", full=True)
     left = full - quick
+    assert left and all(full_only(t) for t in left) and not any(full_only(t) for t in quick), (quick, full)
+
+
+def test_every_full_only_entry_names_a_test_that_exists() -> None:
     for start in FULL_ONLY:
-        assert any(full_only(t) == FULL_ONLY[start] for t in left if t.startswith(start)), f"{start}: no such test"
-    assert SLOW in left, "a test marked slow runs in the quick run"
-    assert {t for t in left if t != SLOW and not full_only(t)} == set(), "left out for no reason"
-    assert [t for t in quick if full_only(t)] == []
-    assert any(t.startswith("tests/test_errors.py::") for t in quick)
+        path, _, test = start.partition("::")
+        source = (ROOT / path).read_text()
+        name = test.split("[")[0]
+        assert not name or re.search(rf"^def {name}\(", source, re.M), f"{start}: no such test"
 
 
 def test_fidelity_and_never_wrong_suites_are_never_left_out() -> None:
     assert not [start for start in FULL_ONLY if any(f"/{name}.py" in start for name in ALWAYS)]
+
+
+class _Item:
+    def __init__(self, nodeid: str, slow: bool = False) -> None:
+        self.nodeid, self.slow = nodeid, slow
+
+    def get_closest_marker(self, name: str) -> object:
+        return object() if name == "slow" and self.slow else None
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.deselected: list[Any] = []
+        self.hook = self
+        self.stash: dict[Any, Any] = {}
+
+    def pytest_deselected(self, items: list[Any]) -> None:
+        self.deselected += items
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_quick_run_deselects_the_slow_and_the_full_only(full: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conftest, "FULL", full)
+    items = [
+        _Item("tests/test_generate_core.py::test_cold_then_warm_matches_stock[float64]"),
+        _Item("tests/test_invariance.py::test_smollm2_the_whole_chat_experiment", slow=True),
+        _Item("tests/test_flex_generate.py::test_anything[beams]"),
+        _Item("tests/test_docs.py::test_code_blocks_run[evaluation.md]"),
+        _Item("tests/test_docs.py::test_code_blocks_run[faq.md]"),
+    ]
+    config = _Config()
+    kept = list(items)
+    conftest.pytest_collection_modifyitems(config, kept)  # type: ignore[arg-type]
+    if full:
+        assert kept == items and config.deselected == []
+    else:
+        assert [i.nodeid for i in kept] == [items[0].nodeid, items[4].nodeid]
+        assert config.deselected == items[1:4]
