@@ -724,6 +724,23 @@ MUTATIONS = [
         "a call's first step takes a prompt's image keys for other keys and redoes construction's reuse (a hybrid's "
         "split_tokens are lost and the reuse it computed itself is counted as cached)",
     ),
+    # -- issue 54: a pool CUDA graphs can hold, and a decode step's write without the lock
+    Mutation(
+        "pool-not-static-addresses",
+        "kv/pool.py",
+        "    torch._dynamo.mark_static_address(t)\n",
+        "",
+        ("tests/test_compiled.py::test_the_pool_keeps_its_storage_under_compiled_steps",),
+        "the pool's tensors are not marked static addresses: CUDA graphs copy them in, or skip the step",
+    ),
+    Mutation(
+        "unlocked-write-trusts-a-growth",
+        "kv/pool.py",
+        "        return not self.growing and self.moves == moves\n",
+        "        return True\n",
+        ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
+        "a decode step's write that a growth in another thread overtook is lost in the old tensors",
+    ),
 ]
 
 
