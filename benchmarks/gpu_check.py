@@ -18,14 +18,20 @@ on a machine with CUDA:
    ``attention="flex"``; on the 1.5B model also the default ``PagedPrefixCache`` under ``generate``'s
    own compile, CUDA graphs through ``mode="reduce-overhead"``) on the ~100M model (float32, bfloat16) and the
    ~1.5B model with random weights (bfloat16);
-5. time to the first token on a warm 2048-token prefix against stock.
+5. time to the first token on a warm 2048-token prefix against stock;
+6. the decode corridor (issue 54): a hybrid model (a tiny Qwen3-Next-shaped one) against stock, cold and warm, and
+   its eager decode against ``DynamicCache``; prefixkv's default cache under ``generate``'s compile with CUDA graphs
+   (``mode="reduce-overhead"``) against prefixkv eager (tokens and logits), compiled ``StaticCache`` and
+   ``DynamicCache`` (ms per token); and the pool's addresses across those compiled calls (kept but where the pool
+   grew, every tensor a static address).
 
 prefixkv's ``generate`` on CUDA runs the gather by default (``attention="auto"``) until these numbers show the
 FlexAttention backend (``attention="flex"``) faster; sections 2 and 4 run both, section 3 the kernel alone.
 
 Run: ``python benchmarks/gpu_check.py --out gpu_check.md``; ``--cpu-smoke`` runs a tiny version of every
-measurement on the CPU (to check the script). Writes ``results/gpu_check.json`` (and ``$OUT/gpu_check.json``,
-``$OUT/gpu_check.md`` when ``OUT`` is set). Without CUDA and without ``--cpu-smoke`` it says so and exits 0."""
+measurement on the CPU (to check the script); ``--sections corridor ...`` runs only the sections named. Writes
+``results/gpu_check.json`` (and ``$OUT/gpu_check.json``, ``$OUT/gpu_check.md`` when ``OUT`` is set). Without CUDA
+and without ``--cpu-smoke`` it says so and exits 0."""
 
 from __future__ import annotations
 
@@ -45,10 +51,10 @@ from typing import Any
 import torch
 from _common import machine, save, table, tokens
 from decode import batch_ids, decode_ms
-from transformers import CompileConfig, DynamicCache
+from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
-from prefixkv import models
+from prefixkv import census, models
 from prefixkv.attention import flex
 
 
@@ -538,6 +544,111 @@ def first_token(device: str, sizes: Sizes) -> list[list[Any]]:
     return rows
 
 
+# -- 6. the decode corridor: a hybrid model, CUDA graphs, the pool's addresses -----------------------------------------
+
+
+class PoolAddresses(LogitsProcessor):
+    """After each forward of a ``generate`` call: the storage of every tensor of ``store``'s pool, and its growths
+    (``BlockPool.moves``), so that a run shows the addresses a compiled step captured kept (kv/pool.py)."""
+
+    def __init__(self, store: prefixkv.PrefixStore) -> None:
+        self.store, self.seen = store, []  # type: list[tuple[int, tuple[int, ...]]]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        pool = self.store.blocks.pool
+        self.seen.append((pool.moves, tuple(t.data_ptr() for t in (*pool.keys, *pool.values))))
+        return scores
+
+    def verdict(self) -> str:
+        """``kept`` where the storage changed only at a growth (and every tensor is a static address), else what
+        moved."""
+        pool = self.store.blocks.pool
+        if not all(getattr(t, "_dynamo_static_input_type", None) for t in (*pool.keys, *pool.values)):
+            return "NOT static addresses"
+        moved = [i for i, (a, b) in enumerate(zip(self.seen, self.seen[1:])) if a[0] == b[0] and a[1] != b[1]]
+        grown = self.seen[-1][0] - self.seen[0][0] if self.seen else 0
+        return f"MOVED after steps {moved}" if moved else f"kept ({grown} growths)"
+
+
+def outputs(model: Any, ids: torch.Tensor, new: int, processors: list[Any] = (), **kwargs: Any) -> Any:
+    """One greedy ``generate`` call's tokens and logits."""
+    return model.generate(
+        ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0, logits_processor=LogitsProcessorList(list(processors)),
+        **kwargs,
+    )  # fmt: skip
+
+
+def versus(out: Any, ref: Any) -> tuple[str, bool]:
+    """The largest logit difference of ``out`` against ``ref`` and whether their tokens agree."""
+    diff = max((a.double() - b.double()).abs().max().item() for a, b in zip(out.logits, ref.logits))
+    return f"{diff:.1e}", bool(torch.equal(out.sequences, ref.sequences))
+
+
+def hybrid_model(device: str) -> Any:
+    """A tiny Qwen3-Next-shaped model (linear attention and full attention layers, prefixkv.census), float32."""
+    with torch.device(device):
+        return models.build(census.tiny_config("qwen3_next"), dtype=torch.float32)
+
+
+def corridor(device: str, sizes: Sizes) -> list[list[Any]]:
+    """A hybrid model, eager (its recurrent layers take no compiled step): a cold and a warm call on a shared
+    prefix against stock, and ms per token against ``DynamicCache``. The ~100M model (the tiny one on the CPU):
+    prefixkv's default cache under ``generate``'s own compile with CUDA graphs (``mode="reduce-overhead"``; the
+    CPU smoke compiles with dynamo alone) against prefixkv eager, compiled ``StaticCache`` and ``DynamicCache``,
+    its tokens and logits against prefixkv eager, and the pool's addresses across the compiled calls, on a store of
+    its first size (which a long prompt grows)."""
+    rows: list[list[Any]] = []
+    new, prompt = sizes.new_tokens, min(sizes.prompts)
+    # the hybrid model
+    model = hybrid_model(device)
+    stock = copy.deepcopy(model)
+    ids = batch_ids(prompt, 2, prompt - 8, model.config.vocab_size, seed=11).to(device)
+    store = prefixkv.PrefixStore(model, block_size=16)
+    ref = outputs(stock, ids, new, cache=DynamicCache(config=stock.config))
+    for turn in ("cold", "warm"):
+        with prefixkv.PagedPrefixCache(store, ids) as cache:
+            out = outputs(model, ids, new, cache=cache)
+        rows.append(["hybrid", turn, "-", "-", *versus(out, ref), f"{cache.stats.cached_tokens} reused"])
+    ms = {v: min(decode_ms(model, ids, new, v, store) for _ in range(2)) for v in ("dynamic", "prefixkv")}
+    rows.append(["hybrid", "eager decode", f"{ms['prefixkv']:.2f}", f"{ms['prefixkv'] / ms['dynamic']:.2f}", "-", "-",
+                 "-"])  # fmt: skip
+    store.close()
+    # the compiled default with CUDA graphs
+    if device == "cuda":
+        model = models.bench_model().to(device)
+        config = CompileConfig(mode="reduce-overhead")
+    else:
+        model = models.tiny_model("llama")
+        config = CompileConfig(backend="eager", mode=None)
+        config._compile_all_devices = True
+    ids = batch_ids(prompt, 2, 0, model.config.vocab_size, seed=12).to(device)
+    store = prefixkv.PrefixStore(model, block_size=16)
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        eager = outputs(model, ids, new, cache=cache, disable_compile=True)
+    store.close()
+    store = prefixkv.PrefixStore(model, block_size=16)  # at its first size: the compiled calls grow it
+    addresses = PoolAddresses(store)
+    with torch._dynamo.config.patch(recompile_limit=64):
+        for turn in ("cold", "warm"):
+            with prefixkv.PagedPrefixCache(store, ids) as cache:
+                out = outputs(model, ids, new, [addresses], cache=cache, compile_config=config)
+            rows.append(["compiled default", turn, "-", "-", *versus(out, eager), addresses.verdict()])
+        variants = {
+            "dynamic": lambda: decode_ms(model, ids, new, "dynamic", store, disable_compile=True),
+            "prefixkv eager": lambda: decode_ms(model, ids, new, "prefixkv", store, disable_compile=True),
+            "static compiled": lambda: decode_ms(model, ids, new, "static", store, compile_config=config),
+            "prefixkv compiled": lambda: decode_ms(model, ids, new, "prefixkv", store, compile_config=config),
+        }
+        best = {name: min(fn() for _ in range(2)) for name, fn in variants.items()}
+    for name, ms_ in best.items():
+        versus_static = f"{ms_ / best['static compiled']:.2f} of compiled Static"
+        rows.append(["100M" if device == "cuda" else "tiny", name, f"{ms_:.2f}", f"{ms_ / best['dynamic']:.2f}", "-",
+                     "-", versus_static])  # fmt: skip
+    store.close()
+    return rows
+
+
 SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]]]] = [
     (
         "kernel",
@@ -595,6 +706,13 @@ SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]
         ["model", "prefix", "no reuse", "deepcopy", "prefixkv", "no reuse / prefixkv", "target"],
         first_token,
     ),
+    (
+        "corridor",
+        "The decode corridor (issue 54): a hybrid model against stock; prefixkv's default under generate's compile "
+        "with CUDA graphs against eager and compiled StaticCache; the pool's addresses across the compiled calls",
+        ["model", "case", "ms/token", "/ Dynamic", "max logit diff", "same tokens", "note"],
+        corridor,
+    ),
 ]
 
 
@@ -602,6 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the tables as Markdown to this file")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny version of every measurement on the CPU")
+    ap.add_argument(
+        "--sections", nargs="+", choices=[key for key, *_ in SECTIONS], help="run only these sections (default: all)"
+    )
     args = ap.parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a GPU machine, or --cpu-smoke")
@@ -613,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": report[0][2:], "tables": {}}
     failed = []
     for key, title, header, section in SECTIONS:
+        if args.sections and key not in args.sections:
+            continue
         begun = time.perf_counter()
         # an unattended run records a section's failure and goes on: one broken measurement keeps the others
         try:

@@ -943,6 +943,23 @@ MUTATIONS = [
         ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
         "an error raised under prefixkv's frames but outside the model's code is called the model's",
     ),
+    # -- issue 54: a pool CUDA graphs can hold, and a decode step's write without the lock
+    Mutation(
+        "pool-not-static-addresses",
+        "kv/pool.py",
+        "    torch._dynamo.mark_static_address(t)\n",
+        "",
+        ("tests/test_compiled.py::test_the_pool_keeps_its_storage_under_compiled_steps",),
+        "the pool's tensors are not marked static addresses: CUDA graphs copy them in, or skip the step",
+    ),
+    Mutation(
+        "unlocked-write-trusts-a-growth",
+        "kv/pool.py",
+        "        return not self.growing and self.moves == moves\n",
+        "        return True\n",
+        ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
+        "a decode step's write that a growth in another thread overtook is lost in the old tensors",
+    ),
 ]
 
 

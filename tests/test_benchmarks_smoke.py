@@ -339,3 +339,13 @@ def test_invariance_rows_smoke() -> None:
         "SDPA, boolean causal mask, bfloat16",
         *(f"model, {dtype}, C = {c}" for dtype in ("float32", "bfloat16") for c in (16, 32)),
     ]
+
+
+def test_shared_decode_smoke() -> None:
+    """``shared_decode.py``: a row per case and cache, the issue's case judged."""
+    import shared_decode
+
+    r = shared_decode.run("tiny", [2, 8], [64], new=3, repeat=1)
+    assert [(row["prefix"], row["rows"]) for row in r["rows"]] == [(64, 2), (64, 8)]
+    assert all(row["dynamic"] > 0 and row["prefixkv"] > 0 for row in r["rows"])
+    assert "Dynamic / prefixkv" in shared_decode.report(r)

@@ -20,6 +20,7 @@ import prefixkv
 from prefixkv.attention import blocks, gather, interface, kernels, reads, registry
 from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import plan_reads, table_runs
+from prefixkv.slots import slot_view
 
 
 @st.composite
@@ -111,6 +112,9 @@ def build(layout: dict) -> tuple:
 class _Pool:
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.keys, self.values = [k], [v]
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return slot_view(self.keys[layer]), slot_view(self.values[layer])
 
 
 @settings(max_examples=300, deadline=None)
@@ -456,3 +460,32 @@ def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
             query, full_k, full_v, attn_mask=causal, scale=0.5, enable_gqa=True
         )
         assert torch.allclose(got, want.transpose(1, 2), atol=1e-10, rtol=0)
+
+
+def test_eight_rows_on_one_warm_prefix_read_it_once_a_step_and_decode_as_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 54's shared-prefix batch, eager: 8 rows on one warm 40-token prefix, 6 tokens each of their own. Every
+    decode step reads the prefix's blocks once for all 8 rows (one read of every row, as long as the prefix's whole
+    blocks at least), and the call gives stock's tokens and logits (float64); a later ordinary request too."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    prefix = random_tokens(40, seed=41)
+    store.warm([prefix], progress=False)
+    shared_reads: list[int] = []
+    original = prefixkv.attention.planner.plan_reads
+
+    def recording(pads: list[int], tables: list[list[int]], start: int, q: int, *rest: Any, **kw: Any) -> Any:
+        planned = original(pads, tables, start, q, *rest, **kw)
+        if q == 1:  # a decode step: how many of its reads serve all 8 rows over the whole prefix
+            shared_reads.append(sum(1 for r in planned[0] if len(r.rows) == 8 and r.row_stride is None and
+                                    r.slots is None and r.length >= 40))  # fmt: skip
+        return planned
+
+    monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
+    ids = torch.stack([torch.cat([prefix, random_tokens(6, seed=50 + r)]) for r in range(8)])
+    result = compare(model, store, ids, max_new_tokens=10)
+    assert result.same_tokens and result.max_diff <= 1e-10
+    assert [r.cached_tokens for r in result.cache.stats.per_row] == [40] * 8
+    assert len(shared_reads) == 9 and all(n == 1 for n in shared_reads)
+    later = compare(model, store, torch.cat([prefix, random_tokens(9, seed=60)])[None], max_new_tokens=6)
+    assert later.same_tokens and later.max_diff <= 1e-10
+    store.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import sys
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ import torch._dynamo
 from conftest import STOCK_TAKES_NEW_TOKENS, cache_kw, left_pad, random_tokens, stock_twin
 from test_families import FAMILIES, NAN_WHEN_PADDED_IN_FLOAT64, SHARED, documented_paths
 from torch._dynamo.utils import counters
-from transformers import CompileConfig, DynamicCache
+from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
 from prefixkv.attention import static
@@ -680,3 +680,167 @@ def test_a_compiled_model_call_compiles_only_the_steps() -> None:
     ref = generate(other, prompt, None, DynamicCache(config=other.config), max_new_tokens=5)
     out = generate(other, prompt, None, None, max_new_tokens=5, cache_implementation="static", compile_config=config)
     assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+
+
+class HeldStep(static.StaticStep):
+    """:class:`prefixkv.attention.static.StaticStep` that notes the storage of the pool tensors each step holds."""
+
+    held: ClassVar[list[list[int]]] = []
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        type(self).held.append([t.data_ptr() for t in (*self.keys, *self.values)])
+
+
+def pool_storage(store: Any) -> list[int]:
+    pool = store.blocks.pool
+    return [t.data_ptr() for t in (*pool.keys, *pool.values)]
+
+
+class BetweenSteps(LogitsProcessor):
+    """Runs ``ops[i]`` after the call's ``i``-th forward (between two compiled steps), noting the pool's storage
+    and growths before and after each."""
+
+    def __init__(self, store: Any, ops: list[Any]) -> None:
+        self.store, self.ops, self.seen = store, ops, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.ops:
+            pool = self.store.blocks.pool
+            before = (pool_storage(self.store), pool.moves)
+            self.ops.pop(0)()
+            self.seen.append((before, (pool_storage(self.store), pool.moves)))
+        return scores
+
+
+def test_the_pool_keeps_its_storage_under_compiled_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool CUDA graphs can hold (kv/pool.py): during a compiled ``generate`` (dynamo alone), an eviction into the
+    second tier, a restore from it and a ``clear`` between two steps leave every pool tensor's storage where it was,
+    every step holds the pool's tensors of its time, each marked a static address, and the call gives stock's tokens
+    and logits (float64); a later ordinary request too."""
+    monkeypatch.setattr(static, "StaticStep", HeldStep)
+    HeldStep.held = []
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(13, seed=21)[None]
+    others = [random_tokens(16, seed=s) for s in (22, 23, 24)]
+    new = 6
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=new)
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4, num_blocks=24, offload="cpu") as store:
+        blocks = store.blocks
+        with blocks.lock:  # the pool at its budget from the start: nothing below may grow it
+            blocks.pool.grow(blocks.max_blocks + 1)
+            blocks._allocator.grow(blocks.pool.capacity)
+        store.warm(others, progress=False)
+        space = blocks.space()
+        restored = others[0].tolist()
+
+        def evict() -> None:
+            blocks.room.ensure_free(blocks._allocator.num_free + 8)  # evicts the warmed prompts into the tier
+
+        def restore() -> None:
+            assert store.cached_length(restored) == 0
+            blocks.room.restore([restored], space)
+            assert store.cached_length(restored) == 16
+
+        ops = BetweenSteps(store, [evict, restore, store.clear])
+        start, moves = pool_storage(store), blocks.pool.moves
+        with prefixkv.PagedPrefixCache(store, prompt) as cache:
+            out = generate(model, prompt, None, cache, max_new_tokens=new, compile_config=compile_config("eager"),
+                           logits_processor=LogitsProcessorList([ops]))  # fmt: skip
+        assert len(ops.seen) == 3 and all(before == after for before, after in ops.seen)
+        assert len(HeldStep.held) == new - 1 and all(held == start for held in HeldStep.held)
+        assert pool_storage(store) == start and blocks.pool.moves == moves
+        pool = blocks.pool
+        assert all(t._dynamo_static_input_type == "unguarded" for t in (*pool.keys, *pool.values))
+        assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        store.check_invariants()
+        later_request_matches_stock(model, store, out.sequences[:, :-1])
+
+
+def out_row(out: Any) -> torch.Tensor:
+    """The first row of a call's sequences (unpadded), less its last token."""
+    return out.sequences[:1, :-1]
+
+
+def test_a_compiled_step_after_a_growth_holds_the_new_pool_and_gives_eagers_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one operation that moves the pool's storage, a growth (another request's, here between two steps of a
+    compiled ``generate``): the pool counts it, its new tensors are static addresses too, every later step holds
+    them (not the old ones, which a CUDA graph would replay into), and the call gives the eager store's tokens and
+    logits, and stock's (float64)."""
+    monkeypatch.setattr(static, "StaticStep", HeldStep)
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    ids, mask = left_pad([random_tokens(21, seed=25), random_tokens(14, seed=26)])
+    new = 7
+    ref = generate(twin, ids, mask, DynamicCache(config=twin.config), max_new_tokens=new)
+    outs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        HeldStep.held = []
+        with prefixkv.PrefixStore(model, block_size=4) as store:
+            blocks = store.blocks
+
+            def grow(blocks: Any = blocks) -> None:
+                blocks.room.ensure_free(blocks.pool.capacity)  # as a long request of another thread does
+
+            ops = BetweenSteps(store, [lambda: None, grow])
+            kwargs: dict[str, Any] = {"compile_config": compile_config("eager")} if compiled else {}
+            with prefixkv.PagedPrefixCache(store, ids, mask, compileable=True) as cache:
+                outs.append(generate(model, ids, mask, cache, max_new_tokens=new,
+                                     logits_processor=LogitsProcessorList([ops]), **kwargs))  # fmt: skip
+            (_, (kept, _)), ((old, moves), (grown, moves_after)) = ops.seen
+            assert old == kept and moves_after == moves + 1 and not set(old) & set(grown)
+            assert len(HeldStep.held) == new - 1 and HeldStep.held[0] == old
+            assert all(held == grown for held in HeldStep.held[1:])
+            assert pool_storage(store) == grown
+            pool = blocks.pool
+            assert all(t._dynamo_static_input_type == "unguarded" for t in (*pool.keys, *pool.values))
+            store.check_invariants()
+            later_request_matches_stock(model, store, out_row(outs[-1]))
+    eager, out = outs
+    assert torch.equal(out.sequences, eager.sequences) and max_diff(out, eager) <= 1e-12
+    assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+
+
+def test_an_eager_write_that_a_growth_overtook_is_written_again() -> None:
+    """The eager step writes a layer without the store's lock (kv/pool.py, ``write_unlocked``): where another
+    thread's growth copied the tensors just before the write landed in them (simulated: the growth's copy is made,
+    the write goes to the old tensors, then the growth's new ones are set), the write is done again under the lock,
+    into the new tensors, so the call and a later request that reuses its tokens equal stock (float64)."""
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(13, seed=31)[None]
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        blocks, pool = store.blocks, store.blocks.pool
+        write, raced, layers = pool.write, [], [0]
+
+        def overtaken(layer: int, *args: Any) -> None:
+            first = layers[-1] == 0  # layer 1's first write of the step, not the write again
+            layers.append(layer)
+            if len(raced) < 2 and args[0].numel() == 1 and layer == 1 and first:
+                with blocks.lock:  # as the store's room grows it (kv/room.py)
+                    old = pool.keys, pool.values
+                    pool.grow(pool.capacity + 4)
+                    blocks._allocator.grow(pool.capacity)
+                    grown, (pool.keys, pool.values) = (pool.keys, pool.values), old
+                write(layer, *args)  # into the tensors the write read before the growth set its own
+                pool.keys, pool.values = grown
+                raced.append(layer)
+                return
+            write(layer, *args)
+
+        pool.write = overtaken  # type: ignore[method-assign]
+        try:
+            with prefixkv.PagedPrefixCache(store, prompt) as cache:
+                out = generate(model, prompt, None, cache, max_new_tokens=8)
+        finally:
+            del pool.write
+        assert len(raced) == 2
+        assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        store.check_invariants()
+        later_request_matches_stock(model, store, out.sequences[:, :-1])

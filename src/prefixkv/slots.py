@@ -50,4 +50,4 @@ def slot_table(pads: list[int], tables: list[list[int]], start: int, stop: int, 
 def slot_view(t: torch.Tensor) -> torch.Tensor:
     """``[kv_heads, num_blocks * block_size, head_dim]`` view of a layer's K or V (or its 8-bit codes),
     ``[kv_heads, num_blocks, block_size, head_dim]``, indexed by slot."""
-    return t.view(t.shape[0], -1, t.shape[3])
+    return t.view(t.shape[0], t.shape[1] * t.shape[2], t.shape[3])  # sizes, not -1: a layer of no heads is empty

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..slots import slot_view
 from . import planner
 from .interface import sdpa_servable
 from .kernels import KernelMask, attend_masked, kernel_mask, merge_by_lse
@@ -97,11 +96,11 @@ def new_mask(
     return result
 
 
-def _pool_columns(pool: torch.Tensor, read: Read) -> torch.Tensor:
-    """``[rows or 1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor ``[kv_heads, num_blocks,
-    block_size, head_dim]``: a view for runs (each head one contiguous range), a gather otherwise."""
-    heads, dim = pool.shape[0], pool.shape[3]
-    flat = slot_view(pool)
+def _pool_columns(flat: torch.Tensor, read: Read) -> torch.Tensor:
+    """``[rows or 1, kv_heads, n, head_dim]`` K or V of a read from a layer's pool tensor by slot ``[kv_heads,
+    num_blocks * block_size, head_dim]`` (:meth:`prefixkv.attention.reads.PoolView.slots`): a view for runs (each
+    head one contiguous range), a gather otherwise."""
+    heads, dim = flat.shape[0], flat.shape[2]
     if read.first_slot is not None:
         if read.row_stride is not None:
             return flat.as_strided(
@@ -160,7 +159,7 @@ def blocks_attention(
     model's ``[B, 1, q, columns]`` mask (``None``: every held column and the new ones causally). Returns
     ``[B, q, Hq, D]`` as transformers' attention functions do."""
     batch, heads, q, dim = query.shape
-    pool_k, pool_v = forward.pool.keys[layer], forward.pool.values[layer]
+    pool_k, pool_v = forward.pool.slots(layer)
     group = max(1, heads // pool_k.shape[0])
     everyone = tuple(range(batch))
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []

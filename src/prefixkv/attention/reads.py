@@ -95,7 +95,7 @@ class PoolView(Protocol):
     """What the attention reads of a store's pool (:class:`prefixkv.kv.pool.BlockPool`; the attention never writes
     it): per layer the K and V tensors ``[kv_heads, num_blocks, block_size, head_dim]`` (read at each call: a growth
     of the pool replaces them), where each layer lies (``specs``), and the 8-bit storage (``kv_dtype``, ``None``
-    when the pool is stored in a float dtype)."""
+    when the pool is stored in a float dtype), and each layer's K and V by slot (``slots``)."""
 
     @property
     def keys(self) -> Sequence[torch.Tensor]: ...
@@ -108,6 +108,11 @@ class PoolView(Protocol):
 
     @property
     def kv_dtype(self) -> str | None: ...
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V indexed by slot, ``[kv_heads, num_blocks * block_size, head_dim]`` views
+        (:func:`prefixkv.slots.slot_view`), kept by the pool between growths."""
+        ...
 
 
 class ForwardReads:
@@ -142,6 +147,9 @@ class ForwardReads:
         self.canonical = canonical and not self.in_place
         self.handed: set[int] = set()
         self.served: set[int] = set()
+        # the autocast dtype (or None) the forward was planned under, until its first layer checked it (then False):
+        # a step asks once, not each layer (prefixkv.hf.forward.check_autocast)
+        self.autocast: torch.dtype | bool | None = None
         # layers whose handed-out K or V a probe forward's model computed something from (:class:`Watched`)
         self.touched: set[int] = set()
         # per model mask (layers share one, sliding-window layers another): the whole-row attention's kernel mask

@@ -130,6 +130,7 @@ class Forward:
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
+        self._reads.autocast = autocast_in(held.space)  # checked at the forward's first layer (check_autocast)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -248,16 +249,13 @@ def write_layer(
     layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
     check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
     device = key_states.device
-    computed, planned = autocast_dtype(device.type), autocast_in(held.space)
-    if computed != planned:
-        raise CacheMisuseError(
-            f"layer {layer_idx} computes under torch.autocast(dtype={computed}), but this PagedPrefixCache was "
-            f"built and planned under autocast={planned}: an autocast entered inside the model's forward (as "
-            "accelerate's mixed precision does) is not seen before it runs. Enter the same autocast around the "
-            "generate call too (with torch.autocast(...): or accelerator.autocast())"
-        )
+    if plan.autocast is not False:  # the forward's first layer: the step's autocast, asked once
+        check_autocast(plan, device.type, layer_idx)
     keep = None if held.keep is None else held.keep.to(device)
-    store.blocks.write(layer_idx, held.new.to(device), key_states, value_states, keep)
+    blocks, slots = store.blocks, held.new.to(device)
+    if not blocks.pool.write_unlocked(layer_idx, slots, key_states, value_states, keep):
+        with blocks.lock:  # a growth in another thread copied the tensors meanwhile: written again, after it
+            blocks.pool.write(layer_idx, slots, key_states, value_states, keep)
     held.seen[layer_idx] = held.length
     if plan.in_place:
         hand_out(plan, layer_idx, key_states)
@@ -272,6 +270,22 @@ def write_layer(
     if plan.probe or plan.canonical:
         hand_out(plan, layer_idx, keys)
     return keys, values
+
+
+def check_autocast(plan: reads.ForwardReads, device_type: str, layer: int) -> None:
+    """Raise :class:`CacheMisuseError` unless the forward computes under the autocast its plan was made under
+    (``plan.autocast``, the dtype of :func:`prefixkv.kv.key_space.autocast_in`), and note that the forward checked
+    it: an autocast entered inside the model's forward is seen at its first layer, once a step. Mutates ``plan``."""
+    # torch's own query, as prefixkv.kv.key_space.autocast_dtype asks it: two C calls where a step is counted
+    computed = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    planned, plan.autocast = plan.autocast, False
+    if computed != planned:
+        raise CacheMisuseError(
+            f"layer {layer} computes under torch.autocast(dtype={computed}), but this PagedPrefixCache was "
+            f"built and planned under autocast={planned}: an autocast entered inside the model's forward (as "
+            "accelerate's mixed precision does) is not seen before it runs. Enter the same autocast around the "
+            "generate call too (with torch.autocast(...): or accelerator.autocast())"
+        )
 
 
 def check_layer(

@@ -11,6 +11,14 @@ No trie and no transformers here: the pool writes and reads *slots* (``block * b
 that the cache computes. Each layer's tensors live on that layer's device, in the pool's dtype. The pool
 starts small and grows (a copy, amortised by doubling) up to whatever capacity the store allows.
 
+A pool CUDA graphs can hold: a compiled decode step writes into the pool's tensors, inputs of its graph, so they
+keep their storage for as long as the pool keeps its size. Every write, eviction, tier move and ``clear`` works in
+place; only :meth:`BlockPool.grow` moves storage, and it counts so (:attr:`BlockPool.moves`). Each tensor is marked
+a static address for the compiler (``torch._dynamo.mark_static_address``, unguarded, as transformers'
+``StaticCache`` marks its own): a graph is captured over it without a copy, and where a growth gave a step new
+tensors, CUDA graphs re-record that step rather than replay the old addresses (docs/how-it-works.md, "A decode step
+that compiles").
+
 Users call ``generate`` under ``torch.inference_mode()`` and ``torch.no_grad()`` alike (docs/correctness.md,
 "Releasing caches"). A
 tensor made inside ``inference_mode`` is an inference tensor, which refuses in-place writes outside it; so
@@ -113,8 +121,11 @@ class BlockPool:
         # quantized pools only: per layer ``[kv_heads, num_blocks, block_size]`` scales of K and of V
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
+        self.moves = 0  # growths so far: the only operation that gives the tensors new storage
+        self.growing = False  # a growth is copying the tensors now (in another thread): a write may miss the copy
         with _normal_tensors():
             self._allocate(layers, block_size, capacity, kv_dtype)
+        self._views = self._slot_views()
 
     def _allocate(self, layers: list[LayerSpec], block_size: int, capacity: int, kv_dtype: str | None) -> None:
         for s in layers:
@@ -125,9 +136,9 @@ class BlockPool:
             ):
                 shape = (heads, capacity, block_size, dim)
                 # zeros, not empty: the null block stands in for padding and must hold finite values
-                tensors.append(torch.zeros(shape, device=s.device, dtype=store))
+                tensors.append(_held(torch.zeros(shape, device=s.device, dtype=store)))
                 if kv_dtype is not None:
-                    scales.append(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE))
+                    scales.append(_held(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE)))
 
     @property
     def capacity(self) -> int:
@@ -139,17 +150,43 @@ class BlockPool:
         return block_bytes(self.specs, self.block_size, self.kv_dtype)
 
     def grow(self, capacity: int) -> None:
-        """Enlarge every layer to ``capacity`` blocks, keeping the contents. Mutates."""
+        """Enlarge every layer to ``capacity`` blocks, keeping the contents: new tensors (:attr:`moves` counts
+        them), so a compiled step holding the old ones writes there (:meth:`prefixkv.attention.static.StaticStep.
+        carry_over`). Mutates."""
         extra = capacity - self.capacity
         if extra <= 0:
             return
-        with _normal_tensors():
-            grown = [
-                [_grown(t, extra) for t in tensors]
-                for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
-            ]
-        # all layers at once: a failure half-way leaves the old pool
-        self.keys, self.values, self.key_scales, self.value_scales = grown
+        self.growing = True
+        try:
+            with _normal_tensors():
+                grown = [
+                    [_grown(t, extra) for t in tensors]
+                    for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
+                ]
+            # all layers at once: a failure half-way leaves the old pool
+            self.keys, self.values, self.key_scales, self.value_scales = grown
+            self._views = self._slot_views()
+            self.moves += 1
+        finally:
+            self.growing = False
+
+    def _slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every layer's K and V and their :meth:`slots`, made once per storage (a decode step asks for them every
+        layer)."""
+        return [(k, v, slot_view(k), slot_view(v)) for k, v in zip(self.keys, self.values)]
+
+    def write_unlocked(
+        self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> bool:
+        """:meth:`write` without the store's lock, and whether it surely landed: ``False`` where a growth (in
+        another thread, which holds the lock) copied the tensors meanwhile, so that the write may be in the old
+        ones only; the caller then writes again under the lock (a write is idempotent). The decode step's write:
+        no lock taken where no growth runs, which is every step but a handful. Mutates."""
+        moves = self.moves
+        if self.growing:
+            return False
+        self.write(layer, slots, key, value, keep)
+        return not self.growing and self.moves == moves
 
     def shrink(self, capacity: int) -> None:
         """Keep the first ``capacity`` blocks of every layer (those after them hold nothing anyone reads) and give the
@@ -213,7 +250,12 @@ class BlockPool:
         """``layer``'s K and V (their 8-bit codes in a quantized pool) indexed by slot, each ``[kv_heads,
         num_blocks * block_size, head_dim]`` (:func:`prefixkv.slots.slot_view`): views, so a write through them
         writes the pool."""
-        return slot_view(self.keys[layer]), slot_view(self.values[layer])
+        k, v, k_slots, v_slots = self._views[layer] if layer < len(self._views) else (None, None, None, None)
+        if k is not self.keys[layer] or v is not self.values[layer]:  # tensors set from outside: views made anew
+            self._views = self._slot_views()
+            k, v, k_slots, v_slots = self._views[layer]
+        assert k_slots is not None and v_slots is not None
+        return k_slots, v_slots
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors (each of its
@@ -323,4 +365,11 @@ def _grown(t: torch.Tensor, extra: int) -> torch.Tensor:
     """``t`` with ``extra`` zero blocks appended along its block dimension (1: ``[kv_heads, num_blocks, ...]``)."""
     shape = list(t.shape)
     shape[1] = extra
-    return torch.cat([t, torch.zeros(shape, device=t.device, dtype=t.dtype)], dim=1)
+    return _held(torch.cat([t, torch.zeros(shape, device=t.device, dtype=t.dtype)], dim=1))
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """``t``, marked a static address for the compiler (unguarded: a graph captured over it re-records, not
+    replays, where a growth hands a step new tensors). Mutates only ``t``'s dynamo mark."""
+    torch._dynamo.mark_static_address(t)
+    return t
