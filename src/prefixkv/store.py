@@ -249,7 +249,7 @@ class PrefixStore:
 
         Returns the number of pool blocks freed.
         """
-        return self.blocks.room.clear()  # the snapshots on the paths dropped go with them (Snapshots.evicted)
+        return self.blocks.clear()  # the snapshots on the paths dropped go with them (Snapshots.evicted)
 
     def warm(
         self,

@@ -213,6 +213,13 @@ class BlockManager:
             claim.node = node
             return adopted
 
+    def clear(self) -> int:
+        """:meth:`Room.clear <prefixkv.kv.room.Room.clear>`, giving the pool's grown storage back only while no live
+        claim reads it: a live cache's compiled step holds the pool's tensors (docs/how-it-works.md, "Blocks"), so
+        their storage stays while one lives. Returns the number of pool blocks freed. Mutates."""
+        with self.lock:
+            return self.room.clear(shrink=not any(claim.table for claim in self._claims))
+
     def truncate(self, claims: Sequence[Claim], chunks: Sequence[int]) -> None:
         """Keep the first ``chunks[i]`` blocks of claim ``i`` and give back the rest. Mutates."""
         with self.lock:

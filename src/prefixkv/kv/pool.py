@@ -12,8 +12,9 @@ that the cache computes. Each layer's tensors live on that layer's device, in th
 starts small and grows (a copy, amortised by doubling) up to whatever capacity the store allows.
 
 A pool CUDA graphs can hold: a compiled decode step writes into the pool's tensors, inputs of its graph, so they
-keep their storage for as long as the pool keeps its size. Every write, eviction, tier move and ``clear`` works in
-place; only :meth:`BlockPool.grow` moves storage, and it counts so (:attr:`BlockPool.moves`). Each tensor is marked
+keep their storage for as long as the pool keeps its size. Every write, eviction, tier move and ``clear`` with a
+live cache works in place; only :meth:`BlockPool.grow`, and :meth:`BlockPool.shrink` when a ``clear`` finds no live
+cache, move storage, and they count so (:attr:`BlockPool.moves`). Each tensor is marked
 a static address for the compiler (``torch._dynamo.mark_static_address``, unguarded, as transformers'
 ``StaticCache`` marks its own): a graph is captured over it without a copy, and where a growth gave a step new
 tensors, CUDA graphs re-record that step rather than replay the old addresses (docs/how-it-works.md, "A decode step
@@ -121,7 +122,7 @@ class BlockPool:
         # quantized pools only: per layer ``[kv_heads, num_blocks, block_size]`` scales of K and of V
         self.key_scales: list[torch.Tensor] = []
         self.value_scales: list[torch.Tensor] = []
-        self.moves = 0  # growths so far: the only operation that gives the tensors new storage
+        self.moves = 0  # growths and shrinks so far: the only operations that give the tensors new storage
         self.growing = False  # a growth is copying the tensors now (in another thread): a write may miss the copy
         with _normal_tensors():
             self._allocate(layers, block_size, capacity, kv_dtype)
@@ -190,15 +191,22 @@ class BlockPool:
 
     def shrink(self, capacity: int) -> None:
         """Keep the first ``capacity`` blocks of every layer (those after them hold nothing anyone reads) and give the
-        rest back to the device. Mutates."""
+        rest back to the device: new tensors, a move as a growth is (:attr:`moves`), made only while no live cache
+        reads the pool (:meth:`prefixkv.kv.manager.BlockManager.clear`). Mutates."""
         if capacity >= self.capacity:
             return
-        with _normal_tensors():
-            kept = [
-                [t[:, :capacity].clone() for t in tensors]
-                for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
-            ]
-        self.keys, self.values, self.key_scales, self.value_scales = kept
+        self.growing = True
+        try:
+            with _normal_tensors():
+                kept = [
+                    [_held(t[:, :capacity].clone()) for t in tensors]
+                    for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
+                ]
+            self.keys, self.values, self.key_scales, self.value_scales = kept
+            self._views = self._slot_views()
+            self.moves += 1
+        finally:
+            self.growing = False
 
     @torch.no_grad()
     def write(

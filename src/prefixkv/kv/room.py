@@ -102,11 +102,11 @@ class Room:
             rc = self._allocator.refcount
             return sum(1 for b, n in unlocked.items() if rc(b) == n)
 
-    def clear(self) -> int:
+    def clear(self, *, shrink: bool = True) -> int:
         """Drop every cached prefix that is neither pinned nor read by a live cache, and every block of the second
-        tier (its files too): a later request recomputes what they held. The pool and the allocator's books go back
-        to the store's first size, or to the last block still held where that lies beyond it (a pinned prefix, a
-        live cache's blocks): a workload that grew the pool (a namespace per request, no budget) leaves nothing
+        tier (its files too): a later request recomputes what they held. With ``shrink``, the pool and the
+        allocator's books go back to the store's first size, or to the last block still held where that lies beyond
+        it (a pinned prefix): a workload that grew the pool (a namespace per request, no budget) leaves nothing
         behind. Returns the number of pool blocks freed. Mutates."""
         h = self._holdings
         alloc = self._allocator
@@ -114,10 +114,11 @@ class Room:
             freed = alloc.decref(self._trie.clear())
             if h.tier is not None:
                 h.tier.clear()
-            held = max((b for b in range(1, alloc.capacity) if alloc.refcount(b)), default=0)
-            size = max(h.first_capacity, held + 1)
-            h.pool.shrink(size)
-            alloc.shrink(size)
+            if shrink:
+                held = max((b for b in range(1, alloc.capacity) if alloc.refcount(b)), default=0)
+                size = max(h.first_capacity, held + 1)
+                h.pool.shrink(size)
+                alloc.shrink(size)
             return freed
 
     # -- the second tier ------------------------------------------------------------------------------
