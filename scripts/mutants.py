@@ -645,7 +645,7 @@ MUTATIONS = [
     Mutation(
         "states-snapshot-of-another-prefix",
         "hf/states.py",
-        "found = self._held.get(key)",
+        "found = self._held.get((space, tuple(keys[:p])))",
         "found = next((v for (sp, path), v in self._held.items() if sp == space and len(path) == p), None)",
         ("tests/test_recurrent.py::test_a_snapshot_is_never_used_for_another_prefix_or_namespace",),
         "a snapshot is looked up by its position alone, so a prompt resumes from another prefix's states",
