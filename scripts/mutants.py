@@ -681,7 +681,10 @@ MUTATIONS = [
         "hf/states.py",
         'self._drop(next(iter(order)), "budget")',
         'self._drop(next(reversed(order)), "budget")',
-        ("tests/test_recurrent.py::test_a_tight_snapshot_budget_drops_the_oldest_never_the_newest",),
+        (
+            "tests/test_recurrent.py::test_a_tight_snapshot_budget_drops_the_oldest_never_the_newest",
+            "tests/test_differential.py::test_the_snapshot_budget_drops_the_least_recently_used_first",
+        ),
         "past the snapshots' budget the newest snapshot goes first: the last prompt asked again reuses nothing",
     ),
     Mutation(
@@ -850,14 +853,6 @@ MUTATIONS = [
         'layout = LAYOUTS.get(str(family), "rows")',
         ("tests/test_image_processors.py::test_a_layout_prefixkv_does_not_know_is_refused_by_name",),
         "a family whose layout prefixkv does not know is read as one image per row of pixel_values",
-    ),
-    Mutation(
-        "snapshots-budget-drops-newest",
-        "hf/states.py",
-        "self._drop(next(iter(self._held)))",
-        "self._drop(next(reversed(self._held)))",
-        ("tests/test_differential.py::test_the_snapshot_budget_drops_the_least_recently_used_first",),
-        "the snapshots' budget drops the newest snapshot first: the last prompt asked again reuses nothing",
     ),
     Mutation(
         "recurrent-pool-sized-from-all-of-max-memory",
