@@ -645,13 +645,15 @@ def test_a_hybrids_blocks_and_snapshots_stay_within_max_memory() -> None:
 
 def test_the_estimate_sizes_v_at_its_own_head_size() -> None:
     """MiMo-V2-Flash's V heads are narrower than K's: the estimate per token is, per layer, K's heads x ``head_dim``
-    plus V's x ``v_head_dim``, in bytes of float64 (the rule written out from the config's fields)."""
+    plus V's x ``v_head_dim``, in bytes of float64 (the rule written out from the config's fields; its attention
+    gives a sliding-window layer twice the config's KV heads)."""
     if "mimo_v2_flash" not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no MiMo-V2-Flash")
     config = census.tiny_config("mimo_v2_flash")
     assert config.v_head_dim != config.head_dim
-    per_layer = config.num_key_value_heads * (config.head_dim + config.v_head_dim)
-    assert prefixkv.kv_bytes_per_token(config, torch.float64) == config.num_hidden_layers * per_layer * 8
+    heads = [config.num_key_value_heads * (2 if t == "sliding_attention" else 1) for t in config.layer_types]
+    per_token = sum(h * (config.head_dim + config.v_head_dim) for h in heads)
+    assert prefixkv.kv_bytes_per_token(config, torch.float64) == per_token * 8
 
 
 @pytest.mark.xfail(
