@@ -763,10 +763,26 @@ MUTATIONS = [
     Mutation(
         "images-cached-image-encoded-again",
         "hf/hooks.py",
-        "fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)",
+        "fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs, expand)",
         "fed = model_kwargs",
         ("tests/test_images.py::test_a_cached_image_is_not_encoded_again",),
         "generate encodes every image of a warm call, the cached ones again (the features of the tail are picked)",
+    ),
+    Mutation(
+        "images-beams-encode-the-fed-only",
+        "hf/vision.py",
+        "        if expand > 1:\n            self.encoded_from = None\n            return kwargs\n",
+        "",
+        ("tests/test_differential.py::test_beams_over_a_cached_image_and_a_new_one",),
+        "a call that repeats its rows for beams encodes only its fed images, which generate's split gives no row",
+    ),
+    Mutation(
+        "measure-resumes-the-last-calls-rope-deltas",
+        "hf/vision.py",
+        "    reset_rope_deltas(model)\n    try:\n        yield",
+        "    try:\n        yield",
+        ("tests/test_differential.py::test_a_store_built_after_a_batch_of_qwen2_vl_serves_it",),
+        "the store's measuring forwards resume a cache with Qwen2-VL's rope_deltas of a batch of another size",
     ),
     Mutation(
         "images-empty-encoder-outputs-unproven",

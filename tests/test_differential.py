@@ -7,8 +7,8 @@ vision-language (llava, qwen2_vl, gemma3). Steps: calls whose rows are built fro
 part anywhere: inside a block, on its edge, where an earlier prompt ended and a recurrent model took a snapshot), cut
 at any length, one to three rows left-padded or of one length, greedy, seeded sampling or beams, in one of three
 namespaces; a chat's next turn on an earlier row's output; images that differ in one pixel anywhere or only in a side
-tensor (Qwen2-VL's grid; the token types present or absent and LLaVA's ``vision_feature_layer``, while
-:data:`AWAITING_FIX` leaves them out); ``warm``; a weight edited in place; ``store.clear()``; eviction pressure
+tensor (Qwen2-VL's grid; the token types present or absent) or in how the call encodes them (LLaVA's
+``vision_feature_layer``); ``warm``; a weight edited in place; ``store.clear()``; eviction pressure
 (``num_blocks``, ``max_memory``); save and load; the CPU tier.
 
 The rules, after every step:
@@ -74,10 +74,6 @@ FAMILIES = {
 }
 if _compat.LINEAR_ATTENTION_LAYER is None:  # transformers 4.x refuses recurrent layers (tests/test_recurrent.py)
     FAMILIES = {f: k for f, k in FAMILIES.items() if k != "hybrid"}
-# draws that meet a defect of issue 52 whose fix is on another branch (the same prompt with and without its token
-# types shares one image's K/V; LLaVA's vision_feature_layer is neither keyed nor refused), or not fixed yet (beam
-# search over a cached image and a new one raises: test_beams_over_a_cached_image_and_a_new_one): left out until then
-AWAITING_FIX = frozenset({"token types", "vision_feature_layer", "beams over images"})
 NAMESPACES = (None, "alice", "bob")
 IMAGE = 250  # the tiny vision families' placeholder (prefixkv.models); text tokens stay below 240
 # the pool the prompts are built from: segments of lengths around the block sizes (2, 3, 4), so that two prompts part
@@ -106,22 +102,11 @@ def model_of(family: str) -> Any:
 
 
 def pristine(family: str) -> Any:
-    """:func:`model_of` with its first weights back (a step edits them in place) and no rotary offsets of an earlier
-    call (:func:`forget_rope_deltas`): an example replays alike whatever ran before it."""
+    """:func:`model_of` with its first weights back (a step edits them in place)."""
     model = model_of(family)
     with torch.no_grad():
         model.load_state_dict(_WEIGHTS[family])
-    forget_rope_deltas(model)
     return model
-
-
-def forget_rope_deltas(model: Any) -> None:
-    """Drop the rotary offsets Qwen2-VL keeps from its last call: a store built after a batch of another size is
-    refused (:func:`test_a_store_built_after_a_batch_of_qwen2_vl_serves_it`), which the machine's later examples on
-    the same model would meet."""
-    inner = getattr(model, "model", None)
-    if getattr(inner, "rope_deltas", None) is not None:
-        inner.rope_deltas = None
 
 
 # -- images ----------------------------------------------------------------------------------------------------------
@@ -225,12 +210,12 @@ class Ran:
         return best
 
 
-def inputs_for(family: str, rows: list[Row], types: bool) -> dict[str, torch.Tensor]:
+def inputs_for(family: str, rows: list[Row], types: bool) -> dict[str, Any]:
     """A processor's outputs for ``rows``: ids left-padded with 0, the mask, the images of every row in order, and the
     token types where the family takes them (``types``)."""
     ids = [tokens_of(family, r) for r in rows]
     width = max(len(t) for t in ids)
-    out: dict[str, torch.Tensor] = {
+    out: dict[str, Any] = {
         "input_ids": torch.tensor([[0] * (width - len(t)) + t for t in ids]),
         "attention_mask": torch.tensor([[0] * (width - len(t)) + [1] * len(t) for t in ids]),
     }
@@ -266,7 +251,7 @@ def check_row(row: Any, prompt: int, allowed: int, namespace: str | None, versio
 def generate_both(
     model: Any,
     store: prefixkv.PrefixStore,
-    inputs: dict[str, torch.Tensor],
+    inputs: dict[str, Any],
     gen: dict[str, Any],
     *,
     seed: int = 0,
@@ -425,7 +410,6 @@ class Differential(RuleBasedStateMachine):
         self.store.save(path)
         self.store.close()
         self.store = None
-        forget_rope_deltas(self.model)
         self.store = prefixkv.PrefixStore.load(path, self.model, **self.options)
 
     # -- the rules after every step
@@ -475,8 +459,7 @@ class Differential(RuleBasedStateMachine):
         assert self.store is not None
         namespace = data.draw(st.sampled_from((usual, *NAMESPACES)), label="namespace")
         images = any(images_of(r) for r in rows)
-        modes = ["greedy", "sample"] + ([] if images and "beams over images" in AWAITING_FIX else ["beams"])
-        mode = data.draw(st.sampled_from(modes), label="mode")
+        mode = data.draw(st.sampled_from(["greedy", "sample", "beams"]), label="mode")
         new = data.draw(st.integers(1, 4), label="max_new_tokens")
         seed = data.draw(st.integers(0, 3), label="seed")
         gen: dict[str, Any] = {"max_new_tokens": new}
@@ -490,14 +473,14 @@ class Differential(RuleBasedStateMachine):
             returned = data.draw(st.integers(1, beams), label="num_return_sequences")
             gen |= {"do_sample": False, "num_beams": beams, "num_return_sequences": returned}
         types, layer = True, -1
-        if images and self.family in ("qwen2_vl", "gemma3") and "token types" not in AWAITING_FIX:
+        if images and self.family in ("qwen2_vl", "gemma3"):
             types = data.draw(st.booleans(), label="token types")
-        if images and self.family == "llava" and "vision_feature_layer" not in AWAITING_FIX:
+        if images and self.family == "llava":
             layer = data.draw(st.sampled_from([-1, -2]), label="vision_feature_layer")
-            if layer != -1:
-                gen["vision_feature_layer"] = layer
         encoding = (types, layer)
         inputs = inputs_for(self.family, rows, types)
+        if layer != -1:  # a keyword of the call that the cache is built with too, as its images are
+            inputs["vision_feature_layer"] = layer
         lengths = [len(tokens_of(self.family, r)) for r in rows]
 
         # what each row may reuse: what ran before in its namespace and weight version, and the other rows of the
@@ -644,46 +627,51 @@ def test_a_hybrids_blocks_and_snapshots_stay_within_max_memory() -> None:
 
 
 def test_the_estimate_sizes_v_at_its_own_head_size() -> None:
-    """MiMo-V2-Flash's V heads are narrower than K's: the estimate per token is, per layer, K's heads x ``head_dim``
-    plus V's x ``v_head_dim``, in bytes of float64 (the rule written out from the config's fields; its attention
-    gives a sliding-window layer twice the config's KV heads)."""
+    """MiMo-V2-Flash's V heads are narrower than K's: the estimate per token is, per layer, its KV heads x
+    (``head_dim`` + ``v_head_dim``), in bytes of float64 (the rule written out from the config's fields; a sliding
+    layer has twice the config's KV heads, its attention's code: tests/test_memory.py measures it)."""
     if "mimo_v2_flash" not in transformers.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no MiMo-V2-Flash")
     config = census.tiny_config("mimo_v2_flash")
     assert config.v_head_dim != config.head_dim
     heads = [config.num_key_value_heads * (2 if t == "sliding_attention" else 1) for t in config.layer_types]
-    per_token = sum(h * (config.head_dim + config.v_head_dim) for h in heads)
+    per_token = sum(h * (config.head_dim + config.v_head_dim) for h in heads[: config.num_hidden_layers])
     assert prefixkv.kv_bytes_per_token(config, torch.float64) == per_token * 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnsupportedModelError,
-    reason="issue 52, found by the differential test: the store's measuring forwards resume a cache with the rotary "
-    "offsets Qwen2-VL kept from its last call (of another batch size) and fail; stock generate starts each call afresh",
+needs_warm_images = pytest.mark.skipif(
+    not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
 )
-@pytest.mark.skipif(not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing")
+
+
+@needs_warm_images
 def test_a_store_built_after_a_batch_of_qwen2_vl_serves_it() -> None:
+    """The store's measuring forwards set aside the rotary offsets Qwen2-VL kept from a call of another batch size (a
+    call with an empty cache starts afresh), and put them back: the store serves the batch, then a text request."""
     model = prefixkv.models.tiny_model("qwen2_vl", dtype=torch.float64)
     inputs = inputs_for("qwen2_vl", [Row((Image(0), 1)), Row((2, 3))], True)
     model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=0)  # a batch of 2, before any store
+    held = model.model.rope_deltas
     store = prefixkv.PrefixStore(model, block_size=4)
+    assert model.model.rope_deltas is held  # measuring left the model as it found it
     for _ in range(2):
-        generate_both(model, store, inputs, {"max_new_tokens": 2})
+        _, stats = generate_both(model, store, inputs, {"max_new_tokens": 2})
+    assert stats.cached_tokens > 0, stats
+    generate_both(model, store, ids(SEGMENTS[2] + SEGMENTS[4]), {"max_new_tokens": 2})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="issue 52, found by the differential test's long profile: beam search over a cached image followed by a "
-    "new one raises in prefixkv's call (torch.cat of no tensors; Gemma 3: 'Image features and image tokens do not "
-    "match'); greedy decoding of the same prompts is served",
-)
-@pytest.mark.skipif(not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing")
-def test_beams_over_a_cached_image_and_a_new_one() -> None:
-    model = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+@needs_warm_images
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("gen", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}])
+def test_beams_over_a_cached_image_and_a_new_one(family: str, gen: dict[str, Any]) -> None:
+    """A call that repeats its rows (beams, ``num_return_sequences``) over a cached image and a new one: ``generate``
+    splits the encoded images among the repeated rows by the prompt's placeholders, so every image is encoded and the
+    new one's features fed; the first image's K/V are reused, and a later greedy request is stock's too."""
+    model = pristine(family)
     store = prefixkv.PrefixStore(model, block_size=4)
-    generate_both(model, store, inputs_for("llava", [Row((5, Image(1), 0))], True), {"max_new_tokens": 2})
-    both = inputs_for("llava", [Row((5, Image(1), 0, Image(0), 7))], True)
-    _, stats = generate_both(model, store, both, {"max_new_tokens": 2, "num_beams": 2})
-    assert stats.cached_tokens <= len(SEGMENTS[5]) + 16 + len(SEGMENTS[0])
+    generate_both(model, store, inputs_for(family, [Row((5, Image(1), 0))], True), {"max_new_tokens": 2})
+    both = inputs_for(family, [Row((5, Image(1), 0, Image(0), 7))], True)
+    _, stats = generate_both(model, store, both, {"max_new_tokens": 2, **gen}, seed=1)
+    first = len(SEGMENTS[5]) + len(image_tokens(family))
+    assert first <= stats.cached_tokens <= first + len(SEGMENTS[0]), stats
+    generate_both(model, store, both, {"max_new_tokens": 2, "do_sample": False})

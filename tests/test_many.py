@@ -166,6 +166,24 @@ def test_calls_a_padded_batch_cannot_honour_are_refused(llama64: Any) -> None:
     store.close()
 
 
+def test_a_refused_image_keyword_says_why_for_the_model(llama64: Any) -> None:
+    """The keywords of how images are encoded and the token types are refused for what they are: on a text model
+    (no images to encode), on a vision-language one (no images in generate_many), never as "a batch's images"."""
+    store = prefixkv.PrefixStore(llama64)
+    cases: list[tuple[Any, dict[str, Any], str]] = [
+        (llama64, {"vision_feature_layer": -2}, "llama takes no images"),
+        (llama64, {"token_type_ids": torch.zeros(1, 3, dtype=torch.long)}, "a tensor of one prompt's tokens"),
+        (llama64, {"pixel_values": torch.zeros(1, 3, 4, 4)}, "a batch's images would not follow its rows"),
+    ]
+    for model, kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            prefixkv.generate_many(model, [[5, 6, 7]], store=store, max_new_tokens=2, **kw)
+    store.close()
+    llava = prefixkv.models.tiny_model("llava", dtype=torch.float64)
+    with pytest.raises(ValueError, match="sets how the images are encoded, and generate_many takes prompts of ids"):
+        prefixkv.generate_many(llava, [[5, 6, 7]], max_new_tokens=2, vision_feature_layer=-2)
+
+
 @pytest.mark.parametrize("protected", [True, False])
 def test_a_scan_of_one_off_prompts_keeps_the_hot_ones(llama64: Any, protected: bool) -> None:
     """Four hot prompts used three times each, then a batch job of 1,000 one-off prompts through a store that

@@ -7,6 +7,7 @@ none mutates.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from .hf.vision import IMAGE_INPUTS
+from .family import family
+from .hf.vision import ENCODING, IMAGE_INPUTS, TOKEN_TYPES
 from .kv.key_space import transformers_model
 from .store import PrefixStore
 from .tokens import as_token_list
@@ -43,7 +45,10 @@ def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
     for key, why in _REFUSED.items():
         if key in generate_kwargs:
             raise ValueError(f"generate_many() does not take {key}=: {why}")
-    images = sorted(k for k in IMAGE_INPUTS if generate_kwargs.get(k) is not None)
+    given = sorted(k for k in IMAGE_INPUTS if generate_kwargs.get(k) is not None)
+    images = [k for k in given if k not in TOKEN_TYPES and k not in ENCODING]
+    if not images and given:
+        raise ValueError(_image_keyword_refusal(model, given[0]))
     if images:
         raise ValueError(
             f"generate_many() does not take {', '.join(images)}: it pads, batches and refills prompts of ids, and a "
@@ -57,6 +62,29 @@ def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
     beams = settings.num_beams or 1
     if beams > 1 and (settings.output_logits or settings.output_scores):
         raise ValueError(f"with num_beams={beams}, logits and scores are per beam, not per prompt; call generate")
+
+
+def _image_keyword_refusal(model: Any, key: str) -> str:
+    """Why ``generate_many`` does not take ``key``, a token-type tensor or a keyword of how images are encoded
+    (:data:`prefixkv.hf.vision.TOKEN_TYPES`, :data:`prefixkv.hf.vision.ENCODING`), said for ``model``: a text
+    model has no images to encode. Does not mutate."""
+    if key in TOKEN_TYPES:
+        return (
+            f"generate_many() does not take {key}=: a tensor of one prompt's tokens, which would not follow the rows "
+            "it pads, batches and refills; call generate with a PagedPrefixCache built with it"
+        )
+    takes_images = "pixel_values" in inspect.signature(transformers_model(model).forward).parameters
+    if not takes_images:
+        return (
+            f"generate_many() does not take {key}=: it sets how a vision-language model encodes images, and "
+            f"{family(model)} takes no images (generate would refuse it as a keyword the model does not use); "
+            "leave it out"
+        )
+    return (
+        f"generate_many() does not take {key}=: it sets how the images are encoded, and generate_many takes "
+        "prompts of ids without images; call generate with the processor's outputs, this keyword and a "
+        'PagedPrefixCache built from them (docs/generate.md, "Images")'
+    )
 
 
 def generation_settings(model: Any, generate_kwargs: dict[str, Any]) -> GenerationConfig:

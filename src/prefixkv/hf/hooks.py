@@ -273,7 +273,9 @@ def _encoding_fed_images(encode: Callable[..., Any]) -> Callable[..., Any]:
             return encode(self, inputs_tensor, model_kwargs, *rest)
         cache.forward.fit_prompt(inputs_tensor, model_kwargs)
         held = cache.forward.rows
-        fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs)
+        config = next((r for r in rest if hasattr(r, "num_beams")), None)
+        expand = max(getattr(config, "num_beams", 1) or 1, getattr(config, "num_return_sequences", 1) or 1)
+        fed = plan.encode_only([held.length - row.pad for row in held.rows], model_kwargs, expand)
         return encode(self, inputs_tensor, fed, *rest)
 
     return encoding

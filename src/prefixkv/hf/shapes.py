@@ -35,7 +35,7 @@ from .._compat import forward_cache_kwarg
 from ..errors import UnsupportedModelError
 from ..family import family
 from ..memory import LayerShape
-from . import kinds
+from . import kinds, vision
 from .support import eval_mode
 
 
@@ -91,7 +91,7 @@ def measure(
     name = forward_cache_kwarg(model.forward)
     devices = [device] if device.type == "cuda" else []
     fed = (1, 2)
-    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         for n in fed:
             cache.forwards.append([])
             cache.stated.append(set())
@@ -109,7 +109,7 @@ def measure(
     if layer_kinds is not None:
         for n, updates, stated in zip(fed, cache.forwards, cache.stated, strict=True):
             _check_kinds(model, layer_kinds, n, updates, stated)
-        with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+        with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
             _check_resumes(model, text, name, device)
             _PADDED[model] = _padded_states(model, text, name, device)
         written = {u.layer: LayerShape(u.key, u.value) for u in cache.forwards[0]}
@@ -120,7 +120,7 @@ def measure(
         _check_forward(model, own, n, updates)
     shapes = [LayerShape(u.key, u.value) for u in sorted(cache.forwards[0])]
     _check_steady(model, dict(enumerate(shapes)), cache.forwards[1])
-    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():
+    with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
         _PADDED[model] = _padded_resumption(model, name, device)
     return shapes
 

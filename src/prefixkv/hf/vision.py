@@ -9,12 +9,13 @@ A placeholder run takes the keys of its image's digest (:func:`prefixkv.images.d
 audio, a cache built from the ids alone) take the keys of a digest no image has, so nothing is reused at or past
 them, and the text before them is. Each family's images come in a layout of their own (:data:`LAYOUTS`, by
 ``model_type``): a family whose layout prefixkv does not know is refused with its name, never read as another's.
-Nothing here mutates but :func:`reset_rope_deltas`."""
+Nothing here mutates but :func:`reset_rope_deltas` (and :func:`rope_deltas_aside`, which puts them back)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -212,10 +213,16 @@ class ImagePlan:
                 "same processor outputs (pixel_values, image_grid_thw, ...) you pass to generate"
             )
 
-    def encode_only(self, starts: list[int], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def encode_only(self, starts: list[int], kwargs: dict[str, Any], expand: int = 1) -> dict[str, Any]:
         """``generate``'s arguments (``kwargs``) with the inputs of the images a call feeds only (prompt row ``r`` from
         its token ``starts[r]``), for ``generate`` to encode before the prefill: the cached images are not encoded
-        again. Mutates the plan: it notes where the encoded images begin (:meth:`feed` picks their features)."""
+        again. A call that repeats each row ``expand`` times (beams, ``num_return_sequences``) encodes every image:
+        ``generate`` splits the encoded images among the rows it repeats by the count of every placeholder of the
+        prompt, which the fed images' alone do not match (no row gets any), and :meth:`feed` picks the fed ones'
+        features. Mutates the plan: it notes where the encoded images begin (:meth:`feed` picks their features)."""
+        if expand > 1:
+            self.encoded_from = None
+            return kwargs
         sliced = self.feed(starts, kwargs)
         if sliced is kwargs:
             return kwargs
@@ -564,3 +571,18 @@ def reset_rope_deltas(model: torch.nn.Module) -> None:
     for m in (model, getattr(model, "model", None)):
         if m is not None and getattr(m, "rope_deltas", None) is not None:
             m.rope_deltas = None
+
+
+@contextlib.contextmanager
+def rope_deltas_aside(model: torch.nn.Module) -> Iterator[None]:
+    """Run the body as a call with an empty cache starts (:func:`reset_rope_deltas`), and put the offsets an earlier
+    call left back after it: a forward prefixkv runs on its own (the store's measuring forwards, hf/shapes.py)
+    resumes its cache with no offsets of a call of another batch size, and leaves the model as it found it."""
+    modules = [m for m in (model, getattr(model, "model", None)) if isinstance(m, torch.nn.Module)]
+    held = [(m, m.rope_deltas) for m in modules if hasattr(m, "rope_deltas")]
+    reset_rope_deltas(model)
+    try:
+        yield
+    finally:
+        for m, deltas in held:
+            m.rope_deltas = deltas
