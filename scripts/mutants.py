@@ -455,8 +455,10 @@ MUTATIONS = [
     Mutation(
         "shapes-probe-draws-randomness",
         "hf/shapes.py",
-        "with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        for n in fed:",
-        "with torch.no_grad():\n        for n in fed:",
+        "with eval_mode(model), vision.rope_deltas_aside(model), "
+        "torch.random.fork_rng(devices=devices), torch.no_grad():\n"
+        "        for n in fed:",
+        "with vision.rope_deltas_aside(model), torch.no_grad():\n        for n in fed:",
         ("tests/test_family_defects.py::test_the_measuring_forwards_leave_the_random_state_alone",),
         "the measuring forwards run in the model's mode with the random stream as it is: a store built on a model in "
         "training mode moves the stream (other samples than stock) and LayerDrop skips the layers it measures",
@@ -499,8 +501,11 @@ MUTATIONS = [
     Mutation(
         "padded-check-under-dropout",
         "hf/shapes.py",
-        "    with eval_mode(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n        _PADDED[model]",
-        "    with torch.random.fork_rng(devices=devices), torch.no_grad():\n        _PADDED[model]",
+        "    with eval_mode(model), vision.rope_deltas_aside(model), "
+        "torch.random.fork_rng(devices=devices), torch.no_grad():\n"
+        "        _PADDED[model]",
+        "    with vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():\n"
+        "        _PADDED[model]",
         (
             "tests/test_family_defects.py::"
             "test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_modes",
