@@ -379,5 +379,5 @@ def _grown(t: torch.Tensor, extra: int) -> torch.Tensor:
 def _held(t: torch.Tensor) -> torch.Tensor:
     """``t``, marked a static address for the compiler (unguarded: a graph captured over it re-records, not
     replays, where a growth hands a step new tensors). Mutates only ``t``'s dynamo mark."""
-    torch._dynamo.mark_static_address(t)
+    torch._dynamo.mark_static_address(t, guard=False)
     return t
