@@ -18,6 +18,7 @@ from prefixkv import _compat
 from prefixkv.attention import blocks, flex, flex_kernel
 from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import Read
+from prefixkv.slots import slot_view
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 
@@ -165,7 +166,7 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
     for row in range(batch):
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
-    pool = SimpleNamespace(keys=[pool_k], values=[pool_v])
+    pool = SimpleNamespace(keys=[pool_k], values=[pool_v], slots=lambda layer: (slot_view(pool_k), slot_view(pool_v)))
     forward = BlocksForward(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
     return blocks.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)
 
