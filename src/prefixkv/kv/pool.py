@@ -33,7 +33,7 @@ Quantized storage (``kv_dtype="int8"`` or ``"fp8"``): codes and one scale per to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -155,17 +155,20 @@ class BlockPool:
         them), so a compiled step holding the old ones writes there (:meth:`prefixkv.attention.static.StaticStep.
         carry_over`). Mutates."""
         extra = capacity - self.capacity
-        if extra <= 0:
-            return
+        if extra > 0:
+            self._move(lambda t: _grown(t, extra))
+
+    def _move(self, new: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Give every layer's tensors new storage, ``new(t)`` of each, all layers at once (a failure half-way leaves
+        the old pool), and count the move (:attr:`moves`; :meth:`write_unlocked` reads it). Mutates."""
         self.growing = True
         try:
             with _normal_tensors():
-                grown = [
-                    [_grown(t, extra) for t in tensors]
+                moved = [
+                    [new(t) for t in tensors]
                     for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
                 ]
-            # all layers at once: a failure half-way leaves the old pool
-            self.keys, self.values, self.key_scales, self.value_scales = grown
+            self.keys, self.values, self.key_scales, self.value_scales = moved
             self._views = self._slot_views()
             self.moves += 1
         finally:
@@ -193,20 +196,8 @@ class BlockPool:
         """Keep the first ``capacity`` blocks of every layer (those after them hold nothing anyone reads) and give the
         rest back to the device: new tensors, a move as a growth is (:attr:`moves`), made only while no live cache
         reads the pool (:meth:`prefixkv.kv.manager.BlockManager.clear`). Mutates."""
-        if capacity >= self.capacity:
-            return
-        self.growing = True
-        try:
-            with _normal_tensors():
-                kept = [
-                    [_held(t[:, :capacity].clone()) for t in tensors]
-                    for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
-                ]
-            self.keys, self.values, self.key_scales, self.value_scales = kept
-            self._views = self._slot_views()
-            self.moves += 1
-        finally:
-            self.growing = False
+        if capacity < self.capacity:
+            self._move(lambda t: _held(t[:, :capacity].clone()))
 
     @torch.no_grad()
     def write(
