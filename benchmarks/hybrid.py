@@ -274,11 +274,8 @@ PARTING_SIZES: dict[str, dict[str, Any]] = {
 _ATTENTION_OF = {
     "tiny": _SMOKE_SIZES["attention"],
     "10M": {
-        "hidden_size": 256,
-        "intermediate_size": 640,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        k: PARTING_SIZES["10M"][k]
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     },
     "100M": {},
 }
