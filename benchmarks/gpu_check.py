@@ -54,8 +54,9 @@ from decode import batch_ids, decode_ms
 from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
-from prefixkv import census, models
+from prefixkv import models
 from prefixkv.attention import flex
+from prefixkv.tools import census
 
 
 @dataclass(frozen=True)
@@ -586,7 +587,7 @@ def versus(out: Any, ref: Any) -> tuple[str, bool]:
 
 
 def hybrid_model(device: str) -> Any:
-    """A tiny Qwen3-Next-shaped model (linear attention and full attention layers, prefixkv.census), float32."""
+    """A tiny Qwen3-Next-shaped model (linear attention and full attention layers, prefixkv.tools.census), float32."""
     with torch.device(device):
         return models.build(census.tiny_config("qwen3_next"), dtype=torch.float32)
 

@@ -31,8 +31,8 @@ from torch.nn import functional as F
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import prefixkv
-from prefixkv._demo import synthetic_workload
 from prefixkv.attention.kernels import attend
+from prefixkv.tools.demo import synthetic_workload
 
 SYSTEM = (
     "You are the help desk assistant of the Riverside Public Library. Answer in one or two short sentences, "

@@ -12,7 +12,7 @@ from _common import model_for, save, table, target, tokens
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv.memory import format_bytes, kv_bytes_per_token
+from prefixkv.base.memory import format_bytes, kv_bytes_per_token
 
 
 def dynamic_bytes(cache: DynamicCache) -> int:

@@ -175,7 +175,7 @@ def run(
     # the share of generate_many's batches' decode steps (refill=False: each to its longest row's end) that feed a
     # row which has ended: what refilling can save
     store = prefixkv.PrefixStore(model, block_size=16)
-    batches = prefixkv.many.batch_rows([ids.tolist() for _, ids in work], store, batch_size, new)
+    batches = prefixkv.many.batches.batch_rows([ids.tolist() for _, ids in work], store, batch_size, new)
     store.close()
     steps = sum(len(b) * max(said[i] for i in b) for b in batches)
     return {

@@ -20,7 +20,7 @@ from _common import interleaved, model_for, save, table, target, tokens
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv.memory import format_bytes
+from prefixkv.base.memory import format_bytes
 
 QUERY = 32
 BS = 16

@@ -52,7 +52,7 @@ MUTATIONS = [
     ),
     Mutation(
         "many-lone-prefill-without-namespace",
-        "scheduler.py",
+        "many/scheduler.py",
         "self.store.warm([prompt[:shared]], progress=False, namespace=self.namespace)",
         "self.store.warm([prompt[:shared]], progress=False)",
         ("tests/test_many.py::test_refilling_keeps_a_users_prefixes_in_its_namespace",),
@@ -60,7 +60,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tier-identity-without-chunk-size",
-        "files.py",
+        "store/files.py",
         "meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT)",
         "meta = persist.store_meta(settings, specs, model, model_print, BLOCK_FORMAT)",
         ("tests/test_tier.py::test_a_disk_tier_of_another_store_is_not_read",),
@@ -136,7 +136,7 @@ MUTATIONS = [
     ),
     Mutation(
         "scheduler-cached-of-the-last-call",
-        "scheduler.py",
+        "many/scheduler.py",
         "            if row.cached is None:\n                row.cached = cached[j]",
         "            row.cached = cached[j]",
         ("tests/test_many.py::test_refilling_rows_equal_their_own_calls",),
@@ -168,7 +168,7 @@ MUTATIONS = [
     ),
     Mutation(
         "options-offload-dir-alone-no-tier",
-        "options.py",
+        "store/options.py",
         '    if offload_dir is not None:\n        return "disk"',
         "    if offload_dir is not None:\n        return None",
         ("tests/test_tier.py::test_offload_dir_alone_keeps_evicted_blocks_on_disk",),
@@ -200,7 +200,7 @@ MUTATIONS = [
     ),
     Mutation(
         "many-invariant-plan-follows-pins",
-        "batches.py",
+        "many/batches.py",
         "return store.max_blocks // 2 if store.invariant else (store.max_blocks - store.stats.blocks_pinned) // 2",
         "return (store.max_blocks - store.stats.blocks_pinned) // 2",
         ("tests/test_many.py", "tests/test_many_arguments.py"),
@@ -208,7 +208,7 @@ MUTATIONS = [
     ),
     Mutation(
         "many-pad-inside-a-prompt-attended",
-        "many.py",
+        "many/generation.py",
         "return [1] * len(prompt) if inferred is None else inferred[0].long().tolist()",
         "return [1] * len(prompt)",
         ("tests/test_many.py", "tests/test_many_arguments.py"),
@@ -216,7 +216,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ids-floats-truncated",
-        "tokens.py",
+        "base/tokens.py",
         "value = operator.index(t)  # ints of any kind (numpy's too); never a float truncated",
         "value = int(t)",
         ("tests/test_many_arguments.py", "tests/test_score.py", "tests/test_errors.py"),
@@ -344,7 +344,7 @@ MUTATIONS = [
     # -- issue 43, finding 9: generate_many's processors that read the prompt
     Mutation(
         "refill-reads-a-carried-rows-tokens-as-its-prompt",
-        "scheduler.py",
+        "many/scheduler.py",
         "            sources=[r.prompt for r in rows],\n",
         "            sources=prompts,\n",
         ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
@@ -352,7 +352,7 @@ MUTATIONS = [
     ),
     Mutation(
         "encoder-penalty-reads-the-batchs-padding",
-        "many.py",
+        "many/generation.py",
         "s + s[:1] * (width - len(s))",
         "[0] * (width - len(s)) + s",
         ("tests/test_many_arguments.py::test_processors_that_read_the_prompt_read_each_rows_own",),
@@ -360,7 +360,7 @@ MUTATIONS = [
     ),
     Mutation(
         "forced-bos-beside-longer-prompts-accepted",
-        "many.py",
+        "many/generation.py",
         "    refused = prompts_refusal(model, generate_kwargs, rows)\n",
         "    refused = None\n",
         (
@@ -370,7 +370,7 @@ MUTATIONS = [
     ),
     Mutation(
         "refill-carries-a-prompt-ending-in-the-pad-token",
-        "many.py",
+        "many/generation.py",
         "    refusal = refill_refusal(model, generate_kwargs, store) or _carry_refusal(",
         "    refusal = refill_refusal(model, generate_kwargs, store) or None and _carry_refusal(",
         ("tests/test_many_arguments.py::test_a_prompt_ending_in_the_pad_token_is_not_carried_on",),
@@ -379,7 +379,7 @@ MUTATIONS = [
     # -- issue 43, finding 11: the cache= alias of transformers 4.57-5.23
     Mutation(
         "alias-takes-cache-none-for-a-cache",
-        "_compat.py",
+        "compat/releases.py",
         'if kwargs.get("cache") is not None and "cache" not in',
         'if "cache" in kwargs and "cache" not in',
         ("tests/test_compat.py::test_the_cache_alias_renames_only_what_would_fail",),
@@ -438,7 +438,7 @@ MUTATIONS = [
     # -- issue 43: what the layers hand a cache, measured (hf/shapes.py)
     Mutation(
         "shapes-from-the-config",
-        "store.py",
+        "store/prefix_store.py",
         "measured = shapes.measure(self.hf_model, layer_shapes(model.config), devices[0], self.layer_kinds)",
         "measured = layer_shapes(model.config)",
         ("tests/test_family_defects.py::test_a_config_that_misnames_the_heads_is_served_from_the_tensors",),
@@ -514,7 +514,7 @@ MUTATIONS = [
     ),
     Mutation(
         "slots-past-the-blocks-of-a-few-columns",
-        "slots.py",
+        "base/slots.py",
         "if 0 <= c - pad < end else 0",
         "if 0 <= c - pad else 0",
         ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
@@ -522,7 +522,7 @@ MUTATIONS = [
     ),
     Mutation(
         "slots-past-the-blocks-of-many-columns",
-        "slots.py",
+        "base/slots.py",
         "valid = (t >= 0) & (t < held)",
         "valid = t >= 0",
         ("tests/test_slots.py::test_the_slot_table_is_the_naive_one_per_column",),
@@ -530,7 +530,7 @@ MUTATIONS = [
     ),
     Mutation(
         "compat-alias-not-recorded",
-        "_compat.py",
+        "compat/releases.py",
         'install(_generation.GenerationMixin, "generate", _taking_cache(_generation.GenerationMixin.generate))',
         "_generation.GenerationMixin.generate = _taking_cache(_generation.GenerationMixin.generate)",
         ("tests/test_compat.py::test_only_patching_changes_transformers_and_torch_objects",),
@@ -538,7 +538,7 @@ MUTATIONS = [
     ),
     Mutation(
         "compat-range-not-pyprojects",
-        "_compat.py",
+        "compat/releases.py",
         "TRANSFORMERS_RANGE = ((4, 57), (6, 0))",
         "TRANSFORMERS_RANGE = ((4, 57), (7, 0))",
         ("tests/test_compat.py::test_the_ranges_checked_at_import_are_the_ones_pyproject_declares",),
@@ -563,7 +563,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tp-budget-not-agreed",
-        "parallel.py",
+        "store/parallel.py",
         "    return least if bounded else None",
         "    return max_blocks",
         ("tests/test_tensor_parallel.py",),
@@ -571,7 +571,7 @@ MUTATIONS = [
     ),
     Mutation(
         "tp-file-of-another-rank",
-        "files.py",
+        "store/files.py",
         "    _check_ranks(file, path, model)\n",
         "",
         ("tests/test_tensor_parallel.py::test_a_file_of_another_rank_is_refused_with_the_reason",),
@@ -588,7 +588,7 @@ MUTATIONS = [
     ),
     Mutation(
         "layer-spec-from-layer-0",
-        "store.py",
+        "store/prefix_store.py",
         "            layer_spec(s.key, s.value, d, self.dtype)\n",
         "            layer_spec(measured[0].key, measured[0].value, d, self.dtype)\n",
         ("tests/test_family_defects.py::test_layers_of_different_shapes_are_served",),
@@ -666,7 +666,7 @@ MUTATIONS = [
     # -- the snapshots' defects of issue 52 (the first two were bugs; the others, injected bugs no test caught)
     Mutation(
         "snapshots-outlive-evicted-paths",
-        "store.py",
+        "store/prefix_store.py",
         "self.blocks.holdings.trie.watchers.append(self.snapshots.evicted)",
         "self.blocks.holdings.trie.watchers.clear()",
         ("tests/test_recurrent.py::test_snapshots_go_with_their_paths_in_every_namespace_and_weight_version",),
@@ -694,7 +694,7 @@ MUTATIONS = [
     ),
     Mutation(
         "snapshots-pool-sized-from-all-of-max-memory",
-        "store.py",
+        "store/prefix_store.py",
         "kv_memory = max_memory if max_memory is None or spare is None else parse_bytes(max_memory) - spare",
         "kv_memory = max_memory",
         ("tests/test_recurrent.py::test_the_pool_and_the_snapshots_together_stay_within_max_memory",),
@@ -743,7 +743,7 @@ MUTATIONS = [
     ),
     Mutation(
         "images-keys-ignore-the-image",
-        "tokens.py",
+        "base/tokens.py",
         'drawn = hashlib.blake2b(digest + index.to_bytes(8, "little"), digest_size=8).digest()',
         'drawn = hashlib.blake2b(index.to_bytes(8, "little"), digest_size=8).digest()',
         ("tests/test_images.py::test_same_image_reused_another_never",),
@@ -826,7 +826,7 @@ MUTATIONS = [
     # -- images of issue 52: every byte, every side tensor and every encoding keyword keys an image
     Mutation(
         "images-digest-first-4kib",
-        "images.py",
+        "base/images.py",
         'h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")',
         'h.update(t.view(torch.uint8).numpy().tobytes()[:4096] if t.numel() else b"")',
         (
@@ -877,7 +877,7 @@ MUTATIONS = [
     ),
     Mutation(
         "recurrent-pool-sized-from-all-of-max-memory",
-        "store.py",
+        "store/prefix_store.py",
         "kv_memory = max_memory if max_memory is None or spare is None else parse_bytes(max_memory) - spare",
         "kv_memory = max_memory",
         ("tests/test_differential.py::test_a_hybrids_blocks_and_snapshots_stay_within_max_memory",),
@@ -918,7 +918,7 @@ MUTATIONS = [
     ),
     Mutation(
         "census-slow-family-is-a-crash",
-        "census.py",
+        "tools/census.py",
         'result = FamilyResult(model_type, "slow",',
         'result = FamilyResult(model_type, "crash",',
         ("tests/test_census.py::test_a_family_past_its_time_limit_is_slow_not_a_defect",),
@@ -926,7 +926,7 @@ MUTATIONS = [
     ),
     Mutation(
         "estimate-v-at-k-head-size",
-        "memory.py",
+        "base/memory.py",
         'value = int(_read(text, "v_head_dim") or dim)',
         "value = dim",
         (
@@ -937,7 +937,7 @@ MUTATIONS = [
     ),
     Mutation(
         "estimate-without-mimo-sliding-heads",
-        "memory.py",
+        "base/memory.py",
         'sliding = _SLIDING_HEADS.get(getattr(text, "model_type", ""), 1)',
         "sliding = 1",
         ("tests/test_memory.py::test_the_estimate_is_what_the_pool_of_a_mixed_shape_model_holds",),
@@ -945,7 +945,7 @@ MUTATIONS = [
     ),
     Mutation(
         "model-errors-any-error-is-the-models",
-        "family.py",
+        "base/family.py",
         'if below is None or not refuses_float64(e) or _dtype(model) != "float64":',
         "if below is None:",
         ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),
@@ -953,7 +953,7 @@ MUTATIONS = [
     ),
     Mutation(
         "model-errors-without-the-models-frames",
-        "family.py",
+        "base/family.py",
         "if frames.tb_frame.f_code.co_filename in model_files:",
         "if frames is not None:",
         ("tests/test_first_hour.py::test_an_error_of_prefixkvs_own_code_is_not_called_the_models",),

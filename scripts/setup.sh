@@ -2,7 +2,7 @@
 # Creates .venv (if missing) and installs prefixkv with everything the demo, the tests and the docs need, saying what
 # it installs as it goes and how long each step took.
 # torch: the pinned CPU-friendly 2.13.0 unless a torch within the supported range (TORCH_RANGE in
-# src/prefixkv/_compat.py, which pyproject.toml repeats) is already there.
+# src/prefixkv/compat/releases.py, which pyproject.toml repeats) is already there.
 # On a fresh clone it installs about 2.3 GB into .venv (torch alone 750 MB; transformers and the test, docs and
 # notebook extras the rest) and took about 4 minutes in all on a busy 2-core machine; run again, pip only checks
 # what is there.
@@ -20,7 +20,7 @@ import ast
 import pathlib
 import sys
 import torch
-compat = ast.parse(pathlib.Path("src/prefixkv/_compat.py").read_text())
+compat = ast.parse(pathlib.Path("src/prefixkv/compat/releases.py").read_text())
 low, high = next(
     ast.literal_eval(node.value)
     for node in ast.walk(compat)

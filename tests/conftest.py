@@ -34,7 +34,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 
 import prefixkv
-from prefixkv._compat import GENERATE_CACHE_KWARG
+from prefixkv.compat.releases import GENERATE_CACHE_KWARG
 from prefixkv.kv.pool import BlockPool, LayerSpec
 
 FULL = os.environ.get("PREFIXKV_FULL") == "1"

@@ -13,7 +13,7 @@ import torch
 from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens, stock_twin
 
 import prefixkv
-from prefixkv.errors import CacheMisuseError, PersistError
+from prefixkv.base.errors import CacheMisuseError, PersistError
 
 SYSTEM = random_tokens(24, seed=431)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]

@@ -1,5 +1,5 @@
 """The attention backend a store reads the pool through is chosen once, when the store is built
-(``prefixkv.options.choose_attention``, carried by ``store.settings``): for every situation the other tests run
+(``prefixkv.store.options.choose_attention``, carried by ``store.settings``): for every situation the other tests run
 (``"auto"`` on the CPU, ``"gather"``, ``"blocks"``, ``"flex"`` where FlexAttention serves, an invariant store, 8-bit
 blocks, a model on ``eager`` attention), the backend that ``store.attention_backend`` names is the one whose code
 runs on every forward, spied on its read plans and its ``attend``, while the outputs match stock ``generate``

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from prefixkv import kv_bytes_per_token
-from prefixkv.memory import format_bytes
+from prefixkv.base.memory import format_bytes
 from prefixkv.models import tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))

@@ -20,7 +20,7 @@ import prefixkv
 from prefixkv.attention import blocks, gather, interface, kernels, reads, registry
 from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import plan_reads, table_runs
-from prefixkv.slots import slot_view
+from prefixkv.base.slots import slot_view
 
 
 @st.composite

@@ -14,8 +14,8 @@ import torch
 import transformers
 
 import prefixkv
-from prefixkv import census
 from prefixkv.hf import support
+from prefixkv.tools import census
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 MARKERS = ("<!-- census:start -->", "<!-- census:end -->")
@@ -95,7 +95,7 @@ def test_models_without_a_cache_are_refused() -> None:
 
 
 def test_the_command_prints_a_line_per_family(capsys: pytest.CaptureFixture[str]) -> None:
-    from prefixkv import cli
+    from prefixkv.tools import cli
 
     assert cli.main(["families", "llama", "openai-gpt"]) == 0
     out = capsys.readouterr().out

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefixkv import _demo, cli
+from prefixkv.tools import cli, demo
 
 
 def _reusable(prompts: list[torch.Tensor], sequences: list[torch.Tensor]) -> list[int]:
@@ -33,8 +33,8 @@ def _reusable(prompts: list[torch.Tensor], sequences: list[torch.Tensor]) -> lis
 
 
 def test_demo_reuses_the_system_prompt_and_the_earlier_turn_and_matches_stock(llama64: Any) -> None:
-    workload = _demo.synthetic_workload(llama64.config.vocab_size, system_len=40, questions=3, new_tokens=5)
-    result = _demo.run(llama64, workload, block_size=4)
+    workload = demo.synthetic_workload(llama64.config.vocab_size, system_len=40, questions=3, new_tokens=5)
+    result = demo.run(llama64, workload, block_size=4)
     prompts = [turn([c.output.sequences for c in result.ours[:i]]) for i, turn in enumerate(workload.turns)]
     sequences = [c.output.sequences for c in result.ours]
     assert [c.prompt_tokens for c in result.ours] == [p.shape[1] for p in prompts]
@@ -50,23 +50,23 @@ def test_demo_reuses_the_system_prompt_and_the_earlier_turn_and_matches_stock(ll
         assert max((x - y).abs().max().item() for x, y in zip(a.output.logits, b.output.logits)) < 1e-6
         assert a.output.sequences.shape[1] - a.prompt_tokens == 5
 
-    table = _demo.report(llama64, workload, result)
+    table = demo.report(llama64, workload, result)
     assert f"{sum(reused)} of {sum(p.shape[1] for p in prompts)}" in table
     printed = re.search(r"outputs match stock generate +- +yes \(max logit diff ([\d.e+-]+), bound 1e-06\)", table)
     assert printed is not None, table
     assert float(printed.group(1)) <= 1e-6  # float64: the difference is rounding (1e-15), not 1e-4
-    assert printed.group(1) == f"{_demo.max_logit_diff(result):.1e}"
+    assert printed.group(1) == f"{demo.max_logit_diff(result):.1e}"
 
 
 def test_demo_verdict_compares_logits_not_tokens(llama64: Any) -> None:
     """Same tokens but logits off by more than the float64 bound: the demo must say NO."""
-    workload = _demo.synthetic_workload(llama64.config.vocab_size, system_len=12, questions=1, new_tokens=2)
-    result = _demo.run(llama64, workload, block_size=4)
+    workload = demo.synthetic_workload(llama64.config.vocab_size, system_len=12, questions=1, new_tokens=2)
+    result = demo.run(llama64, workload, block_size=4)
     call = result.ours[-1]
     shifted = tuple(x + 1e-3 for x in call.output.logits)  # a shift keeps every argmax: the tokens stay the same
     output = dataclasses.replace(call, output=type(call.output)(**{**call.output, "logits": shifted}))
     bad = dataclasses.replace(result, ours=[*result.ours[:-1], output])
-    table = _demo.report(llama64, workload, bad)
+    table = demo.report(llama64, workload, bad)
     assert re.search(r"outputs match stock generate +- +NO \(max logit diff 1\.0e-03, bound 1e-06\)", table), table
 
 
@@ -94,8 +94,8 @@ def test_demo_small_prints_the_table_and_where_the_time_went(capsys: Any) -> Non
 
 def test_demo_says_when_prefixkv_was_slower_and_why() -> None:
     """A run where prefixkv took longer in all says so, and why, instead of printing "0.8x faster"."""
-    assert _demo._summary(2.0, 1.0, 3.0) == ["warm time to first token 3.0x faster, whole workload 2.0x faster"]
-    (slower,) = _demo._summary(2.0, 2.5, 3.0)
+    assert demo._summary(2.0, 1.0, 3.0) == ["warm time to first token 3.0x faster, whole workload 2.0x faster"]
+    (slower,) = demo._summary(2.0, 2.5, 3.0)
     assert "faster, but the whole workload took 1.25x stock's time" in slower and "decode" in slower
     assert "x faster" not in slower.split("but")[1]
 

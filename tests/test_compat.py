@@ -27,45 +27,45 @@ from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
 import prefixkv
-from prefixkv import _compat, _compat_generate
-from prefixkv._compat import GENERATE_CACHE_KWARG
+from prefixkv.compat import generation, releases
+from prefixkv.compat.releases import GENERATE_CACHE_KWARG
 
 TOL = 1e-6  # float64
 PREFIX = torch.arange(3, 51)  # 48 tokens every prompt starts with
 
 
-RANGE = "transformers>={}.{},<{}".format(*_compat.TRANSFORMERS_RANGE[0], _compat.TRANSFORMERS_RANGE[1][0])
-TORCH_RANGE = "torch>={}.{},<{}".format(*_compat.TORCH_RANGE[0], _compat.TORCH_RANGE[1][0])
-TORCH_FLOOR = "{}.{}.0".format(*_compat.TORCH_RANGE[0])
+RANGE = "transformers>={}.{},<{}".format(*releases.TRANSFORMERS_RANGE[0], releases.TRANSFORMERS_RANGE[1][0])
+TORCH_RANGE = "torch>={}.{},<{}".format(*releases.TORCH_RANGE[0], releases.TORCH_RANGE[1][0])
+TORCH_FLOOR = "{}.{}.0".format(*releases.TORCH_RANGE[0])
 
 
 def _below_the_floor() -> str:
     """A transformers release just older than the oldest supported one (the last minor of the previous major when
     the floor is a major's first release)."""
-    (major, minor), _ = _compat.TRANSFORMERS_RANGE
+    (major, minor), _ = releases.TRANSFORMERS_RANGE
     return f"{major}.{minor - 1}.0" if minor else f"{major - 1}.99.0"
 
 
 def test_unsupported_names_the_range() -> None:
-    assert _compat.unsupported(transformers.__version__, torch.__version__) is None
-    (major, minor), _ = _compat.TRANSFORMERS_RANGE
-    assert _compat.unsupported(f"{major}.{minor}.0", TORCH_FLOOR) is None
-    assert _compat.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
+    assert releases.unsupported(transformers.__version__, torch.__version__) is None
+    (major, minor), _ = releases.TRANSFORMERS_RANGE
+    assert releases.unsupported(f"{major}.{minor}.0", TORCH_FLOOR) is None
+    assert releases.unsupported("5.99.1.dev0", "2.99.0+cpu") is None
     below = _below_the_floor()
-    old = _compat.unsupported(below, "2.13.0")
+    old = releases.unsupported(below, "2.13.0")
     assert old is not None and f"transformers {below} is installed" in old and RANGE in old
     assert "torch 2.13.0" not in old
     for tf, th, named in (("3.36.0", "2.13.0", "transformers 3.36.0"), ("6.0.0", "2.13.0", "transformers 6.0.0")):
-        reason = _compat.unsupported(tf, th)
+        reason = releases.unsupported(tf, th)
         assert reason is not None and named in reason and f"pip install '{RANGE}'" in reason
-    (torch_major, torch_minor), (torch_next, _) = _compat.TORCH_RANGE
+    (torch_major, torch_minor), (torch_next, _) = releases.TORCH_RANGE
     for th in (f"{torch_major}.{torch_minor - 1}.1", f"{torch_next}.0.0"):
-        reason = _compat.unsupported("5.24.0", th)
+        reason = releases.unsupported("5.24.0", th)
         assert reason is not None and f"torch {th} is installed; prefixkv supports {TORCH_RANGE}" in reason
 
 
 def test_the_package_and_ci_declare_the_torch_range() -> None:
-    """pyproject.toml requires the torch range that _compat checks, and CI's old-release job installs its floor."""
+    """pyproject.toml requires the torch range that releases checks, and CI's old-release job installs its floor."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     root = pathlib.Path(__file__).resolve().parent.parent
     assert TORCH_RANGE in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -92,7 +92,7 @@ def declared_ranges(dependencies: list[str]) -> dict[str, tuple[tuple[int, int],
     return {Requirement(d).name: declared_range(d) for d in dependencies if Requirement(d).name in RANGES}
 
 
-RANGES = {"transformers": _compat.TRANSFORMERS_RANGE, "torch": _compat.TORCH_RANGE}
+RANGES = {"transformers": releases.TRANSFORMERS_RANGE, "torch": releases.TORCH_RANGE}
 
 
 def test_the_ranges_checked_at_import_are_the_ones_pyproject_declares() -> None:
@@ -122,8 +122,9 @@ def test_every_installed_patch_is_recorded_and_undone() -> None:
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import PreTrainedModel
 
-    from prefixkv import models, patching
+    from prefixkv import models
     from prefixkv.attention import interface
+    from prefixkv.compat import patching
 
     prefixkv.PrefixStore(models.tiny_model("llama")).close()  # the first store installs generate's wrappers
     patches = patching.installed()
@@ -168,10 +169,10 @@ class _Subclass(_Library):
 
 
 def test_a_patch_on_a_class_is_undone_exactly() -> None:
-    """:func:`prefixkv.patching.install` on a class's own method and on one it inherits: each ``uninstall`` puts
+    """:func:`prefixkv.compat.patching.install` on a class's own method and on one it inherits: each ``uninstall`` puts
     back what the class itself held (the inherited one shows through again); a patch made again over a patch is
     undone last first."""
-    from prefixkv import patching
+    from prefixkv.compat import patching
 
     own = patching.install(_Library, "method", lambda self: "patched")
     inherited = patching.install(_Subclass, "method", lambda self: "sub")
@@ -242,7 +243,7 @@ def library_changes(modules: dict[str, ast.Module]) -> list[str]:
     """``module.function: target`` of each assignment to an attribute of an object imported from transformers or
     torch (or of a name bound to one: ``mixin = _generation.GenerationMixin``), each ``setattr``/``delattr`` on one
     and each call of one's ``register`` (``AttentionInterface.register``), in ``modules`` by name: changes to the
-    libraries' own objects, which only :mod:`prefixkv.patching` makes. The attributes of instances (a model, a
+    libraries' own objects, which only :mod:`prefixkv.compat.patching` makes. The attributes of instances (a model, a
     tensor, a config) are not the libraries' own."""
     found = []
     for name, tree in modules.items():
@@ -274,14 +275,14 @@ def _sources() -> dict[str, ast.Module]:
     }
 
 
-# changes to transformers' classes not yet made through prefixkv.patching.install: _compat_generate.py's wrappers of
-# GenerationMixin and PreTrainedModel (issue 44: that file is being reworked beside this test; each entry goes once
-# its wrapper is installed by patching.install, and this list with the last)
-NOT_YET_RECORDED: list[str] = []  # every change goes through prefixkv.patching
+# changes to transformers' classes not yet made through prefixkv.compat.patching.install: compat/generation.py's
+# wrappers of GenerationMixin and PreTrainedModel (issue 44: that file is being reworked beside this test; each
+# entry goes once its wrapper is installed by patching.install, and this list with the last)
+NOT_YET_RECORDED: list[str] = []  # every change goes through prefixkv.compat.patching
 
 
 def test_only_patching_changes_transformers_and_torch_objects() -> None:
-    """Every change prefixkv makes to an object of transformers or torch goes through prefixkv.patching (recorded
+    """Every change prefixkv makes to an object of transformers or torch goes through prefixkv.compat.patching (recorded
     and undoable, tested above): no other module assigns to one of their attributes."""
     found = library_changes({m: tree for m, tree in _sources().items() if m != "patching"})
     assert found == NOT_YET_RECORDED
@@ -319,7 +320,7 @@ def _generate_takes_cache_keyword() -> bool:
 
 def test_the_preferred_keyword_is_the_installed_one() -> None:
     want = "cache" if _generate_takes_cache_keyword() else "past_key_values"
-    assert want == _compat.GENERATE_CACHE_KWARG
+    assert want == releases.GENERATE_CACHE_KWARG
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "masked"])
@@ -328,11 +329,11 @@ def test_the_cpu_kernel_reads_grouped_heads_exactly(monkeypatch: Any, kernel_gro
     """The blocks reader's CPU kernel over K/V heads that groups of query heads share, on strided views as the
     pool hands out, is attention over the repeated heads in float64: through the kernel itself where the probe
     found that it reads grouped heads, and through the repetition that older kernels get (on every torch)."""
-    if kernel_groups and not _compat._READS_GROUPED_HEADS:
+    if kernel_groups and not releases._READS_GROUPED_HEADS:
         pytest.skip(
             f"the CPU kernel of torch {torch.__version__} does not read grouped heads; the repetition serves it"
         )
-    monkeypatch.setattr(_compat, "_READS_GROUPED_HEADS", kernel_groups)
+    monkeypatch.setattr(releases, "_READS_GROUPED_HEADS", kernel_groups)
     g = torch.Generator().manual_seed(0)
     q, n = (7, 7) if causal else (3, 11)
     query = torch.randn(2, 6, q, 8, generator=g, dtype=torch.float64)
@@ -340,7 +341,7 @@ def test_the_cpu_kernel_reads_grouped_heads_exactly(monkeypatch: Any, kernel_gro
     hidden = torch.rand(2, 1, q, n, generator=g) > 0.6
     hidden[..., 0] = False  # every query sees a column
     mask = None if causal else torch.zeros(hidden.shape, dtype=torch.float64).masked_fill_(hidden, -math.inf)
-    out, lse = _compat.cpu_flash_attention(query, key, value, mask, 0.3, causal=causal)
+    out, lse = releases.cpu_flash_attention(query, key, value, mask, 0.3, causal=causal)
     scores = query @ key.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.3
     scores = scores.masked_fill(torch.ones(q, n, dtype=torch.bool).triu(1), -math.inf) if causal else scores + mask
     want = scores.softmax(-1) @ value.repeat_interleave(3, dim=1)
@@ -465,7 +466,7 @@ def test_the_cache_alias_renames_only_what_would_fail() -> None:
     ``cache`` argument and ``cache=None`` (which stock ``generate`` ignores, beside a ``past_key_values=`` too)
     alone, and refuses a cache given both ways."""
     seen: list[dict[str, Any]] = []
-    generate = _compat._taking_cache(lambda self, *args, **kwargs: seen.append(kwargs))
+    generate = releases._taking_cache(lambda self, *args, **kwargs: seen.append(kwargs))
     generate(_PlainModel(), "ids", cache="c", max_new_tokens=1)
     generate(_OwnCacheModel(), "ids", cache="c")
     generate(_PlainModel(), "ids", past_key_values="p")
@@ -589,7 +590,7 @@ def test_close_restores_the_attention_implementation(models: tuple[Any, Any]) ->
     assert model.config._attn_implementation == "prefixkv"
     ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
     with prefixkv.PagedPrefixCache(store, ids) as cache:
-        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
     store.close()
     assert model.config._attn_implementation == ref.config._attn_implementation == "sdpa"
 
@@ -610,7 +611,7 @@ def _first_step_kwargs(model: Any, ids: torch.Tensor, cache: Any) -> dict[str, A
     model.prepare_inputs_for_generation = record
     try:
         with pytest.raises(_FirstStep):
-            model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=1, pad_token_id=0)
+            model.generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, max_new_tokens=1, pad_token_id=0)
     finally:
         if before is None:
             del model.prepare_inputs_for_generation
@@ -637,13 +638,13 @@ def test_the_first_step_feeds_the_columns_the_cache_chose() -> None:
     ids, held = torch.arange(3, 23)[None], 12
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids[:, :held], **{_compat.GENERATE_CACHE_KWARG: cache})
+        model(ids[:, :held], **{releases.GENERATE_CACHE_KWARG: cache})
     kwargs = _first_step_kwargs(model, ids, cache)
     width = ids.shape[1]
-    assert _compat_generate.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
+    assert generation.generate_step(dict(kwargs), cache, ids).columns == width - held  # what the cache lacks
     for fed in (1, width - held, width - held + 5, width):  # the cache keeps fewer columns, or more
         step = dict(kwargs)
-        _compat_generate.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
+        generation.ask_columns(step, _Holding(width - fed), ids, fed, first=True)
         inputs = type(model).prepare_inputs_for_generation(model, ids, **step)
         assert torch.equal(inputs["input_ids"], ids[:, -fed:]), fed
         for name in ("cache_position", "position_ids"):  # where the release passes them to the model
@@ -660,7 +661,7 @@ def test_a_calls_first_step_is_known() -> None:
         ids = torch.arange(3, 23)[None]
         with prefixkv.PagedPrefixCache(store, ids) as cache:
             kwargs = _first_step_kwargs(model, ids, cache)
-            assert _compat_generate.generate_step(kwargs, cache, ids).first is True
+            assert generation.generate_step(kwargs, cache, ids).first is True
     finally:
         store.close()
 
@@ -672,7 +673,7 @@ def test_mask_sizes_answer_the_installed_masks(models: tuple[Any, Any], store: p
     takes_positions = "cache_position" in inspect.signature(CacheLayerMixin.get_mask_sizes).parameters
     ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
     with prefixkv.PagedPrefixCache(store, ids) as cache:
-        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        models[0].generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
         held, q = cache.get_seq_length(), 3
         step = torch.arange(held, held + q) if takes_positions else q
         assert cache.get_mask_sizes(step, 0) == (held + q, 0)
@@ -687,7 +688,7 @@ def test_assisted_decoding_crops_and_matches(models: tuple[Any, Any], store: pre
         want = _run(ref, ids, None, do_sample=False, prompt_lookup_num_tokens=3)
         with prefixkv.PagedPrefixCache(store, ids) as cache:
             got = _run(
-                model, ids, None, do_sample=False, prompt_lookup_num_tokens=3, **{_compat.GENERATE_CACHE_KWARG: cache}
+                model, ids, None, do_sample=False, prompt_lookup_num_tokens=3, **{releases.GENERATE_CACHE_KWARG: cache}
             )
         assert torch.equal(got.sequences, want.sequences)
         assert _max_diff(got, want) < TOL
@@ -715,7 +716,7 @@ def test_score_and_persistence_match_stock(models: tuple[Any, Any], tmp_path: An
         ids = torch.cat([PREFIX, torch.arange(100, 106)])[None]
         want_out = _run(ref, ids, None, do_sample=False)
         with prefixkv.PagedPrefixCache(loaded, ids) as cache:
-            got_out = _run(model, ids, None, do_sample=False, **{_compat.GENERATE_CACHE_KWARG: cache})
+            got_out = _run(model, ids, None, do_sample=False, **{releases.GENERATE_CACHE_KWARG: cache})
         assert cache.stats.cached_tokens >= 40
         assert _max_diff(got_out, want_out) < TOL
     finally:
@@ -728,16 +729,16 @@ def test_score_and_persistence_match_stock(models: tuple[Any, Any], tmp_path: An
 def test_a_store_passed_as_the_cache_says_what_to_pass(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
     ids = torch.cat([PREFIX, torch.arange(100, 104)])[None]
     with pytest.raises(prefixkv.CacheMisuseError, match=r"a PrefixStore was passed where generate takes a cache"):
-        models[0].generate(ids, **{_compat.GENERATE_CACHE_KWARG: store}, max_new_tokens=2, do_sample=False)
+        models[0].generate(ids, **{releases.GENERATE_CACHE_KWARG: store}, max_new_tokens=2, do_sample=False)
 
 
 def test_reusing_a_closed_cache_says_closed(models: tuple[Any, Any], store: prefixkv.PrefixStore) -> None:
     model = models[0]
     ids = torch.cat([PREFIX, torch.arange(100, 110)])[None]
     with prefixkv.PagedPrefixCache(store, ids) as cache:
-        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
     with pytest.raises(prefixkv.CacheMisuseError, match=r"this PagedPrefixCache is closed"):
-        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
+        model.generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, max_new_tokens=2, do_sample=False)
 
 
 def test_loading_into_another_family_names_both(models: tuple[Any, Any], tmp_path: Any) -> None:
@@ -794,7 +795,7 @@ def test_names_imported_from_the_package_work(imports: str) -> None:
     code = (
         "import torch\n"
         f"{imports}\n"
-        "from prefixkv._compat import GENERATE_CACHE_KWARG\n"
+        "from prefixkv.compat.releases import GENERATE_CACHE_KWARG\n"
         "model = models.tiny_model('llama')\n"
         "store = PrefixStore(model, block_size=8)\n"
         "ids = torch.arange(1, 30)[None]\n"
@@ -808,7 +809,7 @@ def test_names_imported_from_the_package_work(imports: str) -> None:
     assert run.stdout.split() == ["24"], run.stdout
 
 
-@pytest.mark.skipif(_compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 5 feeds a warm forward its images")
+@pytest.mark.skipif(releases.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 5 feeds a warm forward its images")
 def test_a_call_with_images_reuses_nothing_on_transformers_4() -> None:
     """transformers 4.x's vision-language models drop the images from a forward whose cache_position does not start
     at 0: a call with images that reused the text before its image would embed the image's placeholders as text (a

@@ -54,8 +54,9 @@ from hypothesis.stateful import (
 )
 
 import prefixkv
-from prefixkv import _compat, census
-from prefixkv.errors import CapacityError, UnsupportedModelError
+from prefixkv.base.errors import CapacityError, UnsupportedModelError
+from prefixkv.compat import releases
+from prefixkv.tools import census
 
 TOL = 1e-6
 PROFILE = os.environ.get("PREFIXKV_DIFF_PROFILE", "short")
@@ -70,9 +71,9 @@ FAMILIES = {
     "gemma3n_text": "kv-shared",
     "lfm2": "hybrid",
     "qwen3_next": "hybrid",
-    **({"llava": "images", "qwen2_vl": "images", "gemma3": "images"} if _compat.WARM_FORWARDS_TAKE_IMAGES else {}),
+    **({"llava": "images", "qwen2_vl": "images", "gemma3": "images"} if releases.WARM_FORWARDS_TAKE_IMAGES else {}),
 }
-if _compat.LINEAR_ATTENTION_LAYER is None:  # transformers 4.x refuses recurrent layers (tests/test_recurrent.py)
+if releases.LINEAR_ATTENTION_LAYER is None:  # transformers 4.x refuses recurrent layers (tests/test_recurrent.py)
     FAMILIES = {f: k for f, k in FAMILIES.items() if k != "hybrid"}
 NAMESPACES = (None, "alice", "bob")
 IMAGE = 250  # the tiny vision families' placeholder (prefixkv.models); text tokens stay below 240
@@ -542,7 +543,8 @@ def test_differential(family: str) -> None:
 
 
 needs_recurrent = pytest.mark.skipif(
-    _compat.LINEAR_ATTENTION_LAYER is None, reason="transformers 4.x refuses recurrent layers (tests/test_recurrent.py)"
+    releases.LINEAR_ATTENTION_LAYER is None,
+    reason="transformers 4.x refuses recurrent layers (tests/test_recurrent.py)",
 )
 
 
@@ -576,7 +578,9 @@ def test_each_row_of_a_batch_resumes_from_its_own_state() -> None:
         assert turn.cached_tokens <= len(row) - 1, turn
 
 
-@pytest.mark.skipif(not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing")
+@pytest.mark.skipif(
+    not releases.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
+)
 def test_an_image_that_differs_past_its_first_4_kib_is_another_image() -> None:
     """Two LLaVA images that differ in one value of their third colour channel (past the first 4 KiB of their 6 KiB of
     pixels) are two images: the second reuses the text before it, never the first one's K/V."""
@@ -640,7 +644,7 @@ def test_the_estimate_sizes_v_at_its_own_head_size() -> None:
 
 
 needs_warm_images = pytest.mark.skipif(
-    not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
+    not releases.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
 )
 
 

@@ -14,7 +14,7 @@ from conftest import compare, left_pad, random_tokens
 
 import prefixkv
 from prefixkv import display
-from prefixkv.cli import main as cli_main
+from prefixkv.tools.cli import main as cli_main
 
 TOL = 1e-6
 

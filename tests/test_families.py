@@ -19,8 +19,8 @@ from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
-from prefixkv import _compat
 from prefixkv.attention import blocks, interface
+from prefixkv.compat import releases
 
 FAMILIES = [
     "llama",
@@ -192,7 +192,7 @@ def test_attention_path_is_the_documented_one(family: str, model: Any, monkeypat
     store.close()
     assert model.config._attn_implementation == before
     assert observed == documented, f"{family} takes the {observed} path, docs say {documented}"
-    layers = prefixkv.memory.attention_shape(model.config).num_layers
+    layers = prefixkv.base.memory.attention_shape(model.config).num_layers
     assert len(calls) == (2 * layers if observed == "prefixkv" else 0)
     # the first forward of a model checks that every layer reaches this attention; the decode step reads the blocks
     expected = range(layers, 2 * layers + 1) if observed == "prefixkv" else range(1)
@@ -314,7 +314,7 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     # of its own
     **(
         {}
-        if _compat.LINEAR_ATTENTION_LAYER is not None
+        if releases.LINEAR_ATTENTION_LAYER is not None
         else {"kimi_linear": ({}, transformers.AutoModelForCausalLM, _STATE)}
     ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),

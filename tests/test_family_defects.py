@@ -19,9 +19,9 @@ import transformers
 from conftest import cache_kw, compare, left_pad, random_tokens, stock_twin
 
 import prefixkv
-from prefixkv import census
 from prefixkv.attention import interface
 from prefixkv.hf import shapes
+from prefixkv.tools import census
 
 TOL = 1e-6
 SHARED = 45

@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv import _compat
 from prefixkv.attention import blocks, flex, flex_kernel
 from prefixkv.attention.blocks import BlocksForward
 from prefixkv.attention.planner import Read
-from prefixkv.slots import slot_view
+from prefixkv.base.slots import slot_view
+from prefixkv.compat import releases
 
 KV_HEADS, DIM, BS, NUM_BLOCKS = 2, 16, 16, 64  # the shapes of gpu_check --cpu-smoke: one compile serves both
 
@@ -261,10 +261,10 @@ def test_can_serve_gives_the_reason_it_cannot() -> None:
 
 
 def test_a_torch_without_the_log_sum_exp_request_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What torch release has FlexAttention's ``AuxRequest`` is ``_compat``'s to know; the backend asks it."""
-    monkeypatch.setattr(_compat, "flex_aux_request", lambda: None)
+    """What torch release has FlexAttention's ``AuxRequest`` is ``releases``'s to know; the backend asks it."""
+    monkeypatch.setattr(releases, "flex_aux_request", lambda: None)
     ok, reason = flex.can_serve("cpu", torch.float32, 16)
-    assert not ok and reason == _compat.flex_refusal() and f"torch {torch.__version__}" in reason
+    assert not ok and reason == releases.flex_refusal() and f"torch {torch.__version__}" in reason
 
 
 def test_a_compile_failure_raises_and_is_then_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,11 +19,11 @@ from conftest import max_logit_diff, stock_twin
 from test_images import RECURRENT, run
 
 import prefixkv
-from prefixkv import _compat
+from prefixkv.compat import releases
 from prefixkv.models import _TEXT, build, tiny_config, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(
-    not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
+    not releases.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
 )
 image_module = pytest.importorskip("PIL.Image")
 
@@ -261,7 +261,7 @@ def test_image_sizes_key_the_image(family: str) -> None:
     assert (twin[0] - twin[1]).abs().max() > 1e-3
     with (
         prefixkv.PagedPrefixCache(store, **one) as cache,
-        pytest.raises(prefixkv.errors.CacheMisuseError, match="other image_sizes"),
+        pytest.raises(prefixkv.base.errors.CacheMisuseError, match="other image_sizes"),
     ):
         model.generate(**other, cache=cache, max_new_tokens=2, do_sample=False)
     stats, diff = run(model, store, {"input_ids": one["input_ids"][:, :before]})  # a later ordinary request

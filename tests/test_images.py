@@ -12,14 +12,14 @@ import transformers
 from conftest import cache_kw, max_logit_diff, stock_twin
 
 import prefixkv
-from prefixkv import _compat
-from prefixkv.errors import CacheMisuseError
+from prefixkv.base.errors import CacheMisuseError
+from prefixkv.compat import releases
 from prefixkv.hf import vision
 
 # transformers 4.x feeds no images to a forward that starts past position 0, so there a call with images reuses
 # nothing (tests/test_compat.py::test_a_call_with_images_reuses_nothing_on_transformers_4)
 pytestmark = pytest.mark.skipif(
-    not _compat.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
+    not releases.WARM_FORWARDS_TAKE_IMAGES, reason="transformers 4.x: a call with images reuses nothing"
 )
 
 IMAGE = 250

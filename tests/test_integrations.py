@@ -17,7 +17,7 @@ from conftest import max_logit_diff, stock_twin
 from transformers import GenerationConfig
 
 import prefixkv
-from prefixkv.errors import CapacityError
+from prefixkv.base.errors import CapacityError
 from prefixkv.integrations import trl as prefixkv_trl
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))

@@ -1,7 +1,7 @@
 """Latent attention and mixed shapes (docs/architectures.md, "Latent attention and mixed shapes") against stock
 ``generate`` with ``DynamicCache``.
 
-Per family, on a tiny float64 model from the census's config (:func:`prefixkv.census.tiny_config`): a cold call, a
+Per family, on a tiny float64 model from the census's config (:func:`prefixkv.tools.census.tiny_config`): a cold call, a
 warm call reusing 45 cached tokens, beam search and a left-padded batch, each within 1e-6 in the logits. The
 families: multi-head latent attention (DeepSeek V2/V3 and the models built on them: ``update`` gets a latent and a
 rotary key of other sizes, one head each), MiMo (V heads narrower than K's), Gemma 4 (full-attention layers wider
@@ -21,9 +21,9 @@ from conftest import cache_kw, compare, left_pad, max_logit_diff, random_tokens,
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv import census
 from prefixkv.attention import static
-from prefixkv.errors import PersistError
+from prefixkv.base.errors import PersistError
+from prefixkv.tools import census
 
 LATENT = ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu"]
 MIXED = ["mimo_v2_flash", "gemma4_text", "gemma4_unified_text", "gemma3n_text"]

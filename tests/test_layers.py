@@ -163,7 +163,9 @@ def graph() -> dict[str, set[str]]:
 
 def test_the_import_graph_has_no_cycle() -> None:
     found = graph()
-    assert found["hf.forward"] >= {"hf.parts", "attention.reader"} and found["store"] >= {"hf.runner"}, "misses imports"
+    assert found["hf.forward"] >= {"hf.parts", "attention.reader"} and found["store.prefix_store"] >= {"hf.runner"}, (
+        "misses imports"
+    )
     assert find_cycle(found) is None, f"import cycle: {' -> '.join(find_cycle(found) or [])}"
 
 
@@ -171,20 +173,20 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
     assert private_uses(sources()) == []
 
 
-# The house, bottom up (docs/how-it-works.md, "The house"): the records, views and version shims every layer uses;
-# the block layer (`kv/`); the attention layer (`attention/`); the transformers glue (`hf/`); the user-facing modules
-# on top. A module imports modules of its own layer and of those below it, never one above.
-BASE = {
-    *("errors", "settings", "tokens", "images", "slots", "family", "memory", "stats", "display_text", "display"),
-    *("patching", "_compat", "_compat_generate"),
-}
-LAYERS = ["base", "kv", "attention", "hf", "top"]
-# within a layer, each module imports only those listed before it: the order a reader can read them in
+# The house, bottom up (docs/how-it-works.md, "The house"): each floor is a folder. The ground facts every floor
+# reads (`base/`); the release shims (`compat/`); the block layer (`kv/`); the attention layer (`attention/`); the
+# transformers glue (`hf/`); the store and its composition (`store/`); generate_many and its parts (`many/`); the
+# user-facing modules on top, beside the integrations and the tools (`integrations/`, `tools/`, the top floor's
+# folders). A module imports modules of its own floor and of those below it, never one above.
+LAYERS = ["base", "compat", "kv", "attention", "hf", "store", "many", "top"]
+TOP_FOLDERS = ("integrations", "tools")
+# within a floor, each module imports only those listed before it: the order a reader can read them in
 WITHIN = {
     "base": [
-        *("errors", "settings", "tokens", "images", "slots", "family", "memory", "stats", "display_text", "display"),
-        *("patching", "_compat", "_compat_generate"),
+        *("base.errors", "base.settings", "base.tokens", "base.images", "base.slots", "base.family", "base.memory"),
+        *("base.stats", "base.display_text", "base.display"),
     ],
+    "compat": ["compat.patching", "compat.releases", "compat.generation"],
     "kv": [
         *("kv.allocator", "kv.nodes", "kv.eviction", "kv.trie", "kv.quantization", "kv.pool", "kv.ranks"),
         "kv.fingerprint",
@@ -201,31 +203,31 @@ WITHIN = {
         "hf.call",
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
+    "store": ["store.options", "store.parallel", "store.files", "store.prefix_store", "store"],
+    "many": ["many.arguments", "many.batches", "many.scheduler", "many.generation", "many"],
     "top": [
-        "options",
-        "parallel",
-        "files",
-        "store",
-        "enabling",
-        "scheduler",
-        "batches",
-        "arguments",
-        "many",
-        "score",
-        "integrations.lm_eval",
-        "integrations.trl",
-        "lm_eval",
-        "census",
-        "_api",
+        *("models", "display", "enabling", "score", "integrations.lm_eval", "integrations.trl", "lm_eval"),
+        *("tools.census", "tools.demo", "tools.cli", "_api"),
     ],
 }
+# the user-facing modules left at the top of the package (issue 53: at most about 8), beside __init__, __main__
+# and _api (the public names, loaded at once)
+TOP_MODULES = {"display", "enabling", "lm_eval", "models", "score"}
 
 
 def layer(module: str) -> str:
-    top_package = module.split(".")[0]
-    if top_package in ("kv", "attention", "hf"):
-        return top_package
-    return "base" if module in BASE else "top"
+    """A module's floor, read from its folder: the top floor for the package's own files and its top folders."""
+    folder = module.split(".")[0]
+    if "." not in module and module not in LAYERS:
+        return "top"
+    return "top" if folder in TOP_FOLDERS else folder
+
+
+def test_the_top_level_holds_only_the_user_facing_modules() -> None:
+    flat = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__", "_api"}
+    assert flat == TOP_MODULES
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == (set(LAYERS) - {"top"}) | set(TOP_FOLDERS)
 
 
 def upward_imports(found: dict[str, set[str]]) -> dict[str, list[str]]:
@@ -267,14 +269,17 @@ def test_the_layer_checks_can_fail() -> None:
     assert inside["kv"] == {"kv.trie"}
 
 
-# the store on top: the block manager, the key space and the runner below it, its settings (`settings.StoreSettings`,
-# on the ground floor) from its options and its files beside it; the hooks and caches know it only as
-# `hf.parts.StoreParts`
+# the store over the glue: the block manager, the key space and the runner below it, its settings
+# (`base.settings.StoreSettings`, on the ground floor) from its options and its files beside it; the hooks and
+# caches know it only as `hf.parts.StoreParts`; generate_many's parts above it, the user-facing modules on top
 def test_the_store_composes_the_layers_below_it() -> None:
     found = graph()
-    assert found["store"] >= {"kv.manager", "kv.key_space", "hf.runner", "hf.hooks", "options", "files"}
-    assert "settings" in found["options"] & found["files"] & found["hf.parts"]
-    assert not {m for m in found if layer(m) != "top" and found[m] & {"store", "enabling", "many", "score"}}
+    store = found["store.prefix_store"]
+    assert store >= {"kv.manager", "kv.key_space", "hf.runner", "hf.hooks", "store.options", "store.files"}
+    assert "base.settings" in found["store.options"] & found["store.files"] & found["hf.parts"]
+    below_store = {m for m in found if LAYERS.index(layer(m)) < LAYERS.index("store")}
+    assert not {m for m in below_store if found[m] & {"store", "store.prefix_store", "enabling", "many", "score"}}
+    assert not {m for m in found if layer(m) != "top" and found[m] & {"enabling", "score", "models", "display"}}
 
 
 # what a user calls on a PrefixStore (methods and properties; docs/api.md)
@@ -314,7 +319,7 @@ def classes(tree: ast.Module) -> dict[str, tuple[int, list[ast.FunctionDef | ast
 
 
 def test_the_public_methods_of_prefixstore_are_what_a_user_calls() -> None:
-    _, methods = classes(sources()["store"])["PrefixStore"]
+    _, methods = classes(sources()["store.prefix_store"])["PrefixStore"]
     public = {f.name for f in methods if not f.name.startswith("_")}
     assert public == USER_FACING
 
@@ -406,7 +411,7 @@ def test_the_class_size_check_can_fail() -> None:
 
 
 # what a user calls on a PagedPrefixCache (docs/api.md); the rest of its public methods are transformers' Cache
-# interface (``get_max_length``: the name prefixkv._compat.adapt_cache gives the interface's max-shape method)
+# interface (``get_max_length``: the name prefixkv.compat.releases.adapt_cache gives the interface's max-shape method)
 CACHE_USER_FACING = {"stats", "close", "closed", "block_tables"}
 
 
@@ -434,7 +439,7 @@ def decode_step_modules() -> tuple[set[str], set[str]]:
 
     import prefixkv
     from prefixkv import models
-    from prefixkv._compat import GENERATE_CACHE_KWARG
+    from prefixkv.compat.releases import GENERATE_CACHE_KWARG
 
     model = models.tiny_model("llama", dtype=torch.float64)
     attention = inspect.unwrap(type(model.model.layers[0].self_attn).forward).__code__

@@ -12,7 +12,7 @@ from conftest import random_tokens, stock_twin
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv.batches import batch_rows, row_order
+from prefixkv.many.batches import batch_rows, row_order
 
 
 def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
@@ -249,14 +249,14 @@ def test_a_soft_pin_outlasts_lower_priorities_but_never_blocks_the_store(llama64
 def _spy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[list[int]], list[int]]]:
     """Record every ``generate`` call of generate_many: its prompts and each row's cached prompt tokens."""
     calls: list[tuple[list[list[int]], list[int]]] = []
-    original = prefixkv.many._Run.call
+    original = prefixkv.many.generation._Run.call
 
     def call(self: Any, prompts: list[list[int]], **more: Any) -> Any:
         out = original(self, prompts, **more)
         calls.append(([list(p) for p in prompts], out[2]))
         return out
 
-    monkeypatch.setattr(prefixkv.many._Run, "call", call)
+    monkeypatch.setattr(prefixkv.many.generation._Run, "call", call)
     return calls
 
 
@@ -410,7 +410,7 @@ def test_refill_is_refused_where_a_row_cannot_go_on_in_a_later_call(
     """Beam search and processors that count from the start of a call (min_new_tokens, ...) cannot carry a row
     on: refill=True says why, and the default runs such calls in whole batches (each row still as alone)."""
     prompts = workload(1, 3)
-    refusal = prefixkv.arguments.refill_refusal
+    refusal = prefixkv.many.arguments.refill_refusal
     assert refusal(llama64, dict(do_sample=True, repetition_penalty=1.2, guidance_scale=1, eos_token_id=0)) is None
     for key, value in (("forced_eos_token_id", 0), ("forced_bos_token_id", 1), ("guidance_scale", 1.5)):
         assert refusal(llama64, {key: value}) == f"{key}={value!r}: it counts from the start of one call"
@@ -464,7 +464,7 @@ def test_refilling_makes_the_same_calls_on_the_same_rows_in_the_same_order(
     answers = [stock(llama64, p, max_new_tokens=14, do_sample=False).sequences[0, len(p) :].tolist() for p in prompts]
     eos = sorted({answers[0][1], answers[3][6], answers[6][11]})
     events: list[tuple[Any, ...]] = []
-    original = prefixkv.many._Run.call
+    original = prefixkv.many.generation._Run.call
 
     def call(self: Any, prompts_: list[list[int]], **more: Any) -> Any:
         out = original(self, prompts_, **more)
@@ -473,7 +473,7 @@ def test_refilling_makes_the_same_calls_on_the_same_rows_in_the_same_order(
         events.append(("call", rows, out[2], more.get("max_new_tokens"), enough))
         return out
 
-    monkeypatch.setattr(prefixkv.many._Run, "call", call)
+    monkeypatch.setattr(prefixkv.many.generation._Run, "call", call)
     store = prefixkv.PrefixStore(llama64, block_size=4, **(dict(invariant=True, chunk_size=8) if invariant else {}))
     warm = store.warm
     monkeypatch.setattr(store, "warm", lambda ps, **kw: events.extend(("warm", len(p)) for p in ps) or warm(ps, **kw))

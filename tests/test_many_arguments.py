@@ -34,7 +34,7 @@ from conftest import random_tokens, stock_twin
 from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
-from prefixkv.batches import batch_rows
+from prefixkv.many.batches import batch_rows
 
 
 def stock(model: Any, prompt: list[int], **kw: Any) -> Any:
@@ -77,7 +77,7 @@ def test_a_generation_config_is_read_as_generate_reads_it(llama64: Any) -> None:
     beams = GenerationConfig(max_new_tokens=5, num_beams=2, do_sample=False, eos_token_id=eos)
     with pytest.raises(ValueError, match="cannot refill a batch with num_beams=2"):
         prefixkv.generate_many(llama64, prompts, generation_config=beams, refill=True, progress=False)
-    assert prefixkv.arguments.refill_refusal(llama64, dict(generation_config=beams)) is not None
+    assert prefixkv.many.arguments.refill_refusal(llama64, dict(generation_config=beams)) is not None
     searched = prefixkv.generate_many(llama64, prompts, generation_config=beams, batch_size=3, progress=False)
     for g in searched:
         ref = stock(llama64, g.prompt, generation_config=beams)
@@ -149,9 +149,11 @@ def test_processors_that_read_the_prompt_read_each_rows_own(
     eos = max(ends, key=lambda t: (max(ends[t]) == 12, sum(n <= 3 for n in ends[t])))  # rows end far apart
     kw: dict[str, Any] = dict(base, eos_token_id=eos)
     calls: list[list[list[int]]] = []
-    call = prefixkv.many._Run.call
+    call = prefixkv.many.generation._Run.call
     monkeypatch.setattr(
-        prefixkv.many._Run, "call", lambda self, prompts, **more: calls.append(prompts) or call(self, prompts, **more)
+        prefixkv.many.generation._Run,
+        "call",
+        lambda self, prompts, **more: calls.append(prompts) or call(self, prompts, **more),
     )
     store = prefixkv.PrefixStore(llama64, block_size=4)
     for refill in (False, True):

@@ -13,7 +13,8 @@ from conftest import FeedCounter, assert_no_leak, compare, left_pad, random_toke
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 import prefixkv
-from prefixkv import CapacityError, census, estimate, kv_bytes_per_token
+from prefixkv import CapacityError, estimate, kv_bytes_per_token
+from prefixkv.tools import census
 
 TOL = 1e-6
 

@@ -20,7 +20,7 @@ from transformers import DynamicCache, GenerationConfig
 
 import prefixkv
 from prefixkv import CacheMisuseError, PersistError
-from prefixkv._compat import GENERATE_CACHE_KWARG
+from prefixkv.compat.releases import GENERATE_CACHE_KWARG
 
 TOL = 1e-6
 SYSTEM = random_tokens(40, seed=900)
@@ -822,8 +822,8 @@ def test_float32_padded_check_still_refuses_a_model_that_counts_pads(family: str
     positions in columns (TrOCR: 5.5e-3 off, 4.6e4 times its rounding) or attends its cached pad columns (GIT)."""
     from transformers import AutoModelForCausalLM
 
-    from prefixkv import census
     from prefixkv.hf import shapes
+    from prefixkv.tools import census
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(census.tiny_config(family), dtype=torch.float32).eval()

@@ -17,9 +17,9 @@ from conftest import compare, random_tokens
 from transformers import DynamicCache
 
 import prefixkv
-from prefixkv import census
 from prefixkv.hf import support
 from prefixkv.hf.layers import PagedLayer
+from prefixkv.tools import census
 
 TOL = 1e-6
 SHARED = 45

@@ -13,11 +13,11 @@ import torch
 from conftest import compare, left_pad, random_tokens, stock_twin
 
 import prefixkv
-from prefixkv import census
-from prefixkv.errors import CacheMisuseError, UnsupportedModelError
+from prefixkv.base.errors import CacheMisuseError, UnsupportedModelError
+from prefixkv.tools import census
 
 pytestmark = pytest.mark.skipif(
-    prefixkv._compat.LINEAR_ATTENTION_LAYER is None,
+    prefixkv.compat.releases.LINEAR_ATTENTION_LAYER is None,
     reason="transformers before 5 keeps recurrent state in caches of each model's own: refused (test_families)",
 )
 

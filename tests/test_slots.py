@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixkv import tokens
+from prefixkv.base import tokens
+from prefixkv.base.slots import slot_table, slot_view
 from prefixkv.kv.pool import BlockPool, LayerSpec
-from prefixkv.slots import slot_table, slot_view
 
 
 def naive_slot(pad: int, table: list[int], column: int, block_size: int) -> int:

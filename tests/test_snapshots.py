@@ -13,12 +13,12 @@ import torch
 from conftest import compare, random_tokens
 
 import prefixkv
-from prefixkv import census
+from prefixkv.base.tokens import common_length
 from prefixkv.hf.states import MIN_STEP
-from prefixkv.tokens import common_length
+from prefixkv.tools import census
 
 pytestmark = pytest.mark.skipif(
-    prefixkv._compat.LINEAR_ATTENTION_LAYER is None,
+    prefixkv.compat.releases.LINEAR_ATTENTION_LAYER is None,
     reason="transformers before 5 keeps recurrent state in caches of each model's own: refused (test_families)",
 )
 

@@ -1,7 +1,7 @@
 """One process of tests/test_tensor_parallel.py, run by ``torchrun --nproc-per-node 2`` (gloo, CPU): a tiny float64
 Llama (4 heads, 2 K/V heads) split with transformers' tensor parallelism (``tp_plan="auto"``), every public path of
 prefixkv on it compared with stock ``generate`` on an untouched twin under the same plan (logits within 1e-6), the
-stores' decisions compared across the processes after every call (:func:`prefixkv.parallel.check_ranks_agree`),
+stores' decisions compared across the processes after every call (:func:`prefixkv.store.parallel.check_ranks_agree`),
 and an ordinary request after every odd path. Rank 0 writes what it checked as JSON to ``argv[1]/result.json``;
 any failed check raises, and torchrun exits non-zero."""
 
@@ -19,9 +19,9 @@ import transformers
 from torch._dynamo.utils import counters
 
 import prefixkv
-from prefixkv.errors import PersistError
+from prefixkv.base.errors import PersistError
 from prefixkv.kv.ranks import gathered, model_ranks
-from prefixkv.parallel import check_ranks_agree
+from prefixkv.store.parallel import check_ranks_agree
 
 TOLERANCE = 1e-6
 PROMPT = [5 + (7 * i) % 200 for i in range(19)]  # 19 ids: 4 whole blocks of 4 and a part

@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import display, models
-    from .enabling import disable, enable
-    from .errors import (
+    from .base.errors import (
         CacheMisuseError,
         CapacityError,
         ModelCodeError,
@@ -15,13 +14,14 @@ if TYPE_CHECKING:
         PrefixKVError,
         UnsupportedModelError,
     )
+    from .base.memory import estimate, kv_bytes_per_token
+    from .base.stats import CacheStats, RowStats, StoreStats, TierStats
+    from .enabling import disable, enable
     from .hf.cache import PagedPrefixCache
     from .kv.prefix_file import PersistStats
-    from .many import Generation, generate_many
-    from .memory import estimate, kv_bytes_per_token
+    from .many.generation import Generation, generate_many
     from .score import Score, score
-    from .stats import CacheStats, RowStats, StoreStats, TierStats
-    from .store import PrefixStore
+    from .store.prefix_store import PrefixStore
 
 __version__ = "0.1.0"
 

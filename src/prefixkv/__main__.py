@@ -1,3 +1,3 @@
-from prefixkv.cli import main
+from prefixkv.tools.cli import main
 
 raise SystemExit(main())

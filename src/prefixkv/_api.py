@@ -5,14 +5,23 @@ asked for: ``prefixkv/__init__.py`` re-exports each of them."""
 
 from __future__ import annotations
 
+from . import display, models
+from .base.errors import (
+    CacheMisuseError,
+    CapacityError,
+    ModelCodeError,
+    PersistError,
+    PrefixKVError,
+    UnsupportedModelError,
+)
+from .base.memory import estimate, kv_bytes_per_token
+from .base.stats import CacheStats, RowStats, StoreStats, TierStats
+
 # _compat first: it refuses an unsupported transformers or torch before anything else imports them
-from . import _compat, display, models
+from .compat import releases
 from .enabling import disable, enable
-from .errors import CacheMisuseError, CapacityError, ModelCodeError, PersistError, PrefixKVError, UnsupportedModelError
 from .hf.cache import PagedPrefixCache
 from .kv.prefix_file import PersistStats
-from .many import Generation, generate_many
-from .memory import estimate, kv_bytes_per_token
+from .many.generation import Generation, generate_many
 from .score import Score, score
-from .stats import CacheStats, RowStats, StoreStats, TierStats
-from .store import PrefixStore
+from .store.prefix_store import PrefixStore

@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from . import _compat
-from ._compat import CACHE_KWARGS
+from .base.tokens import inferred_mask
+from .compat import releases
+from .compat.patching import MethodPatch, bound_to_copies
+from .compat.releases import CACHE_KWARGS
 from .hf.cache import PagedPrefixCache
 from .hf.hooks import has_open_store
 from .hf.vision import IMAGE_INPUTS
 from .kv.key_space import transformers_model, user_space
-from .patching import MethodPatch, bound_to_copies
-from .store import PrefixStore
+from .store.prefix_store import PrefixStore
 
 _ENABLED = "_prefixkv_enabled"
 
@@ -71,17 +72,6 @@ def _call_arguments(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     named.pop(next(iter(signature.parameters)), None)  # self
     extra = named.pop("kwargs", None) or {}
     return {**named, **extra}
-
-
-def inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Tensor | None:
-    """The attention mask ``generate`` infers when none is passed: the pad token's places, if the pad token
-    occurs and is not an end-of-sequence token (SmolLM2's chat prompts hold it), else none."""
-    pad = setting("pad_token_id")
-    if pad is None or not bool((ids == pad).any()):
-        return None
-    eos = setting("eos_token_id")
-    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-    return None if int(pad) in eos_ids else ids != pad
 
 
 def _plan_enabled_call(
@@ -204,12 +194,12 @@ def _enabled_generate(model: Any, original: Callable[..., Any], *args: Any, **kw
     if plan.returned:
         # the output hands the cache back (to continue from it): it lives as long as the caller keeps it
         try:
-            return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
+            return original(*args, **{releases.GENERATE_CACHE_KWARG: plan.cache}, **rest)
         except BaseException:
             plan.cache.close()
             raise
     with plan.cache:
-        return original(*args, **{_compat.GENERATE_CACHE_KWARG: plan.cache}, **rest)
+        return original(*args, **{releases.GENERATE_CACHE_KWARG: plan.cache}, **rest)
 
 
 def disable(model: Any) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from .stats import StoreStats
+from .base.stats import StoreStats
 
 
 def main(argv: list[str] | None = None) -> None:

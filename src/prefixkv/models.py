@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import transformers
 
-from . import _compat  # noqa: F401  (checks the releases, and gives older ones' generate cache=: a stock reference)
+from .compat import releases  # noqa: F401  (checks the releases, and gives older ones' generate cache=: a stock reference)
 
 # family -> (config class name, overrides for a tiny 2-layer model, hidden 64)
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from .base.tokens import as_token_list
 from .hf.cache import PagedPrefixCache
 from .hf.runner import forward_kwargs
-from .store import PrefixStore
-from .tokens import as_token_list
+from .store.prefix_store import PrefixStore
 
 TokenRows = torch.Tensor | Sequence[Sequence[int] | torch.Tensor] | Sequence[int]
 

@@ -49,10 +49,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from prefixkv import _compat
 from prefixkv.attention.kernels import attend as attend_columns
 from prefixkv.attention.kernels import merge_by_lse
-from prefixkv.errors import PrefixKVError
+from prefixkv.base.errors import PrefixKVError
+from prefixkv.compat import releases
 
 __all__ = ["FlexPlan", "FlexUnavailable", "attend", "can_serve", "compiles", "plan"]
 
@@ -109,7 +109,7 @@ def can_serve(
         return False, f"soft-capping ({softcap}): not implemented by this backend; the model's own attention serves it"
     if custom_mask:
         return False, "the model's mask is not padding, holes, causal or a sliding window over logical columns"
-    refusal = _compat.flex_refusal()
+    refusal = releases.flex_refusal()
     if refusal is not None:
         return False, refusal
     failed = _failed.get((kind, dtype))
@@ -283,7 +283,7 @@ def _flex(
     compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FlexAttention over the pool views; compiled (the log-sum-exp only off the CPU) or torch's eager version."""
-    aux = _compat.flex_aux_request()(lse=True) if lse else None
+    aux = releases.flex_aux_request()(lse=True) if lse else None
     result: Any
     if not compiled:
         with warnings.catch_warnings():  # eager is chosen on purpose (the CPU's log-sum-exp, or a reference)

@@ -29,7 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..patching import SharedPatch, register
+from ..compat.patching import SharedPatch, register
 from . import kernels, reads
 from .reads import AttentionCall, ForwardReads
 from .static import STEP_KWARG
@@ -169,7 +169,7 @@ register(AttentionMaskInterface, NAME, prefixkv_mask)
 
 def install(model: Any) -> bool:
     """Switch ``model`` to ``prefixkv`` attention if it uses ``sdpa`` through ``AttentionInterface``; count
-    the stores using it (one :class:`prefixkv.patching.SharedPatch`, as every change prefixkv shares on a model).
+    the stores using it (one :class:`prefixkv.compat.patching.SharedPatch`, as every change prefixkv shares on a model).
     Mutates the model's config. Returns whether the model runs ``prefixkv`` attention.
 
     Models whose attention code does not look its function up by name (Falcon, Bloom: transformers'

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _compat
+from ..compat import releases
 from .reads import ForwardReads
 
 
@@ -85,7 +85,7 @@ def attend_masked(
     if group > 1:
         query = query.reshape(b, key.shape[1], group * q, dim)
     if query.device.type == "cpu":
-        out, lse = _compat.cpu_flash_attention(query, key, value, mask.bias, scale, causal=causal)
+        out, lse = releases.cpu_flash_attention(query, key, value, mask.bias, scale, causal=causal)
     elif query.dtype != torch.float64 and query.device.type == "cuda":
         out, lse = _attend_cuda(query, key, value, mask.bias, scale, causal)
     else:

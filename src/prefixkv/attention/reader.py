@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
+from ..base.settings import StoreSettings
+from ..base.slots import slot_table
 from ..kv.key_space import autocast_dtype
-from ..settings import StoreSettings
-from ..slots import slot_table
 from . import registry
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout, PoolView, shapes_differ

@@ -111,7 +111,7 @@ class PoolView(Protocol):
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V indexed by slot, ``[kv_heads, num_blocks * block_size, head_dim]`` views
-        (:func:`prefixkv.slots.slot_view`), kept by the pool between growths."""
+        (:func:`prefixkv.base.slots.slot_view`), kept by the pool between growths."""
         ...
 
 

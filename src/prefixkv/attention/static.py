@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..settings import StoreSettings
-from ..slots import slot_table, slot_view
+from ..base.settings import StoreSettings
+from ..base.slots import slot_table, slot_view
 from .reads import PoolView, shapes_differ
 
 # the keyword argument the store's forward pre-hook adds to a forward whose steps are of this module, so that

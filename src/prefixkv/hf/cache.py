@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from .. import _compat, display
 from ..attention import static
-from ..errors import CacheMisuseError
-from ..family import model_errors
+from ..base import display
+from ..base.errors import CacheMisuseError
+from ..base.family import model_errors
+from ..base.stats import CacheStats
+from ..compat import releases
 from ..kv.key_space import user_space
-from ..stats import CacheStats
 from . import kinds, vision
 from .call import GenerateCall
 from .forward import Forward
@@ -40,7 +41,7 @@ from .parts import StoreParts
 from .rows import RowSet, check_prompt
 
 
-@_compat.adapt_cache
+@releases.adapt_cache
 class PagedPrefixCache(Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
 

@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _compat
-from ..errors import CacheMisuseError, UnsupportedModelError
-from ..tokens import relabel, token_ids
+from ..base.errors import CacheMisuseError, UnsupportedModelError
+from ..base.tokens import relabel, token_ids
+from ..compat import releases
 from . import proof, rows, shapes, vision
 from .parts import StoreParts
 
@@ -107,7 +107,7 @@ class GenerateCall:
             held_space=held.space,
             padded=shapes.padded_refusal(store.hf_model),
             # transformers 4.x feeds no images to a forward past position 0: there a call with images is unproven
-            keyed=vision.KEYED if held.images is not None and _compat.WARM_FORWARDS_TAKE_IMAGES else frozenset(),
+            keyed=vision.KEYED if held.images is not None and releases.WARM_FORWARDS_TAKE_IMAGES else frozenset(),
         )
         if decision is None:
             return False

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from .. import _compat, patching
 from ..attention import interface, reads, static
 from ..attention.reader import Reader
-from ..errors import CacheMisuseError
-from ..family import family
+from ..base.errors import CacheMisuseError
+from ..base.family import family
+from ..compat import patching, releases
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
 from . import proof
@@ -393,8 +393,8 @@ def compile_refusal(store: StoreParts) -> str | None:
     """Why ``store``'s caches cannot take compiled decode steps (:func:`prefixkv.attention.static.refusal`), or a
     model whose attention is its own (the ``update`` path of docs/architectures.md: ALiBi, soft-capping, eager only),
     to which a compiled step does not hand its K/V, or one whose masks the installed transformers builds at a fixed
-    length (:func:`prefixkv._compat.compile_refusal`); ``None`` where they can. Does not mutate."""
-    release = _compat.compile_refusal(store.hf_model)
+    length (:func:`prefixkv.compat.releases.compile_refusal`); ``None`` where they can. Does not mutate."""
+    release = releases.compile_refusal(store.hf_model)
     if release is not None:
         return release
     if store.layer_kinds is not None:

@@ -22,12 +22,12 @@ import torch
 from transformers import modeling_utils as _modeling
 from transformers.generation import utils as _generation
 
-from .. import _compat_generate, patching
-from .._compat import CACHE_KWARGS
 from ..attention.interface import outside_compile, serves
 from ..attention.static import STEP_KWARG, mark_width
-from ..errors import CacheMisuseError
-from ..patching import MethodPatch, SharedPatch, bound_to_copies
+from ..base.errors import CacheMisuseError
+from ..compat import generation, patching
+from ..compat.patching import MethodPatch, SharedPatch, bound_to_copies
+from ..compat.releases import CACHE_KWARGS
 from . import vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
@@ -135,9 +135,9 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     model = cache.store.hf_model
     if patching.compiled_call(model) is not None and has_open_store(model):
         _StepsOnly.wrap(model)
-    step = _compat_generate.generate_step(kwargs, cache, input_ids)
+    step = generation.generate_step(kwargs, cache, input_ids)
     length = cache.forward.fit_call(input_ids, step.columns, kwargs) if step.first else step.columns
-    _compat_generate.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
+    generation.ask_columns(kwargs, cache, input_ids, length, first=bool(step.first))
     mask = kwargs.get("attention_mask")
     inputs = original(input_ids, *args, **kwargs)
     if isinstance(inputs, dict) and all(inputs.get(name) is not cache for name in CACHE_KWARGS):
@@ -172,7 +172,7 @@ def fit_chunked_prompt(model: torch.nn.Module, input_ids: torch.Tensor, kwargs: 
     """Before ``generate`` on ``model`` cuts ``input_ids`` into the chunks of a chunked prefill (by the columns the
     cache holds, read before any ``prepare_inputs_for_generation``): let a ``PagedPrefixCache`` of a store on
     ``model`` fit its reuse to the whole prompt and mask, which no chunk shows (the ``_prefill`` wrapper of
-    :func:`prefixkv._compat_generate.install_generation_patches` calls this). Mutates the cache."""
+    :func:`prefixkv.compat.generation.install_generation_patches` calls this). Mutates the cache."""
     cache = paged_cache(kwargs)
     if cache is not None and has_open_store(model) and cache.store.hf_model is model:
         cache.forward.fit_prompt(input_ids, kwargs)
@@ -286,17 +286,17 @@ _installed = False
 
 def install_generation_wrappers() -> None:
     """Wrap ``generate``'s methods for ``PagedPrefixCache`` calls: those this transformers release needs
-    (:func:`prefixkv._compat_generate.install_generation_patches`, with :func:`fit_chunked_prompt`), and generate's
+    (:func:`prefixkv.compat.generation.install_generation_patches`, with :func:`fit_chunked_prompt`), and generate's
     choice to compile a call (:func:`_noting_compile`) and the compiled call it gets (:func:`_stepping_compiled_call`),
     which every release needs; each wrapper changes nothing for other caches. Called by every ``PrefixStore`` when it
     is built (no ``PagedPrefixCache`` exists before one), once per process. Mutates
     ``transformers.generation.utils.GenerationMixin`` and ``transformers.modeling_utils.PreTrainedModel``, through
-    :func:`prefixkv.patching.install`."""
+    :func:`prefixkv.compat.patching.install`."""
     global _installed
     if _installed:
         return
     _installed = True
-    _compat_generate.install_generation_patches(fit_chunked_prompt)
+    generation.install_generation_patches(fit_chunked_prompt)
     mixin = _generation.GenerationMixin
     patching.install(mixin, "_valid_auto_compile_criteria", _noting_compile(mixin._valid_auto_compile_criteria))
     encode = getattr(mixin, _ENCODE, None)

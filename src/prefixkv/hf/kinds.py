@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _compat
+from ..compat import releases
 
 KV = "kv"
 """Per-token K/V: full, sliding-window or chunked attention."""
@@ -42,7 +42,7 @@ def layer_kinds(text_config: Any) -> list[str] | None:
     and transformers' reading of its config names only the kinds above; ``None`` for a model without state layers
     (served as K/V alone), on a release that does not read layer kinds, or where a kind is not one of these (the
     refusals of :mod:`prefixkv.hf.support` then say why). Does not mutate."""
-    types = _compat.cache_layer_types(text_config)
+    types = releases.cache_layer_types(text_config)
     if types is None or any(t not in _KIND_OF_TYPE for t in types):
         return None
     kinds = [_KIND_OF_TYPE[t] for t in types]

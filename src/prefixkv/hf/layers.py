@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import _compat
-from ..errors import CacheMisuseError
+from ..base.errors import CacheMisuseError
+from ..compat import releases
 
 
-@_compat.adapt_cache
+@releases.adapt_cache
 class PagedLayer(CacheLayerMixin):
     """The per-layer face transformers expects (``cache.layers``); all state lives in the owning cache, which it
     holds by a weak reference."""
@@ -63,7 +63,7 @@ class PagedLayer(CacheLayerMixin):
 
 
 # transformers' layer of a recurrent layer's states (None before transformers 5, where no model is served with them)
-_StateBase: Any = _compat.LINEAR_ATTENTION_LAYER or object
+_StateBase: Any = releases.LINEAR_ATTENTION_LAYER or object
 
 
 class StateLayer(_StateBase):

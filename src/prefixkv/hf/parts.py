@@ -1,5 +1,5 @@
 """What a :class:`~prefixkv.store.PrefixStore` hands down to the layers it composes (docs/how-it-works.md,
-"Layers"): its settings as a frozen record (:class:`~prefixkv.settings.StoreSettings`, whose home is the ground
+"Layers"): its settings as a frozen record (:class:`~prefixkv.base.settings.StoreSettings`, whose home is the ground
 floor), and :class:`StoreParts`, what a cache, its rows, the model hooks and the model runner read of the store they
 serve. The store sits on top of them and builds them; they know it only through this interface, so none of them
 imports the store."""
@@ -12,9 +12,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..base.settings import StoreSettings
+from ..base.stats import RowStats
 from ..kv.manager import BlockManager
-from ..settings import StoreSettings
-from ..stats import RowStats
 from .states import Snapshots
 
 

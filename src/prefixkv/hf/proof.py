@@ -15,8 +15,8 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from .._compat import CACHE_KWARGS, RELEASE_NEUTRAL_INPUTS
-from ..tokens import key, relabel, token_ids
+from ..base.tokens import key, relabel, token_ids
+from ..compat.releases import CACHE_KWARGS, RELEASE_NEUTRAL_INPUTS
 
 # inputs of a forward (and of prepare_inputs_for_generation, which passes the rest on to it) that do not change
 # the K/V of the ids; any other one (token_type_ids, pixel values) makes the rows unproven

@@ -4,11 +4,11 @@ slots of its columns.
 
 Layout. Every row of a batch has the same number of *columns* (pads included). Row ``i`` has ``pad`` leading
 padding columns that read the null block, then its tokens: token ``t`` sits at column ``pad + t`` and in slot
-``table[t // block_size] * block_size + t % block_size`` (:func:`prefixkv.slots.slot_table`, the one home of that
+``table[t // block_size] * block_size + t % block_size`` (:func:`prefixkv.base.slots.slot_table`, the one home of that
 arithmetic). One block id indexes every layer's pool, so a row has one table for all layers.
 
 Keys. A row's ``keys`` are the token ids where the attention mask is 1, and ``-1 - id`` where a mask with holes
-hides a token (:func:`prefixkv.tokens.key`): a hole shifts the positions after it, so the K/V that follow are not
+hides a token (:func:`prefixkv.base.tokens.key`): a hole shifts the positions after it, so the K/V that follow are not
 those of the unmasked ids. Leading padding is not part of a row.
 
 The rows of one cache are a :class:`RowSet`: it attaches a prompt, allocates a forward's columns, applies the
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from ..errors import CacheMisuseError
+from ..base.errors import CacheMisuseError
+from ..base.slots import slot_table
+from ..base.stats import CacheStats, RowStats
+from ..base.tokens import common_length, is_image_key, key, relabel
 from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
-from ..slots import slot_table
-from ..stats import CacheStats, RowStats
-from ..tokens import common_length, is_image_key, key, relabel
 from . import proof, shapes, states, vision
 from .parts import StoreParts
 
@@ -114,7 +114,7 @@ def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def layout(input_ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[list[int], list[list[int]]]:
-    """Each row's leading padding and its keys (:func:`prefixkv.tokens.key`) under ``mask`` (a bool tensor,
+    """Each row's leading padding and its keys (:func:`prefixkv.base.tokens.key`) under ``mask`` (a bool tensor,
     ``None``: all ones). Does not mutate."""
     ids = input_ids.detach().cpu().tolist()
     if mask is None:

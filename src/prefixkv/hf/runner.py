@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .._compat import forward_cache_kwarg
+from ..base.stats import CacheStats, RowStats
+from ..base.tokens import common_length, is_image_key
+from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
-from ..stats import CacheStats, RowStats
-from ..tokens import common_length, is_image_key
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 from .states import MIN_STEP

@@ -17,7 +17,7 @@ narrower than its K heads; Gemma 4's full-attention layers are wider than its sl
 another's K/V (Gemma 3n and 4's KV-shared layers, ``kv_sharing_modes`` ``"reuse"``) hands ``update`` nothing and
 keeps no K/V of its own: it reads what its producer layer's ``update`` returned.
 
-The config (:func:`prefixkv.memory.attention_shape`) is only an estimate, for ``kv_bytes_per_token`` before a model
+The config (:func:`prefixkv.base.memory.attention_shape`) is only an estimate, for ``kv_bytes_per_token`` before a model
 exists and for a model that cannot run on ids alone (then the first forward's ``update`` checks the estimate and
 names any difference).
 """
@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 import torch
 from transformers import DynamicCache
 
-from .._compat import forward_cache_kwarg
-from ..errors import UnsupportedModelError
-from ..family import family
-from ..memory import LayerShape
+from ..base.errors import UnsupportedModelError
+from ..base.family import family
+from ..base.memory import LayerShape
+from ..compat.releases import forward_cache_kwarg
 from . import kinds, vision
 from .support import eval_mode
 

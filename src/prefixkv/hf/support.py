@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .._compat import CACHE_KWARGS
-from ..errors import UnsupportedModelError
-from ..family import family
+from ..base.errors import UnsupportedModelError
+from ..base.family import family
+from ..compat.releases import CACHE_KWARGS
 from ..kv.key_space import transformers_model
 from . import kinds
 

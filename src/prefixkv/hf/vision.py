@@ -3,7 +3,7 @@ placeholders, which processed inputs belong to each image, and the keys that mak
 same image processed alike (:func:`plan`, an :class:`ImagePlan`), and the inputs a forward that feeds only a prompt's
 uncached tail gets: those of the images in it (:meth:`ImagePlan.feed`).
 
-A placeholder run takes the keys of its image's digest (:func:`prefixkv.images.digest` of its part of
+A placeholder run takes the keys of its image's digest (:func:`prefixkv.base.images.digest` of its part of
 ``pixel_values``, every other tensor the model's forward takes for it, its placeholders' token types and the
 ``generate`` keywords that change how it is encoded); the placeholders of an image the cache was not given (a video,
 audio, a cache built from the ids alone) take the keys of a digest no image has, so nothing is reused at or past
@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import images
-from ..tokens import image_key, token
+from ..base import images
+from ..base.tokens import image_key, token
 
 # the token types of a prompt's tokens (Gemma 3's token_type_ids make an image's placeholders attend each other,
 # Qwen-VL's mm_token_type_ids place its multimodal rotary positions): each image's digest holds those of its span

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..enabling import enable
 from ..score import logprob_rows
-from ..store import PrefixStore
+from ..store.prefix_store import PrefixStore
 
 Request = tuple[tuple[str, str], list[int], list[int]]
 

@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..compat.patching import MethodPatch, bound_to_copies
 from ..enabling import disable as _disable_model
 from ..enabling import enable as _enable_model
-from ..patching import MethodPatch, bound_to_copies
-from ..store import PrefixStore
+from ..store.prefix_store import PrefixStore
 
 _PATCH = "_prefixkv_trl_patch"
 # float attributes of a module that make training mode random: dropout probabilities (``attention_dropout``,

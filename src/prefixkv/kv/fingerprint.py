@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PersistError
+from ..base.errors import PersistError
 from .ranks import local_part
 
 _SAMPLE = 16384  # values hashed per tensor: enough to tell checkpoints apart, cheap for 70B models

@@ -20,7 +20,7 @@ class Holdings:
     """The blocks of one store as its manager's parts read them: the ``pool`` of every attention layer, the
     ``allocator``'s refcounts, the ``trie`` of cached prefixes and the ``lock`` over all of them (an ``RLock``:
     the parts call each other under it). ``max_blocks`` bounds the pool (``None``: it grows as requests need);
-    ``bytes_per_block`` is what one block costs (for the messages of :class:`~prefixkv.errors.CapacityError`);
+    ``bytes_per_block`` is what one block costs (for the messages of :class:`~prefixkv.base.errors.CapacityError`);
     ``tier`` is the second tier (``None``: evicted blocks are dropped); ``first_capacity`` is the pool's size when the
     store was made, which :meth:`~prefixkv.kv.room.Room.clear` gives it back."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from ..stats import StoreStats
+from ..base.stats import StoreStats
 from .holdings import Claim, Holdings
 from .room import Pins, Room
 from .trie import NodeView

@@ -7,7 +7,7 @@ Merging inserts each saved leaf's whole path into the trie with its block table:
 already holds keep their blocks, and only the blocks of new positions are copied in.
 
 A :class:`~prefixkv.kv.manager.BlockManager` builds its :class:`Archive` (``store.blocks.archive``) over its
-holdings and its room; the store's ``save``, ``load`` and ``merge`` call it through :mod:`prefixkv.files`.
+holdings and its room; the store's ``save``, ``load`` and ``merge`` call it through :mod:`prefixkv.store.files`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import CapacityError
-from ..family import family
-from ..memory import format_bytes
-from ..settings import StoreSettings
+from ..base.errors import CapacityError
+from ..base.family import family
+from ..base.memory import format_bytes
+from ..base.settings import StoreSettings
 from .holdings import Holdings
 from .pool import LayerSpec
 from .prefix_file import (

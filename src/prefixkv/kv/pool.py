@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..slots import slot_view
+from ..base.slots import slot_view
 from .quantization import SCALE_DTYPE, check_kv_dtype, code_dtype, dequantize, quantize
 
 
@@ -247,7 +247,7 @@ class BlockPool:
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V (their 8-bit codes in a quantized pool) indexed by slot, each ``[kv_heads,
-        num_blocks * block_size, head_dim]`` (:func:`prefixkv.slots.slot_view`): views, so a write through them
+        num_blocks * block_size, head_dim]`` (:func:`prefixkv.base.slots.slot_view`): views, so a write through them
         writes the pool."""
         k, v, k_slots, v_slots = self._views[layer] if layer < len(self._views) else (None, None, None, None)
         if k is not self.keys[layer] or v is not self.values[layer]:  # tensors set from outside: views made anew

@@ -31,8 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..errors import PersistError
-from ..family import family
+from ..base.errors import PersistError
+from ..base.family import family
 from .fingerprint import fingerprint, tensor_bytes
 from .pool import BlockPool, LayerSpec, layer_spec
 from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype

@@ -4,7 +4,7 @@ what the processes agree on (docs/how-it-works.md, "Several processes").
 Under tensor parallelism each process runs the same script on the same ids, its layers compute its share of the
 K/V heads, and each process has its own store. The stores' decisions (trie, eviction, admission, budget) are pure
 functions of the calls and the tokens, so they are the same in every process for the same calls; what could differ
-is agreed here (the budget) or checked (:func:`prefixkv.parallel.check_ranks_agree`)."""
+is agreed here (the budget) or checked (:func:`prefixkv.store.parallel.check_ranks_agree`)."""
 
 from __future__ import annotations
 

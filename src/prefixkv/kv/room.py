@@ -13,8 +13,8 @@ from collections.abc import Hashable
 
 import torch
 
-from ..errors import CapacityError
-from ..memory import format_bytes
+from ..base.errors import CapacityError
+from ..base.memory import format_bytes
 from .holdings import Holdings
 from .key_space import WeightsChanged
 from .tier import OffloadTier, chunk_keys

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..stats import TierStats
+from ..base.stats import TierStats
 from . import prefix_file
 
 KINDS = ("cpu", "disk")
@@ -73,7 +73,7 @@ class OffloadTier:
     """Blocks keyed by :func:`chunk_keys`, in host memory (``kind="cpu"``) or files (``kind="disk"``),
     within ``max_bytes`` (``None``: unbounded), least recently used first out.
 
-    ``meta`` is the metadata (:func:`prefixkv.files.file_meta`) every disk file carries; files already in
+    ``meta`` is the metadata (:func:`prefixkv.store.files.file_meta`) every disk file carries; files already in
     ``directory`` with the same metadata are taken as this tier's, the others are left alone. ``check`` says what
     is wrong with the tensors of a file read back (``None``: nothing), for files whose checksum and metadata are
     right but whose tensors are not what the metadata names (:func:`prefixkv.kv.prefix_file.block_problem`).

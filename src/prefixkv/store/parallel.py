@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from .kv.ranks import agree_min, gathered, model_ranks
+from ..kv.ranks import agree_min, gathered, model_ranks
 
 
 def agreed_budget(max_blocks: int | None, model: Any) -> int | None:

@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from .errors import PersistError
-from .kv import persist, prefix_file
-from .kv.fingerprint import fingerprint
-from .kv.key_space import autocast_in
-from .kv.manager import BlockManager
-from .kv.pool import LayerSpec
-from .kv.ranks import model_ranks
-from .kv.tier import BLOCK_FORMAT, OffloadTier
-from .memory import parse_bytes
-from .settings import StoreSettings
+from ..base.errors import PersistError
+from ..base.memory import parse_bytes
+from ..base.settings import StoreSettings
+from ..kv import persist, prefix_file
+from ..kv.fingerprint import fingerprint
+from ..kv.key_space import autocast_in
+from ..kv.manager import BlockManager
+from ..kv.pool import LayerSpec
+from ..kv.ranks import model_ranks
+from ..kv.tier import BLOCK_FORMAT, OffloadTier
 
 
 def file_meta(

@@ -3,9 +3,9 @@ the views of a notebook and ``close``; the blocks themselves (pool, allocator, t
 and the lock) are its :class:`~prefixkv.kv.manager.BlockManager`, ``store.blocks``, which caches call, and what
 keys them besides the tokens is its :class:`~prefixkv.kv.key_space.KeySpace`. The store is built top-down
 (docs/how-it-works.md, "Layers"): it builds its settings (``store.settings``, from its options checked by
-:mod:`prefixkv.options`), its block manager, the runner of its model (``store.runner``, which pins and warms) and
+:mod:`prefixkv.store.options`), its block manager, the runner of its model (``store.runner``, which pins and warms) and
 the model's hooks, and hands each what it needs; none of them imports this module. Its files (save, load, merge,
-a disk tier's metadata) go through :mod:`prefixkv.files`."""
+a disk tier's metadata) go through :mod:`prefixkv.store.files`."""
 
 from __future__ import annotations
 
@@ -16,24 +16,25 @@ from typing import Any
 
 import torch
 
-from . import display, files
-from .attention import interface
-from .errors import CacheMisuseError, UnsupportedModelError
-from .family import model_errors
-from .hf import kinds, shapes
-from .hf.hooks import attach_hooks, install_generation_wrappers
-from .hf.runner import ModelRunner
-from .hf.states import Snapshots
-from .kv import prefix_file
-from .kv.key_space import KeySpace, layer_devices, transformers_model, user_space
-from .kv.manager import BlockManager
-from .kv.pool import BlockPool, block_bytes, layer_spec
-from .kv.tier import OffloadTier
-from .memory import attention_shape, format_bytes, layer_shapes, parse_bytes, snapshot_budget
+from ..attention import interface
+from ..base import display
+from ..base.errors import CacheMisuseError, UnsupportedModelError
+from ..base.family import model_errors
+from ..base.memory import attention_shape, format_bytes, layer_shapes, parse_bytes, snapshot_budget
+from ..base.stats import CacheStats, StoreStats
+from ..base.tokens import as_token_list
+from ..hf import kinds, shapes
+from ..hf.hooks import attach_hooks, install_generation_wrappers
+from ..hf.runner import ModelRunner
+from ..hf.states import Snapshots
+from ..kv import prefix_file
+from ..kv.key_space import KeySpace, layer_devices, transformers_model, user_space
+from ..kv.manager import BlockManager
+from ..kv.pool import BlockPool, block_bytes, layer_spec
+from ..kv.tier import OffloadTier
+from . import files
 from .options import check_options, check_priority, max_blocks, offload_kind
 from .parallel import agreed_budget
-from .stats import CacheStats, StoreStats
-from .tokens import as_token_list
 
 _INITIAL_BLOCKS = 16
 
@@ -409,7 +410,7 @@ class PrefixStore:
 def _not_a_cache() -> CacheMisuseError:
     return CacheMisuseError(
         "a PrefixStore was passed where generate takes a cache; pass one PagedPrefixCache per call: "
-        "cache=prefixkv.PagedPrefixCache(store, ids)"  # every supported release takes cache= (prefixkv._compat)
+        "cache=prefixkv.PagedPrefixCache(store, ids)"  # every supported release takes cache= (prefixkv.compat.releases)
     )
 
 

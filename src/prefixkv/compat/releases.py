@@ -1,5 +1,5 @@
 """Every difference between the transformers and torch releases prefixkv supports, in this module and
-:mod:`prefixkv._compat_generate` (the first step of a ``generate`` call: how each release says which step is a
+:mod:`prefixkv.compat.generation` (the first step of a ``generate`` call: how each release says which step is a
 call's first and how many columns it feeds, and the ``GenerationMixin`` wrappers that let older ones say it).
 
 The rest of prefixkv is written against the newest transformers; this module checks the installed releases
@@ -35,7 +35,7 @@ The ``cache=`` alias is installed when this module loads (when prefixkv's public
 call that would fail run, and a stock call with a ``DynamicCache`` made before any store (a reference to compare
 with) takes it too; its docstring says when it can be deleted.
 The inputs only some releases pass (:data:`RELEASE_NEUTRAL_INPUTS`) live here too. The alias, as every change
-prefixkv makes to a class of transformers or torch, is made by :func:`prefixkv.patching.install`, recorded and
+prefixkv makes to a class of transformers or torch, is made by :func:`prefixkv.compat.patching.install`, recorded and
 undoable. Nothing else lives here: only the supported range and what the releases in it that differ need, so that
 dropping a release deletes its shims and nothing more.
 

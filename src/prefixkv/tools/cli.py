@@ -11,9 +11,9 @@ from pathlib import Path
 
 def _demo_main(args: argparse.Namespace) -> int:
     # imported here, after the arguments are parsed: it imports torch, which --help does not need
-    from . import _demo
+    from . import demo
 
-    return _demo.main(args)
+    return demo.main(args)
 
 
 def _bench_main(args: argparse.Namespace) -> int:

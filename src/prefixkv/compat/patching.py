@@ -6,7 +6,7 @@ A :class:`MethodPatch` replaces a method by an instance attribute and puts back 
 ``prepare_inputs_for_generation`` and one switch to prefixkv's attention): kept on the model under one attribute
 with its count of users, made by the first to join and undone by the last to leave. Its record names the model it
 was made on, so a ``copy.deepcopy`` of the model, which copies the record (and the change), starts with no users.
-A change to a class of transformers or torch (a release's shim, :mod:`prefixkv._compat`) is made by
+A change to a class of transformers or torch (a release's shim, :mod:`prefixkv.compat.releases`) is made by
 :func:`install`, a :class:`MethodPatch` on the class, and a name added to one of transformers' registries
 (``AttentionInterface``, ``AttentionMaskInterface``) by :func:`register`, a :class:`Registration`: each recorded in
 :func:`installed` in the order made, and undone by :func:`uninstall`.

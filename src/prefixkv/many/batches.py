@@ -3,13 +3,14 @@
 The prompts are sorted by their token ids, so that prompts sharing a prefix lie next to each other; a group whose
 prefix the store holds already goes first, before other work can evict it (:func:`row_order`). Consecutive prompts
 then fill batches of at most ``batch_size`` rows and, in a store with a budget, of at most :func:`room` blocks
-(:func:`batch_rows`). The refill (:class:`prefixkv.scheduler.Scheduler`) takes its waiting prompts in the same order.
+(:func:`batch_rows`). The refill (:class:`prefixkv.many.scheduler.Scheduler`) takes its waiting prompts in the
+same order.
 """
 
 from __future__ import annotations
 
-from .store import PrefixStore
-from .tokens import common_length
+from ..base.tokens import common_length
+from ..store.prefix_store import PrefixStore
 
 
 def batch_rows(

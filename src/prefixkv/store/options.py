@@ -1,6 +1,6 @@
 """``PrefixStore``'s options, checked and turned into what the store builds: its settings (the frozen
-:class:`~prefixkv.settings.StoreSettings`, ``store.settings``), the attention backend every cache of the store reads
-the pool through and why (:func:`choose_attention`, carried by the settings), the pool's budget in blocks; and the
+:class:`~prefixkv.base.settings.StoreSettings`, ``store.settings``), the attention backend every cache of the store
+reads the pool through and why (:func:`choose_attention`, carried by the settings), the pool's budget in blocks; and the
 priority of a pin. Every option is checked, and the backend chosen, before anything is built, so a wrong one
 changes nothing."""
 
@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from .attention import interface, registry
-from .hf.support import check_supported, state_option_refusal
-from .kv.key_space import layer_devices, transformers_model
-from .kv.quantization import check_kv_dtype
-from .memory import attention_shape, parse_bytes
-from .settings import StoreSettings
+from ..attention import interface, registry
+from ..base.memory import attention_shape, parse_bytes
+from ..base.settings import StoreSettings
+from ..hf.support import check_supported, state_option_refusal
+from ..kv.key_space import layer_devices, transformers_model
+from ..kv.quantization import check_kv_dtype
 
 _DTYPE_NAMES = {
     "float16": torch.float16,
@@ -168,7 +168,7 @@ def choose_attention(
     (``"blocks"`` over 8-bit blocks), in every store alike; warns when an explicit ``"flex"``
     (:mod:`prefixkv.attention.flex`) falls back. Does not mutate."""
     if name == "flex":  # the module that provides the backend, imported when asked for (it loads torch's compiler)
-        from .attention import flex  # noqa: F401
+        from ..attention import flex  # noqa: F401
     hf_model = transformers_model(model)
     devices = layer_devices(model, attention_shape(model.config).num_layers)
     softcap = getattr(hf_model.config, "attn_logit_softcapping", None)

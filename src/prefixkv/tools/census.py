@@ -10,7 +10,7 @@ resumes from). One line per family:
 
 - ``exact``: every check within the bound, and the warm call reused the shared prefix;
 - ``exact, no reuse``: every check within the bound, nothing reused, and the cache's stats say why
-  (:attr:`prefixkv.stats.CacheStats.not_cached`);
+  (:attr:`prefixkv.base.stats.CacheStats.not_cached`);
 - ``refused``: ``PrefixStore`` raised :class:`~prefixkv.UnsupportedModelError`, with the reason;
 - ``n/a``: stock ``generate`` cannot build or run the family at that size, with transformers' error;
 - ``slow``: the checks ran past the time limit (``time_limit``, 60 s by default: a busy machine, or a family slow at
@@ -41,12 +41,12 @@ import torch
 import transformers
 from torch.nn.utils.rnn import pad_sequence
 
-from . import models
-from ._compat import GENERATE_CACHE_KWARG
-from .errors import UnsupportedModelError, refuses_float64
-from .hf.cache import PagedPrefixCache
-from .hf.support import REFUSAL_ADVICE
-from .store import PrefixStore
+from .. import models
+from ..base.errors import UnsupportedModelError, refuses_float64
+from ..compat.releases import GENERATE_CACHE_KWARG
+from ..hf.cache import PagedPrefixCache
+from ..hf.support import REFUSAL_ADVICE
+from ..store.prefix_store import PrefixStore
 
 VERDICTS = ("exact", "exact, no reuse", "refused", "n/a", "slow", "wrong", "crash", "silent miss")
 DEFECTS = frozenset({"wrong", "crash", "silent miss"})
@@ -269,7 +269,7 @@ def _rows_alone(twin: Any, padded: torch.Tensor, mask: torch.Tensor, out: Any) -
 
 
 def _reads_blocks(model: Any) -> bool:
-    from .attention import interface
+    from ..attention import interface
 
     return interface.serves(model) and interface.verified(model)
 

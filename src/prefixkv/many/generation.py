@@ -3,8 +3,8 @@
 The prompts are sorted by their token ids, so that prompts sharing a prefix (a system prompt, few-shot examples) lie
 next to each other; a group whose prefix the store holds already goes first, before other work can evict it.
 Consecutive prompts then fill left-padded batches of at most ``batch_size`` rows and, in a store with a budget, of
-at most half the blocks it can hold (the planner: :mod:`prefixkv.batches`); each batch is one ``generate`` call with
-a ``PagedPrefixCache``, which computes a prefix that several rows share once and reads it once for all of them
+at most half the blocks it can hold (the planner: :mod:`prefixkv.many.batches`); each batch is one ``generate``
+call with a ``PagedPrefixCache``, which computes a prefix that several rows share once and reads it once for all of them
 (docs/how-it-works.md). What a batch computes stays in the store for the batches after it. Each row's result is that
 of ``generate`` on its prompt alone (docs/generate.md, "Many prompts at once"): rows that stop early (an
 end-of-sequence token, a stop string) are cut where that call would have stopped.
@@ -13,7 +13,7 @@ Refilling: once half a call's rows have ended and prompts wait, the call ends th
 rows still going on, each with its tokens so far as its prompt (whose K/V its call published, so only a partial
 last block is computed again), and waiting prompts take the free places. Greedy decoding and sampling compute the
 same thing so; beam search and processors that count from a call's start do not, and run in whole batches. The
-refill is :class:`prefixkv.scheduler.Scheduler`: waiting prompts, running rows; admit, step, retire.
+refill is :class:`prefixkv.many.scheduler.Scheduler`: waiting prompts, running rows; admit, step, retire.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ from transformers import (
 )
 from transformers.generation.streamers import BaseStreamer
 
-from ._compat import GENERATE_CACHE_KWARG
+from ..base.tokens import inferred_mask
+from ..compat.releases import GENERATE_CACHE_KWARG
+from ..hf.cache import PagedPrefixCache
+from ..kv.key_space import user_space
+from ..store.prefix_store import PrefixStore
 from .arguments import (
     Prompt,
     check_generate_kwargs,
@@ -48,11 +52,7 @@ from .arguments import (
     refill_refusal,
 )
 from .batches import batch_rows, room, row_order
-from .enabling import inferred_mask
-from .hf.cache import PagedPrefixCache
-from .kv.key_space import user_space
 from .scheduler import Row, Scheduler
-from .store import PrefixStore
 
 if importlib.util.find_spec("ipywidgets") is not None:
     from tqdm.auto import tqdm
@@ -130,13 +130,13 @@ def generate_many(
     ``generate`` call, and with a store that has a budget (``max_memory=``) at most half its blocks: on a large
     model, give the store a budget or lower ``batch_size`` (each row holds its own tokens' K/V beside the shared
     prefix). ``refill`` (``None``: wherever the arguments allow) ends a call once half its rows are done and refills
-    it with waiting prompts, the other rows carrying on from the store (:func:`prefixkv.arguments.refill_refusal`
+    it with waiting prompts, the other rows carrying on from the store (:func:`prefixkv.many.arguments.refill_refusal`
     says which arguments do not allow it; ``refill=True`` with them raises ``ValueError``); ``refill=False`` runs
     each batch to its longest row's end. Returns one :class:`Generation` per prompt, in input order; with
     ``stream=True``, an iterator that yields them as each ends (``index`` says which prompt). A ``tqdm`` progress
     bar counts the prompts unless ``progress=False``. ``namespace`` is the user's (:class:`PagedPrefixCache`): rows
     reuse and publish only its K/V. ``generate_kwargs`` (a ``generation_config=`` too) are read as ``generate``
-    reads them (:func:`prefixkv.arguments.generation_settings`); what a padded batch cannot honour
+    reads them (:func:`prefixkv.many.arguments.generation_settings`); what a padded batch cannot honour
     (``use_cache=False``, assisted decoding, ``max_length``, ...) raises ``ValueError`` with the reason, before
     anything runs. Mutates the store.
 
@@ -244,7 +244,7 @@ def _generate(
     namespace: str | None,
     refill: bool,
 ) -> Iterator[Generation]:
-    """Run the prompts, in batches of :func:`batch_rows` or refilling them (:class:`prefixkv.scheduler.Scheduler`),
+    """Run the prompts, in batches of :func:`batch_rows` or refilling them (:class:`prefixkv.many.scheduler.Scheduler`),
     and yield each row's :class:`Generation` as it finishes. Mutates the store (closing it if it builds it)."""
     settings = generation_settings(model, generate_kwargs)
     new_tokens = settings.max_new_tokens
@@ -392,7 +392,7 @@ class _Run:
     namespace: str | None
     pad: int
     masks: list[list[int]]  # each prompt's attention mask as generate infers it (:func:`_attended`)
-    settings: GenerationConfig  # what generate reads of kwargs (:func:`prefixkv.arguments.generation_settings`)
+    settings: GenerationConfig  # what generate reads of kwargs (:func:`prefixkv.many.arguments.generation_settings`)
 
     def call(
         self, prompts: list[list[int]], masks: list[list[int]], sources: list[list[int]], **more: Any

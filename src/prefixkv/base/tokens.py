@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ _TOKEN_MASK = (1 << _TOKEN_BITS) - 1
 
 def image_key(digest: bytes, index: int, token_id: int) -> int:
     """The trie key of the ``index``-th placeholder token ``token_id`` of an image whose processed inputs have
-    ``digest`` (:func:`prefixkv.images.digest`): 42 bits drawn from the digest and the index, so two images differ
+    ``digest`` (:func:`prefixkv.base.images.digest`): 42 bits drawn from the digest and the index, so two images differ
     at every placeholder, above :data:`IMAGE_KEYS`, with the token id in the low bits (:func:`token` gives it back).
 
     >>> k = image_key(b"one image", 0, 250)
@@ -114,3 +115,14 @@ def relabel(fed: Sequence[int], known: Sequence[int]) -> list[int]:
         k if i >= len(known) or known[i] < IMAGE_KEYS or k < 0 or token(known[i]) != k else known[i]
         for i, k in enumerate(fed)
     ]
+
+
+def inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Tensor | None:
+    """The attention mask ``generate`` infers when none is passed: the pad token's places, if the pad token
+    occurs and is not an end-of-sequence token (SmolLM2's chat prompts hold it), else none."""
+    pad = setting("pad_token_id")
+    if pad is None or not bool((ids == pad).any()):
+        return None
+    eos = setting("eos_token_id")
+    eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return None if int(pad) in eos_ids else ids != pad

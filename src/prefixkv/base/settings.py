@@ -1,6 +1,6 @@
 """A store's settings as one frozen record (:class:`StoreSettings`, ``store.settings``), on the ground floor of the
 house (docs/how-it-works.md, "The house") so that every layer can read the record itself: the store builds it from
-its options (:func:`prefixkv.options.check_options`) and hands it down."""
+its options (:func:`prefixkv.store.options.check_options`) and hands it down."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from .store import PrefixStore
-from .tokens import common_length
+from ..base.tokens import common_length
+from ..store.prefix_store import PrefixStore
 
 # how many blocks of a prompt may be left to compute when it joins running rows
 JOIN = 4

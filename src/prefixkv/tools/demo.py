@@ -1,5 +1,5 @@
 """What ``python -m prefixkv demo`` runs: a shared-system-prompt workload with stock ``generate`` and with
-prefixkv, and the table that compares them (prefixkv/cli.py parses the arguments and imports this module)."""
+prefixkv, and the table that compares them (prefixkv/tools/cli.py parses the arguments and imports this module)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 # the public names, through the package: loading them checks the releases and installs the generate hooks
-from . import PagedPrefixCache, PrefixStore, _compat, kv_bytes_per_token, models
-from .memory import format_bytes
+from .. import PagedPrefixCache, PrefixStore, kv_bytes_per_token, models
+from ..base.memory import format_bytes
+from ..compat import releases
 
 SYSTEM_PROMPT = (
     "You are a careful assistant for a public library. Answer in at most three sentences. "
@@ -159,7 +160,7 @@ def _call(model: Any, ids: torch.Tensor, new_tokens: int, store: PrefixStore | N
     cache: Any = PagedPrefixCache(store, ids) if store is not None else DynamicCache(config=model.config)
     out = model.generate(
         ids,
-        **{_compat.GENERATE_CACHE_KWARG: cache},
+        **{releases.GENERATE_CACHE_KWARG: cache},
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -184,7 +185,7 @@ def _warm_up(model: Any, reference: Any, ids: torch.Tensor, block_size: int) -> 
     kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0)
     reference.generate(ids, **kw)
     with PrefixStore(model, block_size=block_size) as store, PagedPrefixCache(store, ids) as cache:
-        model.generate(ids, **{_compat.GENERATE_CACHE_KWARG: cache}, **kw)
+        model.generate(ids, **{releases.GENERATE_CACHE_KWARG: cache}, **kw)
 
 
 @dataclass(frozen=True)

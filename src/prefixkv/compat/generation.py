@@ -1,5 +1,5 @@
 """The first step of a ``generate`` call on each transformers release prefixkv supports: the other module, beside
-:mod:`prefixkv._compat`, that knows the releases (issue 34: these two are the only ones). ``generate`` tells
+:mod:`prefixkv.compat.releases`, that knows the releases (issue 34: these two are the only ones). ``generate`` tells
 ``prepare_inputs_for_generation`` which step is a call's first and how many trailing columns of the inputs a step
 feeds, the protocol by which a ``PagedPrefixCache`` checks a call and chooses how many prompt columns its first step
 feeds (docs/how-it-works.md, "One forward, and the first step of a call"):
@@ -23,8 +23,8 @@ feeds (docs/how-it-works.md, "One forward, and the first step of a call"):
 
 The wrappers of ``GenerationMixin`` methods are installed by :func:`install_generation_patches`, which every
 ``PrefixStore`` calls when it is built (not on import). Each wrapper's docstring says when it can be deleted. As in
-:mod:`prefixkv._compat`, what a release does is found by looking at the installed transformers, never by comparing
-version numbers.
+:mod:`prefixkv.compat.releases`, what a release does is found by looking at the installed transformers, never by
+comparing version numbers.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers.generation import utils as _generation
 
-from . import _compat, patching  # noqa: F401  (the release check, with its message, as for every module that knows releases)
+from . import patching, releases  # noqa: F401  (the release check, with its message, as for every module that knows releases)
 
 _KEEPS_CACHE_POSITION = hasattr(_generation.GenerationMixin, "_get_initial_cache_position")
 _PREPARE_PARAMETERS = inspect.signature(_generation.GenerationMixin.prepare_inputs_for_generation).parameters
@@ -214,7 +214,7 @@ def install_generation_patches(plan_chunks: Callable[[Any, torch.Tensor, dict[st
     :func:`_noting_start`); each wrapper changes nothing for other caches. Called once per process, when the first
     ``PrefixStore`` is built (:func:`prefixkv.hf.hooks.install_generation_wrappers`; no ``PagedPrefixCache`` exists
     before one). Mutates ``transformers.generation.utils.GenerationMixin``, each change through
-    :func:`prefixkv.patching.install` (recorded, undoable)."""
+    :func:`prefixkv.compat.patching.install` (recorded, undoable)."""
     global _installed
     if _installed:
         return

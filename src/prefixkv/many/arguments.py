@@ -15,11 +15,11 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from .family import family
-from .hf.vision import ENCODING, IMAGE_INPUTS, TOKEN_TYPES
-from .kv.key_space import transformers_model
-from .store import PrefixStore
-from .tokens import as_token_list
+from ..base.family import family
+from ..base.tokens import as_token_list
+from ..hf.vision import ENCODING, IMAGE_INPUTS, TOKEN_TYPES
+from ..kv.key_space import transformers_model
+from ..store.prefix_store import PrefixStore
 
 Prompt = Sequence[int] | torch.Tensor | str | Sequence[Mapping[str, Any]]
 

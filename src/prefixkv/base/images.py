@@ -1,6 +1,6 @@
 """What an image is, to the trie: a digest of its processed inputs (:func:`digest`), from which its placeholder
-tokens take their keys (:func:`prefixkv.tokens.image_key`; :func:`prefixkv.tokens.relabel`, how a forward's fed ids
-take them). It reads tensors (their bytes, shape and dtype), never a config; nothing here mutates."""
+tokens take their keys (:func:`prefixkv.base.tokens.image_key`; :func:`prefixkv.base.tokens.relabel`, how a
+forward's fed ids take them). It reads tensors (their bytes, shape and dtype), never a config; nothing here mutates."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""The tools: the command line (``python -m prefixkv``), the demo and the family census."""
