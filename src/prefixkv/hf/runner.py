@@ -19,6 +19,7 @@ from ..base.stats import CacheStats, RowStats
 from ..base.tokens import common_length, is_image_key
 from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
+from . import resume
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 from .states import MIN_STEP
@@ -48,7 +49,7 @@ def prefill(
             cache.forward.rows.attach(store, [0], [tokens], count=False)
         _forward(cache, tokens[cache.get_seq_length() :])
         if keep_partial:
-            cache.forward.rows.publish_all()
+            resume.publish_all(cache.forward.rows)
         yield cache.stats.per_row[0]
 
 
@@ -109,7 +110,7 @@ def prefill_states(
             # whole kernel chunk does, and the later prompts that part in between recompute those few tokens
             stop = pending[0] if pending[0] - grid < _NEAR else grid
             _forward(cache, tokens[done:stop])
-            rows.snapshot_row(snapshots, junction=stop in junctions)
+            resume.snapshot_row(rows, snapshots, junction=stop in junctions)
             done = stop
             pending = [s for s in pending if s > done]
         yield done - start
