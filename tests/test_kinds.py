@@ -229,3 +229,18 @@ def test_kind_names_are_compared_in_at_most_three_modules() -> None:
     assert len(comparing) <= 3, comparing
     for seen in ('kind == "state"', "k in (KV, x.BOTH)", "kinds.writes_kv(k)", "store.layer_kinds is not None"):
         assert _compares_kind_names(ast.parse(seen)), seen
+
+
+def test_a_kinds_named_tensor_under_an_invariant_store_and_the_disk_tier(indexed: Any, tmp_path: Path) -> None:
+    first, second, later = _prompts(16, 5, 3, seed=50)
+    with PrefixStore(indexed, block_size=4, invariant=True, chunk_size=8) as store:
+        _exact(indexed, store, first, cached=0)
+        _exact(indexed, store, second, cached=16)  # whole chunks of the shared prefix, index keys included
+        _exact(indexed, store, later)
+    with PrefixStore(indexed, block_size=4, num_blocks=12, offload="disk", offload_dir=tmp_path) as store:
+        prompts = _prompts(0, 20, 3, seed=60)
+        for ids in prompts:
+            _exact(indexed, store, ids, cached=0)
+        _exact(indexed, store, prompts[0], cached=19)  # from the disk tier's files, index keys included
+        assert store.stats.offload is not None and store.stats.offload.restored > 0
+        _exact(indexed, store, later)
