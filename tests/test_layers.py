@@ -199,8 +199,8 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows"),
-        "hf.call",
+        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.states", "hf.state_files", "hf.shapes", "hf.parts"),
+        *("hf.rows", "hf.call"),
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "store": ["store.options", "store.parallel", "store.files", "store.prefix_store", "store"],

@@ -275,6 +275,8 @@ class RowSet:
         # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
         refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
         caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+        if self.blocks.tier is not None:  # the blocks a row starts with come back first, with their snapshots
+            self.blocks.lookup(rows, self.space)
         # what the store held before this call computed anything: the K/V an attention-only model would reuse
         held = [self.blocks.cached_length(r[: len(r) - 1], self.space) for r in rows] if split or count else [0] * n
         computed = [0] * n

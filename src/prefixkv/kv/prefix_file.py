@@ -40,6 +40,10 @@ from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 FORMAT = "prefixkv.prefixes"
 FORMAT_VERSION = 3  # 3: codes of head vectors turned with exact sums (2: turned by a matmul; 1: a scale per block)
 TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
+SECTION = "state."
+"""The names of a file's (and a tier entry's) section of its own beside the K/V and the trie: a model's
+recurrent-state snapshots, written and checked above this floor (:mod:`prefixkv.hf.state_files`); read here as
+tensors only, covered by the checksum, carried by :func:`convert`."""
 
 PathLike = str | os.PathLike[str]
 
@@ -68,6 +72,7 @@ class PrefixFile(NamedTuple):
     values: list[torch.Tensor]
     kv_dtype: str | None = None
     scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
+    section: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) the tensors named under :data:`SECTION`
 
 
 # -- write and convert ----------------------------------------------------------------------------------
@@ -148,10 +153,12 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     if count:
         source.write_blocks(everything, blocks_of(file, everything))
         table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
-        for layer in range(len(specs)):
-            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
+        for layer, spec in enumerate(specs):
+            if spec.kv_heads * spec.head_dim:  # a layer without K/V (a recurrent one) has nothing to convert
+                target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        tensors = {name: f.get_tensor(name) for name in TRIE_KEYS}
+        names = [n for n in f.keys() if n in TRIE_KEYS or n.startswith(SECTION)]  # noqa: SIM118 (safe_open is no dict)
+        tensors = {name: f.get_tensor(name) for name in names}
     tensors.update(target.read_blocks(everything))
     meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
     if kv_dtype is not None:
@@ -281,6 +288,7 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         kv.values,
         kv.kv_dtype,
         kv.scales,
+        {name: t for name, t in tensors.items() if name.startswith(SECTION)},
     )
 
 
