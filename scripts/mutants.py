@@ -976,6 +976,23 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
         "a decode step's write that a growth in another thread overtook is lost in the old tensors",
     ),
+    # -- issue 53: saved files and the tiers carry recurrent-state snapshots
+    Mutation(
+        "state-file-snapshot-on-wrong-path",
+        "hf/state_files.py",
+        "out.append((list(leaves[i][: snapshot.position]), snapshot))",
+        "out.append((list(leaves[-1][: snapshot.position]), snapshot))",
+        ("tests/test_hybrid_files.py::test_save_load_merge_and_convert_carry_the_snapshots[lfm2]",),
+        "a loaded snapshot is kept on another saved path than its own: a prompt resumes another prompt's state",
+    ),
+    Mutation(
+        "state-snapshot-nan-unchecked",
+        "hf/state_files.py",
+        "        if not torch.isfinite(t).all():\n",
+        "        if False:\n",
+        ("tests/test_hybrid_files.py::test_a_disk_entry_with_a_bad_snapshot_is_dropped_and_recomputed",),
+        "a tier entry's non-finite snapshot is restored: the next prompt through it resumes a NaN state",
+    ),
 ]
 
 
