@@ -210,9 +210,14 @@ class Carrier:
         """Keep the snapshots ``found`` (a merged file's) whose path the store now holds (``held(path)``: how many of
         its tokens it holds in ``space``) and where none is held yet. Mutates."""
         for path, snapshot in found:
-            there = self.snapshots.find(space, path, len(path))
-            if held(path) >= len(path) and (there is None or there.position < len(path)):
-                self.snapshots.add(space, path, snapshot)
+            if held(path) >= len(path):
+                self._add(space, path, snapshot)
+
+    def _add(self, space: Hashable, path: Sequence[int], snapshot: Snapshot) -> None:
+        """Keep ``snapshot`` of ``path`` unless one is held there already (the same state). Mutates."""
+        there = self.snapshots.find(space, path, snapshot.position)
+        if there is None or there.position < snapshot.position:
+            self.snapshots.add(space, path, snapshot)
 
     def problem(self, tensors: dict[str, torch.Tensor]) -> str | None:
         """What is wrong with the snapshots of a tier entry's tensors (:func:`unpack`), or ``None``. Does not
@@ -237,4 +242,4 @@ class Carrier:
             return
         for snapshot in found:
             if chunk * block_size < snapshot.position <= (chunk + 1) * block_size <= len(tokens):
-                self.snapshots.add(space, tokens, snapshot)
+                self._add(space, tokens, snapshot)

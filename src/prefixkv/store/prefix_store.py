@@ -299,8 +299,8 @@ class PrefixStore:
         self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None
     ) -> prefix_file.PersistStats:
         """Write the cached prefixes (all, or the cached part of each of ``prefixes``) to a safetensors
-        file at ``path``, with the model's fingerprint so it loads only for this model. Does not mutate.
-        See ``docs/persistence.md``.
+        file at ``path``, with the model's fingerprint so it loads only for this model, and for a model with
+        recurrent layers the state snapshots on the saved paths. Does not mutate. See ``docs/persistence.md``.
 
         >>> import prefixkv, torch, tempfile, os
         >>> model = prefixkv.models.tiny_model("llama")
