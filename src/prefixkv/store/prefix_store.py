@@ -31,7 +31,7 @@ from ..hf.states import Snapshots
 from ..kv import prefix_file
 from ..kv.key_space import KeySpace, layer_devices, transformers_model, user_space
 from ..kv.manager import BlockManager
-from ..kv.pool import BlockPool, block_bytes, layer_spec
+from ..kv.pool import BlockPool, block_bytes
 from ..kv.tier import OffloadTier
 from . import files
 from .options import check_options, check_priority, max_blocks, offload_kind
@@ -116,11 +116,9 @@ class PrefixStore:
         devices = layer_devices(model, estimate.num_layers)
         # heads and sizes as the layers hand K/V over, not as the config names them (docs/how-it-works.md)
         measured = shapes.measure(self.hf_model, layer_shapes(model.config), devices[0], self.layer_kinds)
+        # what the pool keeps per token of each layer, as its kind says (a layer without K/V: empty pool tensors)
         specs = [
-            layer_spec(s.key, s.value, d, self.dtype)
-            if self.layer_kinds is None or kinds.writes_kv(self.layer_kinds[i])
-            else layer_spec(*shapes.NO_KV, d, self.dtype)  # no K/V: an empty pool tensor
-            for i, (s, d) in enumerate(zip(measured, devices))
+            kinds.of(self.layer_kinds, i).spec(s, d, self.dtype) for i, (s, d) in enumerate(zip(measured, devices))
         ]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         spare = snapshot_budget(self.layer_kinds, max_memory)  # the snapshots' share of max_memory
@@ -142,11 +140,8 @@ class PrefixStore:
         and they share ``max_memory``: the pool gets what the snapshots' budget (``snapshots.max_bytes``) leaves."""
         self.snapshots.block_size = block_size
         # the snapshots as they go to files and the second tier and come back, checked against the model's own states
-        self._carrier = (
-            None
-            if self.layer_kinds is None
-            else Carrier(self.snapshots, shapes.state_reference(self.hf_model), devices)
-        )
+        stateful = kinds.stateful(self.layer_kinds)
+        self._carrier = Carrier(self.snapshots, shapes.state_reference(self.hf_model), devices) if stateful else None
         kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
         tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model, self._carrier)
         self.blocks = BlockManager(
@@ -315,7 +310,7 @@ class PrefixStore:
         16
         """
         wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
-        snapshots = None if self.layer_kinds is None else self.snapshots
+        snapshots = self.snapshots if kinds.stateful(self.layer_kinds) else None
         return files.save(path, wanted, self.blocks, self.settings, self.model, snapshots)
 
     @classmethod
