@@ -667,8 +667,8 @@ MUTATIONS = [
     Mutation(
         "snapshots-outlive-evicted-paths",
         "store/prefix_store.py",
-        "self.blocks.holdings.trie.watchers.append(self.snapshots.evicted)",
-        "self.blocks.holdings.trie.watchers.clear()",
+        "self.blocks.holdings.trie.watchers.append(",
+        "list().append(",
         ("tests/test_recurrent.py::test_snapshots_go_with_their_paths_in_every_namespace_and_weight_version",),
         "the trie evicts a path's K/V without telling the snapshots: they outlive it, in every namespace",
     ),
@@ -992,6 +992,23 @@ MUTATIONS = [
         "        for name, shape in list(tensors.items())[:2]:\n            out.append(",
         ("tests/test_kinds.py::test_a_kinds_named_tensor_is_saved_loaded_and_tiered",),
         "a file or a tier block keeps K and V alone: a kind's other tensors come back as zeros",
+    ),
+    # -- issue 53: saved files and the tiers carry recurrent-state snapshots
+    Mutation(
+        "state-file-snapshot-on-wrong-path",
+        "hf/state_files.py",
+        "out.append((list(leaves[i][: snapshot.position]), snapshot))",
+        "out.append((list(leaves[-1][: snapshot.position]), snapshot))",
+        ("tests/test_hybrid_files.py::test_save_load_merge_and_convert_carry_the_snapshots[lfm2]",),
+        "a loaded snapshot is kept on another saved path than its own: a prompt resumes another prompt's state",
+    ),
+    Mutation(
+        "state-snapshot-nan-unchecked",
+        "hf/state_files.py",
+        "        if not torch.isfinite(t).all():\n",
+        "        if False:\n",
+        ("tests/test_hybrid_files.py::test_a_disk_entry_with_a_bad_snapshot_is_dropped_and_recomputed",),
+        "a tier entry's non-finite snapshot is restored: the next prompt through it resumes a NaN state",
     ),
 ]
 

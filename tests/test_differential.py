@@ -54,7 +54,7 @@ from hypothesis.stateful import (
 )
 
 import prefixkv
-from prefixkv.base.errors import CapacityError, UnsupportedModelError
+from prefixkv.base.errors import CapacityError
 from prefixkv.compat import releases
 from prefixkv.tools import census
 
@@ -310,8 +310,6 @@ class Differential(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([2, 3, 4]), budget=st.sampled_from(BUDGETS), blocks=st.integers(12, 48))
     def build(self, block_size: int, budget: str, blocks: int) -> None:
-        if self.recurrent and budget == "cpu_tier":  # not carried for recurrent layers (tests/test_recurrent.py)
-            budget = "max_memory"
         probe = prefixkv.PrefixStore(self.model, block_size=block_size)
         per_block = probe.bytes_per_block
         probe.close()
@@ -404,10 +402,6 @@ class Differential(RuleBasedStateMachine):
     def save_and_load(self) -> None:
         assert self.store is not None
         path = Path(self.tmp.name) / "prefixes.safetensors"
-        if self.recurrent:
-            with pytest.raises(UnsupportedModelError, match="recurrent layers"):
-                self.store.save(path)
-            return
         self.store.save(path)
         self.store.close()
         self.store = None

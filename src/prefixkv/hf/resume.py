@@ -227,6 +227,8 @@ def attach_states(
     # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
     refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
     caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+    if held.blocks.tier is not None:  # the blocks a row starts with come back first, with their snapshots
+        held.blocks.lookup(rows, held.space)
     # what the store held before this call computed anything: the K/V an attention-only model would reuse
     cached = [held.blocks.cached_length(r[: len(r) - 1], held.space) for r in rows] if split or count else [0] * n
     computed = [0] * n

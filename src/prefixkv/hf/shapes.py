@@ -36,7 +36,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..base.memory import LayerShape
 from ..compat.releases import forward_cache_kwarg
-from . import kinds, vision
+from . import kinds, states, vision
 from .support import eval_mode
 
 
@@ -113,6 +113,8 @@ def measure(
         assert layer_kinds is not None
         for n, updates, stated in zip(fed, cache.forwards, cache.stated, strict=True):
             _check_kinds(model, layer_kinds, n, updates, stated)
+        stateful = [(i, layer) for i, layer in enumerate(cache.layers) if layer_kinds[i].has_state]
+        _REFERENCE[model] = states.take(stateful, 0, 0)  # the shapes a snapshot read back must have
         with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
             _check_resumes(model, text, name, device)
             _PADDED[model] = _padded_states(model, text, name, device)
@@ -182,6 +184,16 @@ _PADDED: weakref.WeakKeyDictionary[Any, tuple[str, bool] | None] = weakref.WeakK
 # docs/architectures.md (transformers 4.57's chunked attention gives 3e-8 in float64 by another order of sums, where a
 # position counted in columns gives 1e-3); other dtypes are not checked
 _RESUME_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
+
+
+_REFERENCE: weakref.WeakKeyDictionary[Any, states.Snapshot] = weakref.WeakKeyDictionary()
+
+
+def state_reference(model: Any) -> states.Snapshot | None:
+    """A snapshot of ``model``'s own states (measured by :func:`measure`; ``None`` for a model without recurrent
+    layers or not measured): the names, shapes, dtypes and kernel sizes that a snapshot read back from a file or a
+    tier must have (:mod:`prefixkv.hf.state_files`). Does not mutate."""
+    return _REFERENCE.get(model)
 
 
 def padded_refusal(model: Any) -> tuple[str, bool] | None:

@@ -183,22 +183,42 @@ class Snapshots:
 
     def evicted(self, space: Hashable, node: Node) -> None:
         """The trie evicted ``node`` of ``space`` (its ``parent`` chain still spells its path): drop the snapshots on
-        its stretch of path, whose K/V the store no longer holds. Costs that stretch, not the snapshots held.
+        its stretch of path, whose K/V the store no longer holds (:meth:`leave`). Mutates."""
+        self.leave(space, node)
+
+    def leave(self, space: Hashable, node: Node) -> list[Snapshot]:
+        """:meth:`evicted`, returning the snapshots dropped (a second tier keeps them with the node's blocks:
+        :class:`prefixkv.hf.state_files.Carrier`). Costs the node's stretch of path, not the snapshots held.
         Mutates."""
+        gone: list[Snapshot] = []
         with self._lock:
             counts = self._positions.get(space)
             if not counts:
-                return
+                return gone
             lo, hi = node.start, node.end
             span = range(lo + 1, hi + 1)
             hits = [p for p in span if p in counts] if len(span) < len(counts) else [p for p in counts if lo < p <= hi]
             if not hits:
-                return
+                return gone
             path = path_tokens(node)
             for p in hits:
                 key = (space, tuple(path[:p]))
                 if key in self._held:
+                    gone.append(self._held[key])
                     self._drop(key, "path")
+        return gone
+
+    def along(self, space: Hashable, keys: Sequence[int], after: int = 0) -> list[Snapshot]:
+        """The snapshots of ``space`` on the path ``keys`` at positions past ``after`` (up to ``len(keys)``),
+        shallowest first. Costs that stretch or the positions held, whichever is less. Does not mutate."""
+        with self._lock:
+            counts = self._positions.get(space, {})
+            span = range(after + 1, len(keys) + 1)
+            positions = (
+                [p for p in span if p in counts] if len(span) < len(counts) else sorted(p for p in counts if p in span)
+            )
+            found = (self._held.get((space, tuple(keys[:p]))) for p in positions)
+            return [s for s in found if s is not None]
 
     def _drop(self, key: Key, why: str | None) -> None:
         snapshot = self._held.pop(key)

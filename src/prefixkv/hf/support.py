@@ -230,16 +230,16 @@ def eval_mode(model: Any) -> Iterator[None]:
             module.training = training
 
 
-def state_option_refusal(model: Any, *, invariant: bool, offload: bool, kv_dtype: str | None) -> str | None:
+def state_option_refusal(model: Any, *, invariant: bool, kv_dtype: str | None) -> str | None:
     """Why a store of ``model`` cannot take these options when the model has recurrent layers
     (:func:`prefixkv.hf.kinds.layer_kinds`), or ``None``. Their state snapshots live in memory at token positions:
-    an invariant store's canonical chunks, the second tier and 8-bit K/V are not carried for them yet. Does not
+    an invariant store's canonical chunks and 8-bit K/V are not carried for them yet. Does not
     mutate."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if text is None or not kinds.stateful(kinds.layer_kinds(text)):
         return None
-    options = (("invariant=True/chunk_size", invariant), ("offload/offload_dir", offload), ("kv_dtype", kv_dtype))
+    options = (("invariant=True/chunk_size", invariant), ("kv_dtype", kv_dtype))
     asked = [name for name, on in options if on]
     if not asked:
         return None

@@ -43,6 +43,10 @@ from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 FORMAT = "prefixkv.prefixes"
 FORMAT_VERSION = 3  # 3: codes of head vectors turned with exact sums (2: turned by a matmul; 1: a scale per block)
 TRIE_KEYS = ("trie.parent", "trie.length", "trie.tokens", "trie.num_blocks", "trie.blocks")
+SECTION = "state."
+"""The names of a file's (and a tier entry's) section of its own beside the K/V and the trie: a model's
+recurrent-state snapshots, written and checked above this floor (:mod:`prefixkv.hf.state_files`); read here as
+tensors only, covered by the checksum, carried by :func:`convert`."""
 
 PathLike = str | os.PathLike[str]
 
@@ -71,6 +75,7 @@ class PrefixFile(NamedTuple):
     tensors: dict[str, torch.Tensor]
     blocks: int
     kv_dtype: str | None = None
+    section: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) the tensors named under :data:`SECTION`
 
 
 # -- write and convert ----------------------------------------------------------------------------------
@@ -152,10 +157,13 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
         source.write_blocks(everything, blocks_of(file, everything))
         table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
         for layer, spec in enumerate(specs):
-            for name in spec.tensors:
-                target.write_tensor(layer, name, slots, source.gather_blocks_tensor(layer, name, table, count * bs))
+            for name, (heads, size) in spec.tensors.items():
+                if heads * size:  # a layer without K/V (a recurrent one) has nothing to convert
+                    gathered = source.gather_blocks_tensor(layer, name, table, count * bs)
+                    target.write_tensor(layer, name, slots, gathered)
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        tensors = {name: f.get_tensor(name) for name in TRIE_KEYS}
+        names = [n for n in f.keys() if n in TRIE_KEYS or n.startswith(SECTION)]  # noqa: SIM118 (safe_open is no dict)
+        tensors = {name: f.get_tensor(name) for name in names}
     tensors.update(target.read_blocks(everything))
     meta = {k: v for k, v in file.meta.items() if k not in ("checksum", "kv_dtype")}
     if kv_dtype is not None:
@@ -281,6 +289,7 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         {s.stored: t for s, t in kv.tensors},
         kv.blocks,
         kv.kv_dtype,
+        {name: t for name, t in tensors.items() if name.startswith(SECTION)},
     )
 
 

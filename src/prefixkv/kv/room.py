@@ -15,6 +15,7 @@ import torch
 
 from ..base.errors import CapacityError
 from ..base.memory import format_bytes
+from . import prefix_file
 from .holdings import Holdings
 from .key_space import WeightsChanged
 from .tier import OffloadTier, chunk_keys
@@ -124,17 +125,20 @@ class Room:
     # -- the second tier ------------------------------------------------------------------------------
 
     def _offload(self, tier: OffloadTier, node: Node) -> None:
-        """Copy the whole blocks of an evicted node to the tier. Mutates the tier only."""
+        """Copy the whole blocks of an evicted node to the tier, each with the section its payload gives it (an
+        entry held already is written again when it gets one). Mutates the tier only."""
         h = self._holdings
         bs = h.block_size
         first, end = node.start // bs, node.end // bs  # chunks [first, end) lie wholly before the edge's end
         space = self._trie.space_of(node)
+        extra = {} if tier.payload is None else tier.payload.leaving(space, node, bs)
         if end <= first or isinstance(space, WeightsChanged):
             return
         keys = chunk_keys(path_tokens(node), bs, end, space)
         for c in range(first, end):
-            if not tier.touch(keys[c]):
-                tier.put(keys[c], h.pool.read_blocks([node.blocks[c - first]]), repr(space))
+            if c in extra or not tier.touch(keys[c]):
+                block = h.pool.read_blocks([node.blocks[c - first]])
+                tier.put(keys[c], {**block, **extra.get(c, {})}, repr(space), replace=c in extra)
 
     def restore(self, rows: list[list[int]], space: Hashable) -> None:
         """Bring back from the second tier the whole blocks that extend each row's match in the trie, and insert
@@ -177,11 +181,16 @@ class Room:
                     if (c0 + n) * bs <= m.length:
                         continue
                     fresh = alloc.allocate(n)
+                    kv = [name for name in blocks[0] if not name.startswith(prefix_file.SECTION)]
                     try:
-                        h.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in blocks[0]})
+                        h.pool.write_blocks(fresh, {name: torch.cat([b[name] for b in blocks]) for name in kv})
                         node = h.insert(row[: (c0 + n) * bs], m.blocks[:c0] + fresh, space)
                     finally:
                         alloc.decref(fresh)  # the restore's own hold: the trie holds them now, or nothing does
+                    for j, block in enumerate(blocks):
+                        section = {name: t for name, t in block.items() if name.startswith(prefix_file.SECTION)}
+                        if section and tier.payload is not None:
+                            tier.payload.arrived(space, row, c0 + j, bs, section)
                     trie.lock(node)
                     held.append(node)
                     tier.count_restored(n, (c0 + n) * bs - m.length)

@@ -14,6 +14,11 @@ reads it back memory-mapped. A disk file is written under a temporary name and r
 carries the metadata and checksum of :mod:`prefixkv.kv.prefix_file`: a write cut short by a crash leaves only a
 temporary file, which is never read; a file whose checksum fails is dropped with a warning.
 
+An entry may carry a section of its own beside the block's K/V (tensors named under
+:data:`prefixkv.kv.prefix_file.SECTION`: a model's recurrent-state snapshots inside the block), which the tier's
+:class:`Payload` hands it when the block leaves the pool and takes back when it returns; the tier keeps and checks
+it as the rest of the entry (``check``), and knows nothing else of it.
+
 A directory may be shared (two workers, two models of one shape, a plain and an int8 store): a file's name
 starts with the store's *identity*, a hash of what its K/V depend on besides the tokens (model fingerprint,
 dtype, quantization, block size), and every read checks the file's metadata and key space against the reader's,
@@ -38,16 +43,35 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
 from ..base.stats import TierStats
 from . import prefix_file
+from .nodes import Node
 
 KINDS = ("cpu", "disk")
 BLOCK_FORMAT = "prefixkv.block"
 _SUFFIX = ".safetensors"
+
+
+class Payload(Protocol):
+    """What rides with a tier's blocks, handed down from above this floor (for a model with recurrent layers, the
+    snapshots of :class:`prefixkv.hf.state_files.Carrier`)."""
+
+    def leaving(self, space: Hashable, node: Node, block_size: int) -> dict[int, dict[str, torch.Tensor]]:
+        """Per whole chunk of the evicted ``node`` (key space ``space``), the section its tier entry carries.
+        Mutates (hands it over)."""
+        ...
+
+    def arrived(
+        self, space: Hashable, tokens: Sequence[int], chunk: int, block_size: int, tensors: dict[str, torch.Tensor]
+    ) -> None:
+        """Chunk ``chunk`` of ``tokens`` came back into the trie (key space ``space``) with the section ``tensors``.
+        Mutates."""
+        ...
 
 
 def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
@@ -104,6 +128,8 @@ class OffloadTier:
         self.max_bytes = max_bytes
         self.meta = dict(meta or {})
         self._check = check
+        self.payload: Payload | None = None
+        """What rides with the blocks (set by the store; ``None``: nothing)."""
         self.directory = None if directory is None else Path(directory)
         # file names start with a hash of the metadata: stores of another model, dtype, quantization or block size
         # sharing the directory never write or list each other's files (the same tokens give the same key)
@@ -170,13 +196,15 @@ class OffloadTier:
         self._sizes.move_to_end(key)
         return True
 
-    def put(self, key: str, tensors: dict[str, torch.Tensor], space: str = "") -> bool:
+    def put(self, key: str, tensors: dict[str, torch.Tensor], space: str = "", *, replace: bool = False) -> bool:
         """Keep a block (one ``[1, ...]`` tensor per name) of key space ``space`` (its ``repr``) under ``key``,
-        dropping least recently used entries for room; an entry already held is only marked used. Returns whether
-        it is held: a write that fails (a full disk, a removed directory) keeps nothing, with one warning per tier.
-        Mutates.
+        dropping least recently used entries for room; an entry already held is only marked used (with ``replace``,
+        written again: it carries another section). Returns whether it is held: a write that fails (a full disk, a
+        removed directory) keeps nothing, with one warning per tier. Mutates.
 
         A disk entry's size is its file's, header included."""
+        if replace and key in self._sizes:
+            self._drop(key)
         if self.touch(key):
             return True
         size = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -15,6 +15,8 @@ import torch
 from ..base.errors import PersistError
 from ..base.memory import parse_bytes
 from ..base.settings import StoreSettings
+from ..hf.state_files import Carrier, file_section
+from ..hf.states import Snapshot, Snapshots
 from ..kv import persist, prefix_file
 from ..kv.fingerprint import fingerprint
 from ..kv.key_space import autocast_in
@@ -46,9 +48,11 @@ def offload_tier(
     settings: StoreSettings,
     specs: list[LayerSpec],
     model: Any,
+    carrier: Carrier | None = None,
 ) -> OffloadTier | None:
     """The second tier ``PrefixStore(offload=...)`` asks for (``None`` without): blocks in host memory or in files
-    of ``offload_dir`` (created if missing) whose metadata ties them to the store's K/V (:func:`file_meta`)."""
+    of ``offload_dir`` (created if missing) whose metadata ties them to the store's K/V (:func:`file_meta`), with
+    the recurrent-state snapshots inside each block for a model with recurrent layers (``carrier``)."""
     if offload is None:
         return None
     limit = None if max_offload_memory is None else parse_bytes(max_offload_memory)
@@ -56,11 +60,20 @@ def offload_tier(
     # directory serves a model under each of its adapters
     model_print = fingerprint(model, adapters=False)
     if offload != "disk":
-        return OffloadTier(offload, max_bytes=limit, directory=offload_dir)
-    meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT)
-    # a file's tensors are checked as a saved file's: a right checksum proves only that they were written so
-    check = functools.partial(prefix_file.block_problem, meta=meta)
-    return OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta, check=check)
+        tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir)
+    else:
+        meta = file_meta(settings, specs, model, model_print, BLOCK_FORMAT)
+        # a file's tensors are checked as a saved file's: a right checksum proves only that they were written so
+        check = functools.partial(_entry_problem, meta=meta, carrier=carrier)
+        tier = OffloadTier(offload, max_bytes=limit, directory=offload_dir, meta=meta, check=check)
+    tier.payload = carrier
+    return tier
+
+
+def _entry_problem(tensors: dict[str, torch.Tensor], meta: dict[str, str], carrier: Carrier | None) -> str | None:
+    """What is wrong with a disk tier entry's K/V (:func:`prefixkv.kv.prefix_file.block_problem`) or its snapshots
+    (:meth:`prefixkv.hf.state_files.Carrier.problem`), or ``None``. Does not mutate."""
+    return prefix_file.block_problem(tensors, meta) or (None if carrier is None else carrier.problem(tensors))
 
 
 def save(
@@ -69,9 +82,12 @@ def save(
     blocks: BlockManager,
     settings: StoreSettings,
     model: Any,
+    snapshots: Snapshots | None = None,
 ) -> prefix_file.PersistStats:
     """Write the prefixes ``blocks`` hold (all, or the cached part of each of ``wanted``) to ``path``, with
-    ``model``'s fingerprint (:meth:`prefixkv.PrefixStore.save`). Does not mutate the store."""
+    ``model``'s fingerprint (:meth:`prefixkv.PrefixStore.save`) and, for a model with recurrent layers, the
+    ``snapshots`` on the saved paths (:func:`prefixkv.hf.state_files.file_section`; ``states`` in the metadata
+    counts them). Does not mutate the store."""
     now = getattr(model, "dtype", settings.model_dtype)
     if now != settings.model_dtype:
         raise PersistError(
@@ -80,8 +96,23 @@ def save(
         )
     _outside_autocast(blocks, "save")
     model_print = fingerprint(model)
-    nodes, tensors, saved = blocks.archive.export(wanted, blocks.space())
-    return prefix_file.write(path, tensors, file_meta(settings, blocks.pool.specs, model, model_print), nodes, saved)
+    space = blocks.space()
+    nodes, tensors, saved = blocks.archive.export(wanted, space)
+    meta = file_meta(settings, blocks.pool.specs, model, model_print)
+    if snapshots is not None:
+        section, count = file_section(snapshots, space, leaf_paths(nodes))
+        tensors.update(section)
+        meta["states"] = str(count)
+    return prefix_file.write(path, tensors, meta, nodes, saved)
+
+
+def leaf_paths(nodes: list[prefix_file.Saved]) -> list[list[int]]:
+    """The whole path of each leaf of saved ``nodes`` (parents first), in file order: the order of a read file's
+    ``paths``. Does not mutate."""
+    paths: list[list[int]] = []
+    for n in nodes:
+        paths.append((paths[n.parent] if n.parent >= 0 else []) + n.tokens)
+    return [p for p, n in zip(paths, nodes) if not n.children]
 
 
 def load_options(
@@ -108,16 +139,45 @@ def add_file(
     file: prefix_file.PrefixFile,
     path: str | os.PathLike[str],
     model: Any,
+    carrier: Carrier | None = None,
 ) -> prefix_file.PersistStats:
     """Add the prefixes of ``file`` to ``blocks``, within their budget, after refusing a file computed in another
     prefill schedule than ``chunk_size``'s, with other shapes than the pool's or by another model than ``model``
-    (:func:`prefixkv.kv.prefix_file.check_model`). Mutates ``blocks``
+    (:func:`prefixkv.kv.prefix_file.check_model`), or, for a model with recurrent layers (``carrier``), with
+    snapshots missing or malformed; then its snapshots on the paths the store holds. Mutates ``blocks``
     only once the file is known to fit (:meth:`prefixkv.kv.persist.Archive.merge`)."""
     _check_schedule(chunk_size, file, path)
     _check_ranks(file, path, model)
     _outside_autocast(blocks, "load")
     prefix_file.check_model(file, path, model, blocks.pool.specs)
-    return blocks.archive.merge(file, blocks.space())
+    found = [] if carrier is None else _file_snapshots(carrier, file, path)
+    space = blocks.space()
+    stats = blocks.archive.merge(file, space)
+    if carrier is not None:
+        carrier.keep(space, found, lambda tokens: blocks.cached_length(tokens, space))
+    return stats
+
+
+def _file_snapshots(
+    carrier: Carrier, file: prefix_file.PrefixFile, path: str | os.PathLike[str]
+) -> list[tuple[list[int], Snapshot]]:
+    """The recurrent-state snapshots of ``file`` with their paths, checked against the store's model
+    (:meth:`prefixkv.hf.state_files.Carrier.from_file`); :class:`PersistError` for missing or malformed ones, as for
+    a bad block. Does not mutate."""
+    count = file.meta.get("states")
+    if count is None or not count.isdigit():
+        raise PersistError(
+            f"{path} names no count of recurrent-state snapshots ('states' in its metadata), which every file of a "
+            "model with recurrent layers has: without them it could resume no prefix. It was not written by "
+            "PrefixStore.save for this model; save the prefixes again"
+        )
+    try:
+        return carrier.from_file(file.section, [tokens for tokens, _ in file.paths], int(count))
+    except ValueError as e:
+        raise PersistError(
+            f"{path} holds malformed recurrent-state snapshots: {e}. Reused, they would give wrong output; the file "
+            "was damaged or edited after it was written: save the prefixes again"
+        ) from None
 
 
 def _outside_autocast(blocks: BlockManager, what: str) -> None:

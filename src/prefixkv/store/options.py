@@ -56,9 +56,9 @@ def check_options(
     check_kv_dtype(kv_dtype)
     # how attention reads the pool; it changes no K/V, so keys and files leave it out
     asked = registry.check_backend(attention)
-    kind = offload_kind(offload, max_offload_memory, offload_dir)
+    offload_kind(offload, max_offload_memory, offload_dir)  # the offload options, checked
     check_supported(model)
-    refusal = state_option_refusal(model, invariant=chunk is not None, offload=kind is not None, kv_dtype=kv_dtype)
+    refusal = state_option_refusal(model, invariant=chunk is not None, kv_dtype=kv_dtype)
     if refusal is not None:
         raise ValueError(refusal)
     model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)

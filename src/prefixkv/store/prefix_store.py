@@ -18,7 +18,7 @@ import torch
 
 from ..attention import interface
 from ..base import display
-from ..base.errors import CacheMisuseError, UnsupportedModelError
+from ..base.errors import CacheMisuseError
 from ..base.family import model_errors
 from ..base.memory import attention_shape, format_bytes, layer_shapes, parse_bytes, snapshot_budget
 from ..base.stats import CacheStats, StoreStats
@@ -26,6 +26,7 @@ from ..base.tokens import as_token_list
 from ..hf import kinds, shapes
 from ..hf.hooks import attach_hooks, install_generation_wrappers
 from ..hf.runner import ModelRunner
+from ..hf.state_files import Carrier
 from ..hf.states import Snapshots
 from ..kv import prefix_file
 from ..kv.key_space import KeySpace, layer_devices, transformers_model, user_space
@@ -138,8 +139,11 @@ class PrefixStore:
         """The recurrent layers' state snapshots (docs/memory.md, "Recurrent state"): empty for other models. The pool
         and they share ``max_memory``: the pool gets what the snapshots' budget (``snapshots.max_bytes``) leaves."""
         self.snapshots.block_size = block_size
+        # the snapshots as they go to files and the second tier and come back, checked against the model's own states
+        stateful = kinds.stateful(self.layer_kinds)
+        self._carrier = Carrier(self.snapshots, shapes.state_reference(self.hf_model), devices) if stateful else None
         kind = offload_kind(offload, max_offload_memory, offload_dir)  # offload_dir alone: the disk tier
-        tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model)
+        tier = files.offload_tier(kind, max_offload_memory, offload_dir, settings, specs, model, self._carrier)
         self.blocks = BlockManager(
             BlockPool(specs, block_size, first + 1, kv_dtype),
             chunk_size=settings.chunk_size,
@@ -148,8 +152,11 @@ class PrefixStore:
             tier=tier,
             key_space=KeySpace(model),
         )
-        # a snapshot goes with its path's K/V, in whichever key space the trie evicts them
-        self.blocks.holdings.trie.watchers.append(self.snapshots.evicted)
+        # a snapshot goes with its path's K/V, in whichever key space the trie evicts them (to the tier, with one)
+        carrier = self._carrier
+        self.blocks.holdings.trie.watchers.append(
+            carrier.evicted if tier is not None and carrier is not None else self.snapshots.evicted
+        )
         self.runner = ModelRunner(self)
         # the switch to prefixkv attention that the backend was chosen for (interface.can_install); the line that
         # says which backend reads the pool and why is the settings' (docs/generate.md)
@@ -287,8 +294,8 @@ class PrefixStore:
         self, path: str | os.PathLike[str], prefixes: Iterable[Sequence[int] | torch.Tensor] | None = None
     ) -> prefix_file.PersistStats:
         """Write the cached prefixes (all, or the cached part of each of ``prefixes``) to a safetensors
-        file at ``path``, with the model's fingerprint so it loads only for this model. Does not mutate.
-        See ``docs/persistence.md``.
+        file at ``path``, with the model's fingerprint so it loads only for this model, and for a model with
+        recurrent layers the state snapshots on the saved paths. Does not mutate. See ``docs/persistence.md``.
 
         >>> import prefixkv, torch, tempfile, os
         >>> model = prefixkv.models.tiny_model("llama")
@@ -302,9 +309,9 @@ class PrefixStore:
         >>> prefixkv.PrefixStore.load(path, model).stats.cached_tokens
         16
         """
-        self._refuse_files("save")
         wanted = None if prefixes is None else [as_token_list(p) for p in prefixes]
-        return files.save(path, wanted, self.blocks, self.settings, self.model)
+        snapshots = self.snapshots if kinds.stateful(self.layer_kinds) else None
+        return files.save(path, wanted, self.blocks, self.settings, self.model, snapshots)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], model: Any, **kwargs: Any) -> PrefixStore:
@@ -314,8 +321,7 @@ class PrefixStore:
         file = prefix_file.read(path)
         store = cls(model, **files.load_options(file, path, model, kwargs))
         try:
-            store._refuse_files("load")
-            files.add_file(store.blocks, store.chunk_size, file, path, model)
+            files.add_file(store.blocks, store.chunk_size, file, path, model, store._carrier)
         except BaseException:
             store.close()
             raise
@@ -334,20 +340,9 @@ class PrefixStore:
         """Add the prefixes saved at ``path`` to this store, within its budget (evicting least recently
         used prefixes for room). Mutates only after the file is verified and known to fit; raises
         :class:`PersistError` or :class:`CapacityError` otherwise, leaving the store unchanged."""
-        self._refuse_files("merge")
         file = prefix_file.read(path)
         prefix_file.check_compatible(file, path, self.block_size, self.dtype, self.model_dtype, self.kv_dtype)
-        return files.add_file(self.blocks, self.chunk_size, file, path, self.model)
-
-    def _refuse_files(self, action: str) -> None:
-        """Raise :class:`UnsupportedModelError` for a file of a model with recurrent layers, whose state snapshots
-        live in memory only. Does not mutate."""
-        if kinds.stateful(self.layer_kinds):
-            raise UnsupportedModelError(
-                f"PrefixStore.{action}: this model has recurrent layers (linear attention, Mamba or short "
-                "convolutions), whose state snapshots prefixkv keeps in memory only, and a file of their K/V alone "
-                "could resume no prefix; files are not supported for such models yet"
-            )
+        return files.add_file(self.blocks, self.chunk_size, file, path, self.model, self._carrier)
 
     def close(self) -> None:
         """Detach from the model: remove the hooks and restore its attention implementation. Mutates."""
