@@ -976,6 +976,14 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
         "a decode step's write that a growth in another thread overtook is lost in the old tensors",
     ),
+    Mutation(
+        "hybrid-invariant-call-publishes",
+        "hf/rows.py",
+        "self.publishes = chunk is None or not split",
+        "self.publishes = True",
+        ("tests/test_hybrid_modes.py::test_invariant_warm_is_bit_identical_to_cold_in_bfloat16[lfm2]",),
+        "an invariant store's generate call on a hybrid publishes its end: a later call resumes off the chunk schedule",
+    ),
 ]
 
 

@@ -28,7 +28,7 @@ from ..base.family import family
 from ..compat import patching, releases
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
-from . import proof
+from . import proof, support
 from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
@@ -397,12 +397,11 @@ def compile_refusal(store: StoreParts) -> str | None:
     release = releases.compile_refusal(store.hf_model)
     if release is not None:
         return release
-    if store.layer_kinds is not None:
-        return (
-            f"this {family(store.hf_model)} model has recurrent layers, whose states the compiled step does not carry "
-            "(their cache layers are selected and snapshotted in Python)"
-        )
-    if not interface.serves(store.hf_model):
+    # a hybrid's recurrent layers step in the graph as they do eagerly (transformers 5's LinearAttentionLayer keeps
+    # static shapes); transformers' hybrids run sdpa through AttentionInterface without declaring it, and the step's
+    # K/V reach that sdpa under the step's mask as a StaticCache's do (docs/architectures.md, "Recurrent and hybrid")
+    hybrid_sdpa = store.layer_kinds is not None and support.attends_through_interface(store.hf_model)
+    if not interface.serves(store.hf_model) and not hybrid_sdpa:
         return (
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "
             "its compiled step is not one of prefixkv's"

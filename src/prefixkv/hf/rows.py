@@ -100,6 +100,15 @@ def chunk_end(keys: list[int], chunk: int) -> int:
     return min(len(keys) - 1, hidden) // chunk * chunk
 
 
+def state_cap(keys: list[int], chunk: int | None, split: bool) -> int:
+    """How far a row of a model with recurrent layers may resume (the position of a snapshot at most this deep): up
+    to its last token (one stays uncached); in an invariant store the end of its canonical chunks (:func:`chunk_end`),
+    or, for the runner's chunk forwards (not ``split``), every whole chunk it holds. Does not mutate."""
+    if chunk is None:
+        return len(keys) - 1
+    return chunk_end(keys, chunk) if split else len(keys) // chunk * chunk
+
+
 def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
     """``attention_mask`` as a CPU bool tensor, after checking its shape and that it holds only 0 and 1 (of
     any dtype: a float 0.5 is an error, not padding). Does not mutate."""
@@ -269,12 +278,12 @@ class RowSet:
         prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
         from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
         call then resumes at its last token. Mutates."""
-        snapshots, n, plan = store.snapshots, len(rows), self.images
+        snapshots, n, plan, chunk = store.snapshots, len(rows), self.images, store.settings.chunk_size
         states.clear(self.states)
-        self.publishes = True
+        self.publishes = chunk is None or not split  # in an invariant store only the runner's chunk forwards publish
         # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
         refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
-        caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+        caps = [0 if refusal is not None else state_cap(r, chunk, split) for r in rows]
         # what the store held before this call computed anything: the K/V an attention-only model would reuse
         held = [self.blocks.cached_length(r[: len(r) - 1], self.space) for r in rows] if split or count else [0] * n
         computed = [0] * n
@@ -371,6 +380,8 @@ class RowSet:
             )
         if deepest == cap:
             return [], [], why
+        if store.settings.chunk_size is not None:  # the canonical schedule: a snapshot at every chunk's end
+            return list(range(deepest + store.settings.chunk_size, cap + 1, store.settings.chunk_size)), [], why
         junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
         kept = sorted(j for j in junctions if deepest < j < cap)
         return sorted({*kept, cap}), kept, why
