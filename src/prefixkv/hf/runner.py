@@ -19,6 +19,7 @@ from ..base.stats import CacheStats, RowStats
 from ..base.tokens import common_length, is_image_key
 from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
+from . import kinds
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 from .states import MIN_STEP
@@ -80,7 +81,7 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
                 cache.forward.rows.attach(store, [0], [tokens], count=False, chunks=True)
                 for start in range(cache.get_seq_length(), len(tokens), chunk):
                     _forward(cache, tokens[start : start + chunk])
-                    if store.layer_kinds is not None:  # recurrent layers resume from a snapshot at a chunk's end
+                    if kinds.stateful(store.layer_kinds):  # recurrent layers resume from a chunk end's snapshot
                         cache.forward.rows.snapshot_row(store.snapshots)
         yield held
 
