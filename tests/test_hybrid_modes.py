@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from conftest import cache_kw, compare, random_tokens, reference_cache, stock_twin
+from conftest import cache_kw, compare, left_pad, random_tokens, reference_cache, stock_twin
 from test_quant import EXACT, FP8_QUALITY
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache
@@ -120,6 +120,34 @@ def test_invariant_warm_is_bit_identical_to_cold_in_bfloat16(family: str) -> Non
         again, stats = run(model, store, ids)
         assert stats.cached_tokens == 24 and all(len(path) % CHUNK == 0 for _, path in store.snapshots._held)
         assert_identical(again, ref)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1"])
+@pytest.mark.parametrize(
+    "setting",
+    [{"do_sample": False}, {"num_beams": 3, "do_sample": False}, {"do_sample": True, "num_return_sequences": 2}],
+    ids=["greedy", "beams", "sampling"],
+)
+def test_an_invariant_padded_batch_is_bit_identical_warm_and_cold(family: str, setting: dict[str, Any]) -> None:
+    """A left-padded batch whose rows share a prefix, greedy, beams and seeded sampling: warm (after an earlier call
+    cached a prefix of the longer row) equals cold. The rows' chunk ends lie at other columns (pads), so the batch
+    resumes at column 0, cold and warm alike: one offset per batch."""
+    model = tiny(family, torch.bfloat16)
+    a = random_tokens(26, seed=16)
+    ids, mask = left_pad([a, torch.cat([a[:18], random_tokens(3, seed=5)])])
+    outs = []
+    for earlier in (None, a[None, :13]):
+        with invariant_store(model) as store:
+            if earlier is not None:
+                run(model, store, earlier)
+            torch.manual_seed(0)
+            with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
+                outs.append(model.generate(
+                    ids, attention_mask=mask, cache=cache, max_new_tokens=5, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=0, **setting,
+                ))  # fmt: skip
+            store.check_invariants()
+    assert_identical(outs[1], outs[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
