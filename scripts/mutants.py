@@ -243,7 +243,7 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-on-a-models-own-attention",
         "hf/forward.py",
-        "    if not interface.serves(store.hf_model):\n",
+        "    if not interface.serves(store.hf_model) and not hybrid_sdpa:\n",
         "    if False:\n",
         ("tests/test_compiled.py::test_every_family_takes_compiled_steps_or_says_why",),
         "Falcon-RW and Bloom take compiled steps their own attention cannot read: errors on ALiBi and padding",
@@ -1009,6 +1009,14 @@ MUTATIONS = [
         "        if False:\n",
         ("tests/test_hybrid_files.py::test_a_disk_entry_with_a_bad_snapshot_is_dropped_and_recomputed",),
         "a tier entry's non-finite snapshot is restored: the next prompt through it resumes a NaN state",
+    ),
+    Mutation(
+        "hybrid-invariant-call-publishes",
+        "hf/rows.py",
+        "        self.publishes = store.settings.chunk_size is None or chunks\n        if self.states:",
+        "        self.publishes = True\n        if self.states:",
+        ("tests/test_hybrid_modes.py::test_invariant_warm_is_bit_identical_to_cold_in_bfloat16[lfm2]",),
+        "an invariant store's generate call on a hybrid publishes its end: a later call resumes off the chunk schedule",
     ),
 ]
 

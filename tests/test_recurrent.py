@@ -231,23 +231,10 @@ def test_enable_serves_recurrent_layers_as_stock(lfm2: Any) -> None:
     assert store.stats.hit_tokens == ids.shape[1] - 1  # the second call resumed before its last token
 
 
-@pytest.mark.parametrize(
-    ("options", "match"),
-    [
-        ({"invariant": True, "chunk_size": 4}, "invariant=True"),
-        ({"kv_dtype": "int8"}, "kv_dtype"),
-    ],
-)
-def test_options_not_carried_are_refused_with_the_reason(lfm2: Any, options: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=f"recurrent layers.*{match}.*not supported"):
-        prefixkv.PrefixStore(lfm2, block_size=4, **options)
-
-
-def test_crops_drafts_and_compiled_steps_are_refused(lfm2: Any) -> None:
+def test_crops_and_drafts_are_refused(lfm2: Any) -> None:
     store = prefixkv.PrefixStore(lfm2, block_size=4)
     ids = random_tokens(9, seed=9)[None]
     with prefixkv.PagedPrefixCache(store, ids) as cache:
-        assert not cache.is_compileable and "recurrent layers" in cache.compile_reason
         lfm2.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
         with pytest.raises(CacheMisuseError, match="state cannot be cropped"):
             cache.crop(-1)

@@ -29,7 +29,7 @@ from ..base.slots import slot_table
 from ..compat import patching, releases
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
-from . import kinds, proof, resume
+from . import kinds, proof, resume, support
 from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
@@ -421,15 +421,14 @@ def compile_refusal(store: StoreParts) -> str | None:
     release = releases.compile_refusal(store.hf_model)
     if release is not None:
         return release
-    if kinds.stateful(store.layer_kinds):
-        return (
-            f"this {family(store.hf_model)} model has recurrent layers, whose states the compiled step does not carry "
-            "(their cache layers are selected and snapshotted in Python)"
-        )
     kept = sorted({name for s in store.blocks.pool.specs for name, _ in s.extra})
     if kept:
         return f"its layers keep per-token tensors besides K and V ({', '.join(kept)}), which the step does not write"
-    if not interface.serves(store.hf_model):
+    # a hybrid's recurrent layers step in the graph as they do eagerly (transformers 5's LinearAttentionLayer keeps
+    # static shapes); transformers' hybrids run sdpa through AttentionInterface without declaring it, and the step's
+    # K/V reach that sdpa under the step's mask as a StaticCache's do (docs/architectures.md, "Recurrent and hybrid")
+    hybrid_sdpa = kinds.stateful(store.layer_kinds) and support.attends_through_interface(store.hf_model)
+    if not interface.serves(store.hf_model) and not hybrid_sdpa:
         return (
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "
             "its compiled step is not one of prefixkv's"

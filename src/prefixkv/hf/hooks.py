@@ -117,12 +117,12 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             keyed = vision.KEYED
             inputs, kwargs = _feed_images(forward.rows, plan, inputs, kwargs)
         forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step, keyed=keyed))
-        if forward.step is not None and serves(model):
-            # a compiled step: prefixkv attention hands the call to the model's own, in the graph
-            # (prefixkv.attention.static); the forward's masks are as wide as the step's slot table, a size of the
-            # graph as the table's width is
+        if forward.step is not None:
+            # a compiled step: the forward's masks are as wide as the step's slot table, a size of the graph as the
+            # table's width is; prefixkv attention hands the call to the model's own, in the graph
+            # (prefixkv.attention.static), and a hybrid's own sdpa takes the step's K/V as they are
             mark_width(kwargs.get("attention_mask"))
-            return args, {**kwargs, STEP_KWARG: True}
+            return args, {**kwargs, STEP_KWARG: True} if serves(model) else kwargs
         return (args, kwargs) if plan is not None else None
 
     @outside_compile

@@ -93,6 +93,15 @@ def chunk_end(keys: list[int], chunk: int) -> int:
     return min(len(keys) - 1, hidden) // chunk * chunk
 
 
+def state_cap(keys: list[int], chunk: int | None, split: bool) -> int:
+    """How far a row of a model with recurrent layers may resume (the position of a snapshot at most this deep): up
+    to its last token (one stays uncached); in an invariant store the end of its canonical chunks (:func:`chunk_end`),
+    or, for the runner's chunk forwards (not ``split``), every whole chunk it holds. Does not mutate."""
+    if chunk is None:
+        return len(keys) - 1
+    return chunk_end(keys, chunk) if split else len(keys) // chunk * chunk
+
+
 class Offset:
     """``choose`` for :meth:`prefixkv.kv.manager.BlockManager.claim` on a model without recurrent layers: each row
     reuses its match up to its cap in ``caps`` (in an invariant store, in whole chunks of ``chunk`` tokens), at one
@@ -226,7 +235,8 @@ def attach_states(
     snapshots, n = store.snapshots, len(rows)
     # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
     refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
-    caps = [0 if refusal is not None else len(r) - 1 for r in rows]
+    chunk = store.settings.chunk_size
+    caps = [0 if refusal is not None else state_cap(r, chunk, split) for r in rows]
     if held.blocks.tier is not None:  # the blocks a row starts with come back first, with their snapshots
         held.blocks.lookup(rows, held.space)
     # what the store held before this call computed anything: the K/V an attention-only model would reuse
@@ -237,7 +247,7 @@ def attach_states(
     with contextlib.ExitStack() as prefills:
         if split and refusal is None:
             for i, prompt in enumerate(rows):
-                at, junctions, why = stops(snapshots, held.space, rows, i, caps[i], cached[i])
+                at, junctions, why = stops(snapshots, held.space, rows, i, caps[i], cached[i], chunk)
                 missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
                 if at:
                     run = store.runner.prefill_states(prompt[: at[-1]], at, namespace, junctions)
@@ -273,7 +283,13 @@ def _stats(rows: list[list[int]], reused: list[int], computed: list[int], why: s
 
 
 def stops(
-    snapshots: Snapshots, space: Hashable, rows: list[list[int]], i: int, cap: int, held: int
+    snapshots: Snapshots,
+    space: Hashable,
+    rows: list[list[int]],
+    i: int,
+    cap: int,
+    held: int,
+    chunk: int | None = None,
 ) -> tuple[list[int], list[int], str | None]:
     """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded), which of those
     stops are junctions (where prompts part: kept longest, :class:`prefixkv.hf.states.Snapshots`), and why the
@@ -282,7 +298,8 @@ def stops(
     ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
     the store holds, and nowhere if one is at ``cap`` already or the row has tokens its mask hides (the runner
     computes without the row's mask). The runner adds the grid's stops on the way
-    (:func:`prefixkv.hf.runner.prefill_states`). Does not mutate."""
+    (:func:`prefixkv.hf.runner.prefill_states`); in an invariant store (a ``chunk`` size) the stops are the ends of
+    its chunks past the deepest snapshot. Does not mutate."""
     row = rows[i]
     # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
     cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
@@ -307,6 +324,8 @@ def stops(
         )
     if deepest == cap:
         return [], [], why
+    if chunk is not None:  # the canonical schedule: a snapshot at every chunk's end
+        return list(range(deepest + chunk, cap + 1, chunk)), [], why
     junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
     kept = sorted(j for j in junctions if deepest < j < cap)
     return sorted({*kept, cap}), kept, why

@@ -211,12 +211,12 @@ class RowSet:
         plan = self.images
         if plan is not None:  # an image's placeholders are keyed by the image (hf/vision.py)
             rows = [relabel(r, known) for r, known in zip(rows, plan.keys)]
+        # in an invariant store only the runner's chunk forwards publish, for K/V and for recurrent states alike
+        self.publishes = store.settings.chunk_size is None or chunks
         if self.states:
             states.clear(self.states)
-            self.publishes = True
             start = resume.attach_states(self, store, pads, rows, plan, self.namespace, count=count, split=not chunks)
         else:
-            self.publishes = store.settings.chunk_size is None or chunks
             start = resume.attach_kv(
                 self.blocks, store, self.space, self.namespace, plan, pads, rows, count=count, chunks=chunks
             )

@@ -19,7 +19,7 @@ from ..base.stats import CacheStats, RowStats
 from ..base.tokens import common_length, is_image_key
 from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
-from . import resume
+from . import kinds, resume
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 from .states import MIN_STEP
@@ -58,7 +58,8 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
     """The canonical prefill of an invariant store (docs/correctness.md, "Outputs that never depend on the
     cache"): make the store hold each of ``prefixes`` (whole chunks of ``store.settings.chunk_size`` tokens), computing
     every chunk it lacks with a forward of its own, one row, ``[1, chunk_size]``, after the earlier chunks read
-    from the pool, so that a chunk's K/V are a function of its tokens and those before it alone. A chunk computed
+    from the pool, so that a chunk's K/V are a function of its tokens and those before it alone (and, for a model
+    with recurrent layers, a snapshot of the states at its end, from which the next chunk resumes). A chunk computed
     for one prefix serves every later one that starts with it. Yields how many tokens of each prefix the store
     held before (whole chunks); everything the prefixes hold stays locked until the block exits. All of it in
     user ``namespace``. Mutates the store."""
@@ -80,6 +81,8 @@ def prefill_chunks(store: StoreParts, prefixes: list[list[int]], namespace: str 
                 cache.forward.rows.attach(store, [0], [tokens], count=False, chunks=True)
                 for start in range(cache.get_seq_length(), len(tokens), chunk):
                     _forward(cache, tokens[start : start + chunk])
+                    if kinds.stateful(store.layer_kinds):  # recurrent layers resume from a chunk end's snapshot
+                        resume.snapshot_row(cache.forward.rows, store.snapshots)
         yield held
 
 
@@ -93,8 +96,10 @@ def prefill_states(
     ``store.snapshots.step()``: docs/memory.md, "Recurrent state"), and after each publish the K/V (a last
     part-filled block included) and a snapshot of the states there, so that a later prompt with that prefix resumes
     there, or at most one grid step (and 16 tokens) before the point where it parts from these tokens; the
-    ``junctions`` among the stops are kept longest. Yields how many tokens it computed; what it published stays
-    locked until the block exits. In user ``namespace``. Mutates the store."""
+    ``junctions`` among the stops are kept longest. In an invariant store the stops are chunk ends, and each forward
+    computes one chunk (its canonical schedule: docs/correctness.md, "Outputs that never depend on the cache").
+    Yields how many tokens it computed; what it published stays locked until the block exits. In user ``namespace``.
+    Mutates the store."""
     snapshots = store.snapshots
     with PagedPrefixCache(store, namespace=namespace) as cache:
         rows = cache.forward.rows
@@ -102,6 +107,7 @@ def prefill_states(
         start = done = cache.get_seq_length()
         last = len(tokens)
         pending = sorted(s for s in set(stops) if s > done)
+        chunk = store.settings.chunk_size
         while pending:
             # the grid's next position: known once a snapshot's size is (a first stop after MIN_STEP measures it)
             step = snapshots.step()
@@ -109,6 +115,8 @@ def prefill_states(
             # a grid position just before a stop is left to it: a forward of a few tokens costs about what one of a
             # whole kernel chunk does, and the later prompts that part in between recompute those few tokens
             stop = pending[0] if pending[0] - grid < _NEAR else grid
+            if chunk is not None:  # an invariant store's canonical schedule: one forward a chunk (stops are its ends)
+                stop = done + chunk
             _forward(cache, tokens[done:stop])
             resume.snapshot_row(rows, snapshots, junction=stop in junctions)
             done = stop

@@ -115,6 +115,22 @@ def _calls_state_layers(model: Any) -> bool:
     return "update_conv_state" in source or "update_recurrent_state" in source
 
 
+def attends_through_interface(model: Any) -> bool:
+    """Whether ``model`` runs ``sdpa`` through transformers' ``AttentionInterface`` (its modeling code asks
+    ``ALL_ATTENTION_FUNCTIONS`` for its attention), declared (``_supports_attention_backend``) or not: transformers 5's
+    hybrids do without declaring it. Read from the module's source, as :func:`_calls_state_layers` reads it. Does not
+    mutate."""
+    hf_model = transformers_model(model)
+    if getattr(hf_model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    module = inspect.getmodule(type(hf_model))
+    try:
+        source = inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS.get_interface(" in source
+
+
 def _common_refusal(model: Any, text: Any) -> str | None:
     """The refusals that hold for every layer kind, K/V or recurrent: a length-dependent rope, no cache at all,
     attention to later tokens; ``None`` if none does. Does not mutate."""
@@ -228,23 +244,3 @@ def eval_mode(model: Any) -> Iterator[None]:
     finally:
         for module, training in modes.items():
             module.training = training
-
-
-def state_option_refusal(model: Any, *, invariant: bool, kv_dtype: str | None) -> str | None:
-    """Why a store of ``model`` cannot take these options when the model has recurrent layers
-    (:func:`prefixkv.hf.kinds.layer_kinds`), or ``None``. Their state snapshots live in memory at token positions:
-    an invariant store's canonical chunks and 8-bit K/V are not carried for them yet. Does not
-    mutate."""
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if text is None or not kinds.stateful(kinds.layer_kinds(text)):
-        return None
-    options = (("invariant=True/chunk_size", invariant), ("kv_dtype", kv_dtype))
-    asked = [name for name, on in options if on]
-    if not asked:
-        return None
-    return (
-        f"{family(model)} has recurrent layers (linear attention, Mamba or short convolutions), whose state snapshots "
-        f"prefixkv keeps in memory only; {', '.join(asked)} {'is' if len(asked) == 1 else 'are'} not supported for "
-        "such models yet: build the PrefixStore without " + " and ".join(asked)
-    )

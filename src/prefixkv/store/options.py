@@ -15,7 +15,7 @@ import torch
 from ..attention import interface, registry
 from ..base.memory import attention_shape, parse_bytes
 from ..base.settings import StoreSettings
-from ..hf.support import check_supported, state_option_refusal
+from ..hf.support import check_supported
 from ..kv.key_space import layer_devices, transformers_model
 from ..kv.quantization import check_kv_dtype
 
@@ -58,9 +58,6 @@ def check_options(
     asked = registry.check_backend(attention)
     offload_kind(offload, max_offload_memory, offload_dir)  # the offload options, checked
     check_supported(model)
-    refusal = state_option_refusal(model, invariant=chunk is not None, kv_dtype=kv_dtype)
-    if refusal is not None:
-        raise ValueError(refusal)
     model_dtype: torch.dtype = getattr(model, "dtype", torch.float32)
     stored = store_dtype or model_dtype
     backend, reason = choose_attention(
