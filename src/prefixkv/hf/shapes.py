@@ -35,7 +35,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..base.memory import LayerShape
 from ..compat.releases import forward_cache_kwarg
-from . import kinds, vision
+from . import kinds, stepwise, vision
 from .support import eval_mode
 
 
@@ -336,16 +336,18 @@ def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device
     ids = torch.arange(3, 27, device=device).remainder(model.config.get_text_config(decoder=True).vocab_size)[None]
     whole = torch.as_tensor(model(input_ids=ids, use_cache=False).logits[:, -1])
     cache = DynamicCache(config=text_config)
-    model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
-    resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
+    with stepwise.stepping(model) as stepped:  # Mamba's mixers resume one token at a time (prefixkv.hf.stepwise)
+        model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
+        resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
     diff = float((whole - resumed).abs().max())
     if not diff <= tolerance:
+        tried = " (its Mamba mixers stepped one id at a time, as prefixkv resumes them)" if stepped else ""
         raise UnsupportedModelError(
             f"{family(model)} does not resume a forward of several ids from its recurrent layers' state as one forward "
-            f"of the whole sequence computes it ({diff:.1e} off in {params.dtype if params is not None else ''}, over "
-            f"{tolerance:.0e}: Mamba's selective scan starts each such forward from a zero state, and some Mamba-2 "
-            "mixers scan in float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; "
-            "generate without prefixkv (with a DynamicCache) for this model"
+            f"of the whole sequence computes it{tried} ({diff:.1e} off in "
+            f"{params.dtype if params is not None else ''}, over {tolerance:.0e}: some Mamba-2 mixers scan in "
+            "float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; generate "
+            "without prefixkv (with a DynamicCache) for this model"
         )
 
 
