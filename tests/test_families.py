@@ -309,7 +309,6 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
     "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "minimax": ({}, transformers.AutoModelForCausalLM, "accepts no cache but its own MiniMaxCache"),
     # served from transformers 5 (tests/test_recurrent.py, the census); transformers 4.57 keeps its state in a cache
     # of its own
     **(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import conftest
 import pytest
 import torch
 from conftest import compare, left_pad, random_tokens, stock_twin
@@ -31,22 +32,25 @@ def tiny(family: str, **fields: Any) -> Any:
     return prefixkv.models.build(config, dtype=torch.float64)
 
 
-def served_with_reuse(model: Any, store: prefixkv.PrefixStore, cached: int) -> None:
-    """Cold, warm (reusing ``cached`` prompt tokens), beams and a left-padded batch, each within :data:`TOL` of
-    stock, then a later ordinary request."""
+def served_with_reuse(
+    model: Any, store: prefixkv.PrefixStore, cached: int, *, tol: float = TOL, beams: bool = True
+) -> None:
+    """Cold, warm (reusing ``cached`` prompt tokens), beams and a left-padded batch, each within ``tol`` of stock,
+    then a later ordinary request."""
     shared = random_tokens(13, seed=1)
     cold = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 22])])[None])
-    assert cold.max_diff <= TOL and cold.same_tokens
+    assert cold.max_diff <= tol and cold.same_tokens
     warm = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 23, 24])])[None])
-    assert warm.max_diff <= TOL and warm.same_tokens
+    assert warm.max_diff <= tol and warm.same_tokens
     assert warm.cache.stats.cached_tokens == cached, warm.cache.stats
-    beams = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 22])])[None], num_beams=3)
-    assert beams.max_diff <= TOL and beams.cache.stats.cached_tokens > 0
+    if beams:
+        searched = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 22])])[None], num_beams=3)
+        assert searched.max_diff <= tol and searched.cache.stats.cached_tokens > 0
     ids, mask = left_pad([torch.cat([shared, torch.tensor([30])]), torch.cat([shared, torch.tensor([31, 32, 33])])])
     padded = compare(model, store, ids, mask)
-    assert padded.max_diff <= TOL and padded.same_tokens
+    assert padded.max_diff <= tol and padded.same_tokens
     later = compare(model, store, random_tokens(9, seed=5)[None])  # an ordinary request after all of them
-    assert later.max_diff <= TOL and later.same_tokens
+    assert later.max_diff <= tol and later.same_tokens
     store.check_invariants()
 
 
@@ -80,3 +84,32 @@ def test_mamba_mixers_step_only_for_prefixkv_caches_while_a_store_is_open() -> N
     assert torch.equal(resumed(model), resumed(twin))
     store.close()
     assert not any("forward" in vars(m) for m in stepwise.mixers(model))
+
+
+def test_minimax_keeps_its_running_product_as_a_recurrent_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MiniMax's lightning layers keep a running key-value product, which its forward resumes token by token: held
+    as the recurrent state of transformers' cache layer, snapshotted as any other; its forward, which refuses every
+    cache but a MiniMaxCache (stock raises), takes prefixkv's while a store is open. Stock generates with its own
+    MiniMaxCache (it takes no DynamicCache)."""
+    monkeypatch.setattr(conftest, "reference_cache", lambda model, kv_dtype: None)
+    model = prefixkv.models.build(census.tiny_config("minimax"), dtype=torch.float32)  # its experts refuse float64
+    ids = random_tokens(5, seed=1)[None]
+    with pytest.raises(ValueError, match="cache of its own"):
+        model(ids, cache=DynamicCache(config=model.config), use_cache=True)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert store.layer_kinds == ["kv", "state"]
+    # stock's MiniMaxCache does not reorder its lightning layers' state for beam search (its beams are not those of
+    # generate without a cache): beams are compared with generate without a cache below
+    served_with_reuse(model, store, cached=15, tol=1e-4, beams=False)
+    prompt = torch.cat([random_tokens(13, seed=1), torch.tensor([20, 21, 22])])[None]
+    kw = dict(max_new_tokens=4, do_sample=False, num_beams=3, output_logits=True, return_dict_in_generate=True)
+    recomputed = stock_twin(model).generate(prompt, use_cache=False, **kw)
+    with prefixkv.PagedPrefixCache(store, prompt) as cache:
+        out = model.generate(prompt, cache=cache, **kw)
+    assert cache.stats.cached_tokens == 15 and torch.equal(out.sequences, recomputed.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, recomputed.logits)) <= 1e-4
+    later = compare(model, store, random_tokens(9, seed=6)[None])
+    assert later.max_diff <= 1e-4 and later.same_tokens
+    store.close()
+    with pytest.raises(ValueError, match="cache of its own"):  # the store closed: the model as it was
+        model(ids, cache=DynamicCache(config=model.config), use_cache=True)

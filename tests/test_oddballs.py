@@ -64,14 +64,6 @@ def test_a_state_argument_of_its_own_is_refused(family: str, argument: str, what
     _still_stock(model)
 
 
-def test_minimax_is_refused_for_its_own_cache_class() -> None:
-    model = _tiny("minimax", torch.float32)  # its MoE refuses float64
-    reason = _refused(model)
-    assert reason.startswith("minimax accepts no cache but its own MiniMaxCache")
-    with pytest.raises(ValueError, match="cache of its own"):  # stock raises for any other cache, as said
-        model(random_tokens(5, seed=1, vocab=200)[None], cache=DynamicCache(config=model.config), use_cache=True)
-
-
 def test_deepseek_v4_is_refused_for_its_compressors() -> None:
     model = _tiny("deepseek_v4", torch.float32)
     reason = _refused(model)

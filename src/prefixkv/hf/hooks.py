@@ -28,7 +28,7 @@ from ..base.errors import CacheMisuseError
 from ..compat import generation, patching
 from ..compat.patching import MethodPatch, SharedPatch, bound_to_copies
 from ..compat.releases import CACHE_KWARGS
-from . import stepwise, vision
+from . import linear_cache, stepwise, vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
@@ -124,6 +124,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         _PrepareUser(model),
         _StepsOnly(model),
         stepwise.Stepping(model, _is_paged),
+        linear_cache.Admitting(model),
     ]
 
 

@@ -35,7 +35,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..base.memory import LayerShape
 from ..compat.releases import forward_cache_kwarg
-from . import kinds, stepwise, vision
+from . import kinds, linear_cache, stepwise, vision
 from .support import eval_mode
 
 
@@ -48,7 +48,11 @@ class _Update(NamedTuple):
     value: tuple[int, int]
 
 
-class _Recording(DynamicCache):
+class _Resuming(linear_cache.LinearCacheNames, DynamicCache):
+    """A ``DynamicCache`` that MiniMax takes too (hf/linear_cache.py)."""
+
+
+class _Recording(_Resuming):
     """A ``DynamicCache`` that notes every ``update`` call (:class:`_Update`), per forward, and the layers that
     update a conv or recurrent state (built from ``config``: transformers' layers of each kind)."""
 
@@ -86,6 +90,14 @@ def measure(
     layers) the forwards prove them: the layers that write K/V and those that update a state are the kinds'; a layer
     without K/V has :data:`NO_KV`."""
     _check_cross_attention(model)
+    with linear_cache.admitting(model):  # MiniMax takes the measuring caches (hf/linear_cache.py)
+        return _measure(model, estimate, device, layer_kinds)
+
+
+def _measure(
+    model: Any, estimate: list[LayerShape], device: torch.device, layer_kinds: list[str] | None
+) -> list[LayerShape]:
+    """:func:`measure`'s forwards and checks."""
     text = model.config.get_text_config(decoder=True) if layer_kinds is not None else None
     cache = _Recording(text)
     name = forward_cache_kwarg(model.forward)
@@ -335,7 +347,7 @@ def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device
         return
     ids = torch.arange(3, 27, device=device).remainder(model.config.get_text_config(decoder=True).vocab_size)[None]
     whole = torch.as_tensor(model(input_ids=ids, use_cache=False).logits[:, -1])
-    cache = DynamicCache(config=text_config)
+    cache = _Resuming(config=text_config)
     with stepwise.stepping(model) as stepped:  # Mamba's mixers resume one token at a time (prefixkv.hf.stepwise)
         model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
         resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
@@ -367,7 +379,7 @@ def _padded_states(model: Any, text_config: Any, name: str, device: torch.device
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
     try:
         whole = torch.as_tensor(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1])
-        cache = DynamicCache(config=text_config)
+        cache = _Resuming(config=text_config)
         model(input_ids=ids[:, 1:4], use_cache=True, **{name: cache})
         for layer in cache.layers:  # a pad column of zeros ahead of the K/V, as the pool's null block
             for field in ("keys", "values"):

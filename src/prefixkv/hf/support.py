@@ -22,7 +22,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..compat.releases import CACHE_KWARGS
 from ..kv.key_space import transformers_model
-from . import kinds
+from . import kinds, linear_cache
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``
@@ -78,7 +78,8 @@ def _refusal(model: Any, config: Any) -> str | None:
     if own is not None:
         return own
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
-    own_cache = supports_cache is not None and not supports_cache()
+    # MiniMax's own cache holds a recurrent state, which prefixkv's cache holds under its names (hf/linear_cache.py)
+    own_cache = supports_cache is not None and not supports_cache() and not linear_cache.admits(model)
     if kinds.layer_kinds(text) is not None and not own_cache and _calls_state_layers(model):
         return _common_refusal(model, text)  # recurrent layers that transformers' own cache layers hold
     layer_types = list(getattr(text, "layer_types", None) or [])
@@ -111,7 +112,7 @@ def _calls_state_layers(model: Any) -> bool:
         source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
         return False
-    return "update_conv_state" in source or "update_recurrent_state" in source
+    return any(call in source for call in ("update_conv_state", "update_recurrent_state", "set_linear_cache"))
 
 
 def _common_refusal(model: Any, text: Any) -> str | None:
@@ -149,20 +150,14 @@ _OWN_STATE_ARGUMENTS = {
 
 def _cache_of_its_own(model: Any, text: Any) -> str | None:
     """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
-    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, MiniMax's own cache class,
-    DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer. Does not mutate."""
+    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, DeepSeek-V4's compressors, DeepSeek
+    Sparse Attention's indexer. Does not mutate."""
     forward = inspect.signature(transformers_model(model).forward).parameters
     own = [name for name in _OWN_STATE_ARGUMENTS if name in forward]
     if own and not set(CACHE_KWARGS) & set(forward):
         return (
             f"carries {_OWN_STATE_ARGUMENTS[own[0]]} in a `{own[0]}` argument of its own, not in a transformers Cache, "
             "so there is no cache that prefixkv's could stand in for"
-        )
-    if getattr(text, "model_type", None) == "minimax":
-        return (
-            "accepts no cache but its own MiniMaxCache (its forward raises ValueError for any other): its "
-            "lightning-attention layers keep a running key-value product per layer there, which prefixkv's cache "
-            "does not hold"
         )
     layer_types = set(getattr(text, "layer_types", None) or [])
     compressed = sorted(layer_types & _COMPRESSED_LAYER_TYPES)
