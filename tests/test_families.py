@@ -306,7 +306,6 @@ _STATE = "state-space, linear-attention or recurrent layers"
 _INDEXED = r"DeepSeek Sparse Attention layers \('indexed_attention'\)"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
-    "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
     "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
     # served from transformers 5 (tests/test_recurrent.py, the census); transformers 4.57 keeps its state in a cache

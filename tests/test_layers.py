@@ -199,7 +199,7 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.kinds", "hf.linear_cache", "hf.support", "hf.stepwise", "hf.shapes"),
+        *("hf.vision", "hf.proof", "hf.kinds", "hf.linear_cache", "hf.stepwise", "hf.support", "hf.shapes"),
         *("hf.states", "hf.parts", "hf.rows"),
         "hf.call",
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),

@@ -90,7 +90,9 @@ def measure(
     layers) the forwards prove them: the layers that write K/V and those that update a state are the kinds'; a layer
     without K/V has :data:`NO_KV`."""
     _check_cross_attention(model)
-    with linear_cache.admitting(model):  # MiniMax takes the measuring caches (hf/linear_cache.py)
+    # MiniMax takes the measuring caches (hf/linear_cache.py); Mamba's and RecurrentGemma's layers step through a
+    # forward that resumes a state as with a store's caches (hf/stepwise.py)
+    with linear_cache.admitting(model), stepwise.stepping(model):
         return _measure(model, estimate, device, layer_kinds)
 
 
@@ -348,12 +350,11 @@ def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device
     ids = torch.arange(3, 27, device=device).remainder(model.config.get_text_config(decoder=True).vocab_size)[None]
     whole = torch.as_tensor(model(input_ids=ids, use_cache=False).logits[:, -1])
     cache = _Resuming(config=text_config)
-    with stepwise.stepping(model) as stepped:  # Mamba's mixers resume one token at a time (prefixkv.hf.stepwise)
-        model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
-        resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
+    model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
+    resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
     diff = float((whole - resumed).abs().max())
     if not diff <= tolerance:
-        tried = " (its Mamba mixers stepped one id at a time, as prefixkv resumes them)" if stepped else ""
+        tried = " (its layers stepped one id at a time, as prefixkv resumes them)" if stepwise.mixers(model) else ""
         raise UnsupportedModelError(
             f"{family(model)} does not resume a forward of several ids from its recurrent layers' state as one forward "
             f"of the whole sequence computes it{tried} ({diff:.1e} off in "

@@ -22,7 +22,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..compat.releases import CACHE_KWARGS
 from ..kv.key_space import transformers_model
-from . import kinds, linear_cache
+from . import kinds, linear_cache, stepwise
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``
@@ -105,8 +105,11 @@ def _refusal(model: Any, config: Any) -> str | None:
 def _calls_state_layers(model: Any) -> bool:
     """Whether ``model``'s modeling code hands its recurrent state to the cache (``update_conv_state``,
     ``update_recurrent_state``); a model whose config names recurrent layers but whose code keeps their state in its
-    own modules (RecurrentGemma) does not. Read from the module's source: a model without weights is refused before
-    any forward could show it. Does not mutate."""
+    own modules does not, unless prefixkv bridges them to the cache (RecurrentGemma, :mod:`prefixkv.hf.stepwise`). Read
+    from the module's source: a model without weights is refused before any forward could show it. Does not
+    mutate."""
+    if stepwise.bridged(transformers_model(model)):
+        return True
     module = inspect.getmodule(type(transformers_model(model)))
     try:
         source = inspect.getsource(module) if module is not None else ""
