@@ -134,3 +134,26 @@ def test_minimax_keeps_its_running_product_as_a_recurrent_state(monkeypatch: pyt
     store.close()
     with pytest.raises(ValueError, match="cache of its own"):  # the store closed: the model as it was
         model(ids, cache=DynamicCache(config=model.config), use_cache=True)
+
+
+def test_rwkv_is_refused_with_what_was_tried() -> None:
+    """RWKV's state resumes a forward of several ids (what the refusal says was tried, checked here), but it travels in
+    generate's `state` argument, where no cache of prefixkv's is ever handed."""
+    model = tiny("rwkv").eval()
+    with pytest.raises(prefixkv.UnsupportedModelError, match=r"^rwkv carries .*; tried: the state resumes") as refusal:
+        prefixkv.PrefixStore(model)
+    assert "1e-8 off in float64" in str(refusal.value)
+    ids = random_tokens(24, seed=4)[None]
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits[:, -1]
+        state = model(input_ids=ids[:, :16], use_cache=True).state
+        resumed = model(input_ids=ids[:, 16:], state=state, use_cache=True).logits[:, -1]
+    assert (whole - resumed).abs().max().item() <= 1e-7
+
+
+def test_deepseek_v4_is_refused_with_what_was_tried() -> None:
+    model = prefixkv.models.build(census.tiny_config("deepseek_v4"), dtype=torch.float32)
+    with pytest.raises(prefixkv.UnsupportedModelError, match=r"compressor's running entries.*; tried: .*window ends"):
+        prefixkv.PrefixStore(model)
+    layer = DynamicCache(config=model.config).layers[0]  # the methods of its own the refusal names, on stock's layer
+    assert hasattr(layer, "store_compression_weights") and hasattr(layer, "update_compressor_states")

@@ -149,6 +149,14 @@ _OWN_STATE_ARGUMENTS = {
     "mems": "its memory (each layer's hidden states of earlier tokens, from which it attends)",
     "past_buckets_states": "each layer's hash buckets and hidden states of earlier tokens",
 }
+# what was tried for a family refused for such an argument (issue 53)
+_TRIED_ARGUMENTS = {
+    "state": (
+        "; tried: the state resumes a forward of several ids as one forward of the whole sequence computes it (1e-8 "
+        "off in float64), but generate hands it from step to step in that argument, never through a cache, and a "
+        "prefixkv cache enters a call only as the cache generate hands each forward"
+    ),
+}
 
 
 def _cache_of_its_own(model: Any, text: Any) -> str | None:
@@ -160,7 +168,7 @@ def _cache_of_its_own(model: Any, text: Any) -> str | None:
     if own and not set(CACHE_KWARGS) & set(forward):
         return (
             f"carries {_OWN_STATE_ARGUMENTS[own[0]]} in a `{own[0]}` argument of its own, not in a transformers Cache, "
-            "so there is no cache that prefixkv's could stand in for"
+            f"so there is no cache that prefixkv's could stand in for{_TRIED_ARGUMENTS.get(own[0], '')}"
         )
     layer_types = set(getattr(text, "layer_types", None) or [])
     compressed = sorted(layer_types & _COMPRESSED_LAYER_TYPES)
@@ -170,7 +178,10 @@ def _cache_of_its_own(model: Any, text: Any) -> str | None:
         return (
             f"has compressed-attention layers {compressed} whose cache holds, besides a sliding window of K/V, a "
             f"compressor's running entries (one per {every or 'several'} tokens) and the tokens not yet compressed: "
-            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
+            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it; tried: each of these is "
+            "a function of the prefix (snapshots at window ends could carry them), but the model fills them through "
+            "methods of its own cache layers (`store_compression_weights`, `update_compressor_states`, and the "
+            "compressed-sparse layers' overlap state), which prefixkv's cache does not implement per row"
         )
     if "indexed_attention" in layer_types:
         return (
