@@ -303,7 +303,6 @@ def diverged_at(result: Any) -> int:
 # -- refusals -----------------------------------------------------------------------------------------
 
 _STATE = "state-space, linear-attention or recurrent layers"
-_INDEXED = r"DeepSeek Sparse Attention layers \('indexed_attention'\)"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
@@ -317,8 +316,6 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
-    "deepseek_v32": ({}, transformers.AutoModelForCausalLM, _INDEXED),
-    "hy_v4": ({}, transformers.AutoModelForCausalLM, _INDEXED),
 }
 _SMALL = {
     "vocab_size": 128,

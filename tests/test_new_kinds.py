@@ -34,9 +34,9 @@ def tiny(family: str, **fields: Any) -> Any:
 
 def served_with_reuse(
     model: Any, store: prefixkv.PrefixStore, cached: int, *, tol: float = TOL, beams: bool = True
-) -> None:
+) -> list[int]:
     """Cold, warm (reusing ``cached`` prompt tokens), beams and a left-padded batch, each within ``tol`` of stock,
-    then a later ordinary request."""
+    then a later ordinary request; the padded batch's rows' reused tokens."""
     shared = random_tokens(13, seed=1)
     cold = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 22])])[None])
     assert cold.max_diff <= tol and cold.same_tokens
@@ -52,6 +52,7 @@ def served_with_reuse(
     later = compare(model, store, random_tokens(9, seed=5)[None])  # an ordinary request after all of them
     assert later.max_diff <= tol and later.same_tokens
     store.check_invariants()
+    return [row.cached_tokens for row in padded.cache.stats.per_row]
 
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba"])
@@ -157,3 +158,55 @@ def test_deepseek_v4_is_refused_with_what_was_tried() -> None:
         prefixkv.PrefixStore(model)
     layer = DynamicCache(config=model.config).layers[0]  # the methods of its own the refusal names, on stock's layer
     assert hasattr(layer, "store_compression_weights") and hasattr(layer, "update_compressor_states")
+
+
+# DeepSeek sparse attention: each family with the dtype its kernels take (hy_v4's and axk2's refuse float64)
+SPARSE = [
+    ("deepseek_v32", torch.float64, TOL),
+    ("glm_moe_dsa", torch.float64, TOL),
+    ("hy_v4", torch.float32, 1e-4),
+    ("axk2", torch.float32, 1e-4),
+]
+
+
+@pytest.mark.parametrize(("family", "dtype", "tol"), SPARSE)
+def test_sparse_attention_keeps_its_indexer_keys(family: str, dtype: torch.dtype, tol: float) -> None:
+    """The lightning indexer's key per token is a third tensor of each layer that runs an indexer (``index_k``, kept
+    by the pool beside the latent K/V; a ``"shared"`` layer, which reuses the layer before's pick, keeps none); its
+    pick of 8 earlier tokens (the census's tiny config) is stock's, cold, warm, with beams and a padded batch."""
+    model = prefixkv.models.build(census.tiny_config(family), dtype=dtype)
+    store = prefixkv.PrefixStore(model, block_size=4)
+    assert store.layer_kinds == ["kv+index"] * 2
+    indexers = getattr(model.config, "indexer_types", None) or ["full", "full"]
+    assert [s.tensors.get("index_k") for s in store.blocks.pool.specs] == [
+        (1, model.config.index_head_dim) if t == "full" else None for t in indexers
+    ]
+    # a padded row reuses its prefix too: its pad columns' indexer keys are zeros, which the indexer's mask hides
+    assert all(n > 0 for n in served_with_reuse(model, store, cached=15, tol=tol))
+    assert bool(store.blocks.pool.layer(0)["index_k"].abs().sum() > 0)
+    store.close()
+
+
+def test_sparse_attention_indexer_keys_travel_through_files_and_the_cpu_tier(tmp_path: Any) -> None:
+    model = prefixkv.models.build(census.tiny_config("deepseek_v32"), dtype=torch.float64)
+    head = random_tokens(16, seed=10)
+    first, second = (torch.cat([head, random_tokens(5, seed=s)])[None] for s in (11, 12))
+    path = tmp_path / "sparse.safetensors"
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        assert compare(model, store, first).max_diff <= TOL
+        store.save(path)
+    with prefixkv.PrefixStore.load(path, model) as loaded:
+        warm = compare(model, loaded, second)  # the indexer keys came back from the file
+        assert warm.max_diff <= TOL and warm.same_tokens and warm.cache.stats.cached_tokens == 16
+        later = compare(model, loaded, random_tokens(9, seed=13)[None])
+        assert later.max_diff <= TOL and later.same_tokens
+    # a small pool evicts the first prompts' blocks to the CPU tier, and they come back
+    with prefixkv.PrefixStore(model, block_size=4, num_blocks=12, offload="cpu") as store:
+        prompts = [random_tokens(20, seed=20 + i)[None] for i in range(3)]
+        for ids in prompts:
+            assert compare(model, store, ids).max_diff <= TOL
+        back = compare(model, store, prompts[0])
+        assert back.max_diff <= TOL and back.same_tokens and back.cache.stats.cached_tokens == 19
+        assert store.stats.offload is not None and store.stats.offload.restored > 0
+        later = compare(model, store, random_tokens(9, seed=40)[None])
+        assert later.max_diff <= TOL and later.same_tokens

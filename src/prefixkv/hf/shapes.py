@@ -203,6 +203,11 @@ def padded_refusal(model: Any) -> tuple[str, bool] | None:
     return _PADDED.get(model)
 
 
+# the per-token tensors of transformers' cache layers, each with its columns on dim -2: K, V and DeepSeek sparse
+# attention's indexer keys (``DynamicIndexedLayer``, ``[B, columns, index_head_dim]``)
+_PER_TOKEN_FIELDS = ("keys", "values", "indexer_keys")
+
+
 def _padded_resumption(model: Any, name: str, device: torch.device, text: Any = None) -> tuple[str, bool] | None:
     """Whether a left-padded row that reuses K/V computed without pads (prefixkv's warm first forward: a pad column
     of zeros, the prefix's columns as an unpadded call computed them, the rest fed with the whole mask) gives what
@@ -236,8 +241,9 @@ def _padded_resumption(model: Any, name: str, device: torch.device, text: Any = 
         for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
             run(cache, 0, 3, mask[:, :3])
         for layer in zeros.layers:
-            for field in ("keys", "values"):
-                torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
+            for field in _PER_TOKEN_FIELDS:
+                if isinstance(getattr(layer, field, None), torch.Tensor):
+                    getattr(layer, field)[..., :1, :] = 0
         seen = float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
     except Exception as e:
         return f"a left-padded row cannot resume a cache of this model ({type(e).__name__}: {e})", True
@@ -252,9 +258,10 @@ def _padded_resumption(model: Any, name: str, device: torch.device, text: Any = 
         cache = _fresh(text)
         run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
         for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
-            for field in ("keys", "values"):
-                held = torch.as_tensor(getattr(layer, field))
-                setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+            for field in _PER_TOKEN_FIELDS:
+                held = getattr(layer, field, None)
+                if isinstance(held, torch.Tensor):
+                    setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
         reused = run(cache, 3, 4, mask)
     except Exception as e:
         return f"a left-padded row cannot reuse a cache of this model ({type(e).__name__}: {e})", False

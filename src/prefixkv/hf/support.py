@@ -162,8 +162,8 @@ _TRIED_ARGUMENTS = {
 
 def _cache_of_its_own(model: Any, text: Any) -> str | None:
     """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
-    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, DeepSeek-V4's compressors, DeepSeek
-    Sparse Attention's indexer. Does not mutate."""
+    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, DeepSeek-V4's compressors. Does not
+    mutate."""
     forward = inspect.signature(transformers_model(model).forward).parameters
     own = [name for name in _OWN_STATE_ARGUMENTS if name in forward]
     if own and not set(CACHE_KWARGS) & set(forward):
@@ -183,12 +183,6 @@ def _cache_of_its_own(model: Any, text: Any) -> str | None:
             "a function of the prefix (snapshots at window ends could carry them), but the model fills them through "
             "methods of its own cache layers (`store_compression_weights`, `update_compressor_states`, and the "
             "compressed-sparse layers' overlap state), which prefixkv's cache does not implement per row"
-        )
-    if "indexed_attention" in layer_types:
-        return (
-            "has DeepSeek Sparse Attention layers ('indexed_attention'): a lightning indexer keeps keys of its own per "
-            f"token in the cache (`update_indexer`) to pick the {getattr(text, 'index_topk', 'top-k')} earlier tokens "
-            "each query attends to; prefixkv's cache keeps K/V only, with no indexer keys"
         )
     return None
 
