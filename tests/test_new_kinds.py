@@ -210,3 +210,29 @@ def test_sparse_attention_indexer_keys_travel_through_files_and_the_cpu_tier(tmp
         assert store.stats.offload is not None and store.stats.offload.restored > 0
         later = compare(model, store, random_tokens(9, seed=40)[None])
         assert later.max_diff <= TOL and later.same_tokens
+
+
+def test_sparse_attention_in_an_8bit_store_quantizes_its_indexer_keys_too() -> None:
+    """An 8-bit store keeps every per-token tensor of a layer in 8 bits, the indexer keys too (each token from its own
+    values): exact against stock with a cache that quantizes K, V and the indexer keys alike."""
+    model = prefixkv.models.build(census.tiny_config("deepseek_v32"), dtype=torch.float64)
+    head = random_tokens(16, seed=10)
+    with prefixkv.PrefixStore(model, block_size=4, kv_dtype="int8") as store:
+        for tail, cached in ((11, 0), (12, 16)):
+            result = compare(model, store, torch.cat([head, random_tokens(5, seed=tail)])[None])
+            assert result.max_diff <= TOL and result.same_tokens and result.cache.stats.cached_tokens == cached
+        later = compare(model, store, random_tokens(9, seed=13)[None])
+        assert later.max_diff <= TOL and later.same_tokens
+
+
+def test_sparse_attention_in_an_invariant_store() -> None:
+    model = prefixkv.models.build(census.tiny_config("deepseek_v32"), dtype=torch.float64)
+    ids = random_tokens(20, seed=1)[None]
+    with prefixkv.PrefixStore(model, block_size=4, invariant=True) as store:
+        cold, warm = compare(model, store, ids), compare(model, store, ids)
+        assert cold.max_diff <= TOL and warm.max_diff <= TOL and warm.cache.stats.cached_tokens > 0
+        assert torch.equal(torch.stack(cold.out.logits), torch.stack(warm.out.logits))  # warm = cold, bit for bit
+        later = compare(model, store, random_tokens(9, seed=13)[None])
+        assert later.max_diff <= TOL and later.same_tokens
+        with prefixkv.PagedPrefixCache(store) as cache:  # the compiled step carries K and V only
+            assert not cache.is_compileable and "index_k" in cache.compile_reason
