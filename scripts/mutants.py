@@ -1021,7 +1021,7 @@ MUTATIONS = [
     Mutation(
         "sparse-attention-switched-to-prefixkv-attention",
         "attention/interface.py",
-        "    if _INDEXED in (getattr(model.config.get_text_config(decoder=True), \"layer_types\", None) or ()):\n",
+        '    if _INDEXED in (getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()):\n',
         "    if False:\n",
         ("tests/test_new_kinds.py::test_sparse_attention_keeps_its_indexer_keys",),
         "a DSA model switched to prefixkv attention gets the indexer's raw indices, which it ignores: dense attention",
@@ -1029,7 +1029,7 @@ MUTATIONS = [
     Mutation(
         "sparse-attention-indexer-keys-not-kept",
         "hf/kinds.py",
-        "        return {} if keys is None or keys.numel() == 0 else {\"index_k\": (1, int(keys.shape[-1]))}\n",
+        '        return {} if keys is None or keys.numel() == 0 else {"index_k": (1, int(keys.shape[-1]))}\n',
         "        return {}\n",
         ("tests/test_new_kinds.py::test_sparse_attention_keeps_its_indexer_keys",),
         "the indexer's keys get no room in the pool: a DSA layer's update_indexer has nowhere to write",
