@@ -1018,6 +1018,47 @@ MUTATIONS = [
         ("tests/test_hybrid_modes.py::test_invariant_warm_is_bit_identical_to_cold_in_bfloat16[lfm2]",),
         "an invariant store's generate call on a hybrid publishes its end: a later call resumes off the chunk schedule",
     ),
+    # -- issue 53: the families refused at the start of its round, served
+    Mutation(
+        "mamba-mixers-not-stepped",
+        "hf/stepwise.py",
+        "    if args or width < 2 or cache is None or not serves(cache):\n",
+        "    if args or width < 2**31 or cache is None or not serves(cache):\n",
+        ("tests/test_new_kinds.py::test_mamba_resumes_a_prefix_one_id_at_a_time",),
+        "Mamba's mixers resume a prefix with a scan from a zero state: 1e-2 off (refused, or wrong if unchecked)",
+    ),
+    Mutation(
+        "recurrent-gemma-states-not-taken-from-the-cache",
+        "hf/stepwise.py",
+        "    resumed = bool(layer.has_previous_state[0])\n",
+        "    resumed = False\n",
+        ("tests/test_new_kinds.py::test_recurrent_gemma_keeps_its_block_states_in_the_cache",),
+        "RecurrentGemma's blocks start each forward from zeros, whatever state the row resumed",
+    ),
+    Mutation(
+        "minimax-linear-cache-never-found",
+        "hf/linear_cache.py",
+        "        return layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None\n",
+        "        return None\n",
+        ("tests/test_new_kinds.py::test_minimax_keeps_its_running_product_as_a_recurrent_state",),
+        "MiniMax's lightning layers never find their running product: every forward restarts it",
+    ),
+    Mutation(
+        "sparse-attention-switched-to-prefixkv-attention",
+        "attention/interface.py",
+        '    if _INDEXED in (getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()):\n',
+        "    if False:\n",
+        ("tests/test_new_kinds.py::test_sparse_attention_keeps_its_indexer_keys",),
+        "a DSA model switched to prefixkv attention gets the indexer's raw indices, which it ignores: dense attention",
+    ),
+    Mutation(
+        "sparse-attention-indexer-keys-not-kept",
+        "hf/kinds.py",
+        '        return {} if keys is None or keys.numel() == 0 else {"index_k": (1, int(keys.shape[-1]))}\n',
+        "        return {}\n",
+        ("tests/test_new_kinds.py::test_sparse_attention_keeps_its_indexer_keys",),
+        "the indexer's keys get no room in the pool: a DSA layer's update_indexer has nowhere to write",
+    ),
 ]
 
 

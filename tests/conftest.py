@@ -280,6 +280,12 @@ class QuantizingCache(DynamicCache):
         key, value = (quantized(t, self.kv_dtype) for t in (key_states, value_states))
         return super().update(key, value, layer_idx, *args, **kwargs)
 
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """DeepSeek sparse attention's indexer keys ``[B, q, size]``, quantized as an 8-bit store keeps every
+        per-token tensor of a layer (docs/architectures.md, "Latent attention and mixed shapes")."""
+        keys = quantized(indexer_key_states[:, None], self.kv_dtype)[:, 0]
+        return super().update_indexer(keys, layer_idx)
+
 
 def reference_cache(model: Any, kv_dtype: str | None) -> DynamicCache:
     """The stock cache a store keeping K/V as ``kv_dtype`` must match: ``DynamicCache``, or for 8-bit K/V a

@@ -118,7 +118,7 @@ QUICK = {
     "falcon_h1": "Mamba-2 beside attention",
     "openai-gpt": "refused: no KV cache",
     "bert": "refused: attends to later tokens",
-    "minimax": "refused: a cache class of its own",
+    "minimax": "lightning attention's running product as a recurrent state, in a cache class of its own (float32)",
     "bart": "n/a: stock generate cannot run it tiny",
 }
 

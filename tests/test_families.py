@@ -303,13 +303,10 @@ def diverged_at(result: Any) -> int:
 # -- refusals -----------------------------------------------------------------------------------------
 
 _STATE = "state-space, linear-attention or recurrent layers"
-_INDEXED = r"DeepSeek Sparse Attention layers \('indexed_attention'\)"
 # family -> (config overrides, model class, what the refusal must say)
 REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
-    "recurrent_gemma": ({}, transformers.AutoModelForCausalLM, _STATE),
     "rwkv": ({}, transformers.AutoModelForCausalLM, "carries its recurrent state .* in a `state` argument of its own"),
     "xlstm": ({}, transformers.AutoModelForCausalLM, _STATE),
-    "minimax": ({}, transformers.AutoModelForCausalLM, "accepts no cache but its own MiniMaxCache"),
     # served from transformers 5 (tests/test_recurrent.py, the census); transformers 4.57 keeps its state in a cache
     # of its own
     **(
@@ -319,8 +316,6 @@ REFUSED: dict[str, tuple[dict[str, Any], Any, str]] = {
     ),
     "t5": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
     "bart": ({}, transformers.AutoModelForSeq2SeqLM, "is an encoder-decoder model"),
-    "deepseek_v32": ({}, transformers.AutoModelForCausalLM, _INDEXED),
-    "hy_v4": ({}, transformers.AutoModelForCausalLM, _INDEXED),
 }
 _SMALL = {
     "vocab_size": 128,

@@ -199,8 +199,9 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.states", "hf.state_files", "hf.layers", "hf.kinds", "hf.support"),
-        *("hf.shapes", "hf.parts", "hf.resume", "hf.rows", "hf.call", "hf.forward", "hf.cache", "hf.hooks"),
+        *("hf.vision", "hf.proof", "hf.states", "hf.state_files", "hf.layers", "hf.kinds", "hf.linear_cache"),
+        *("hf.stepwise", "hf.support", "hf.shapes", "hf.parts", "hf.resume", "hf.rows", "hf.call", "hf.forward"),
+        *("hf.cache", "hf.hooks"),
         "hf.runner",
     ],
     "store": ["store.options", "store.parallel", "store.files", "store.prefix_store", "store"],

@@ -18,7 +18,6 @@ from transformers import DynamicCache
 
 import prefixkv
 from prefixkv.hf import support
-from prefixkv.hf.layers import PagedLayer
 from prefixkv.tools import census
 
 TOL = 1e-6
@@ -64,14 +63,6 @@ def test_a_state_argument_of_its_own_is_refused(family: str, argument: str, what
     _still_stock(model)
 
 
-def test_minimax_is_refused_for_its_own_cache_class() -> None:
-    model = _tiny("minimax", torch.float32)  # its MoE refuses float64
-    reason = _refused(model)
-    assert reason.startswith("minimax accepts no cache but its own MiniMaxCache")
-    with pytest.raises(ValueError, match="cache of its own"):  # stock raises for any other cache, as said
-        model(random_tokens(5, seed=1, vocab=200)[None], cache=DynamicCache(config=model.config), use_cache=True)
-
-
 def test_deepseek_v4_is_refused_for_its_compressors() -> None:
     model = _tiny("deepseek_v4", torch.float32)
     reason = _refused(model)
@@ -79,16 +70,6 @@ def test_deepseek_v4_is_refused_for_its_compressors() -> None:
     assert "one per 128 (heavily_compressed_attention) tokens" in reason
     layers = DynamicCache(config=model.config).layers  # stock's cache holds a compressor's entries, as said
     assert any(hasattr(layer, "compressed_kv") for layer in layers)
-
-
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
-def test_sparse_attention_is_refused_for_its_indexer(family: str) -> None:
-    model = _tiny(family)
-    reason = _refused(model)
-    assert reason.startswith(f"{family} has DeepSeek Sparse Attention layers ('indexed_attention')")
-    stock = DynamicCache(config=model.config).layers  # stock's cache layers keep the indexer's keys, prefixkv's not
-    assert all(hasattr(layer, "update_indexer") for layer in stock) and not hasattr(PagedLayer, "update_indexer")
-    _still_stock(model)
 
 
 def test_dbrx_is_served_exactly() -> None:

@@ -351,8 +351,12 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
         "mm_tokens_per_image": 16,  # (image_size / patch_size) ** 2
     },
     # latent attention expands its latent to every query head (num_key_value_heads equal, as in the released
-    # checkpoints); DeepSeek's grouped routing needs no more groups than experts
-    **{t: {"num_key_value_heads": 4} for t in ("deepseek_v32", "glm_moe_dsa", "axk2")},
+    # checkpoints); DeepSeek's grouped routing needs no more groups than experts. DeepSeek sparse attention: an indexer
+    # that picks 8 of the earlier tokens (2048 would pick every token of a tiny prompt, and its keys would change
+    # nothing); a layer that reuses the one before's pick ("shared") where the family has them
+    **{t: {"num_key_value_heads": 4, "index_topk": 8} for t in ("deepseek_v32", "axk2")},
+    "glm_moe_dsa": {"num_key_value_heads": 4, "index_topk": 8, "indexer_types": ["full", "shared"]},
+    "hy_v4": {"index_topk": 8, "indexer_types": ["full", "shared"]},
     "axk1": {"num_key_value_heads": 4, "n_group": 1, "topk_group": 1},
     "longcat_flash": {"num_layers": 1, "head_dim": 8, "num_key_value_heads": 4},  # 2 layers: 2 per num_layers; MLA
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 24},

@@ -185,7 +185,15 @@ def can_install(model: Any) -> bool:
     through ``AttentionInterface``. What a store's choice of backend reads before it installs anything. Does not
     mutate."""
     current = model.config._attn_implementation
+    if _INDEXED in (getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()):
+        return False
     return bool(current == NAME or (current == "sdpa" and model.is_backend_compatible()))
+
+
+# DeepSeek sparse attention's layers: they fold their indexer's choice of tokens into the mask only under "eager" and
+# "sdpa" and hand any other implementation the raw indices (a sparse kernel's), which prefixkv's attention does not
+# read; such a model keeps its implementation, served through ``update``
+_INDEXED = "indexed_attention"
 
 
 def _switch(model: Any) -> Callable[[], None]:

@@ -33,7 +33,7 @@ from ..base.family import model_errors
 from ..base.stats import CacheStats
 from ..compat import releases
 from ..kv.key_space import user_space
-from . import kinds, vision
+from . import kinds, linear_cache, vision
 from .call import GenerateCall
 from .forward import Forward
 from .layers import StateLayer
@@ -60,7 +60,7 @@ def _check_arguments(store: Any, compileable: Any, inputs: dict[str, Any]) -> No
 
 
 @releases.adapt_cache
-class PagedPrefixCache(Cache):
+class PagedPrefixCache(linear_cache.LinearCacheNames, Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
 
     Build one per ``generate`` call. With ``input_ids`` (and, for a padded batch, ``attention_mask``)

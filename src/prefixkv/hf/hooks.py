@@ -28,7 +28,7 @@ from ..base.errors import CacheMisuseError
 from ..compat import generation, patching
 from ..compat.patching import MethodPatch, SharedPatch, bound_to_copies
 from ..compat.releases import CACHE_KWARGS
-from . import vision
+from . import linear_cache, stepwise, vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
@@ -137,7 +137,14 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         model.register_forward_hook(after, with_kwargs=True, always_call=True),
         _PrepareUser(model),
         _StepsOnly(model),
+        stepwise.Stepping(model, _is_paged),
+        linear_cache.Admitting(model),
     ]
+
+
+def _is_paged(cache: Any) -> bool:
+    """Whether ``cache`` is a ``PagedPrefixCache`` (whose rows resume Mamba's mixers one id at a time)."""
+    return isinstance(cache, PagedPrefixCache)
 
 
 def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, **kwargs: Any) -> Any:

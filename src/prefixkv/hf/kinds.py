@@ -37,7 +37,7 @@ import torch
 from ..base.memory import LayerShape
 from ..compat import releases
 from ..kv.pool import LayerSpec, layer_spec
-from .layers import HybridLayer, PagedLayer, StateLayer
+from .layers import HybridLayer, IndexedFace, PagedLayer, StateLayer
 
 NO_KV = LayerShape((0, 0), (0, 0))
 """The shape of a layer that keeps no K/V (a recurrent layer): empty pool tensors."""
@@ -96,6 +96,20 @@ class NoCacheKind(LayerKind):
     writes_kv = False
 
 
+class IndexedKind(LayerKind):
+    """DeepSeek sparse attention (``indexed_attention``: ``deepseek_v32``, ``glm_moe_dsa``, ``hy_v4``, ``axk2``): K/V
+    (multi-head latent attention's latent and rotary key) and, per token, the lightning indexer's key (one head of
+    ``index_head_dim``), from which the indexer picks the earlier tokens each query attends to. A layer that reuses
+    the layer before's pick (``indexer_types`` ``"shared"``) keeps none: the measuring forwards find no keys in it."""
+
+    def measure(self, layer: Any) -> dict[str, tuple[int, int]]:
+        keys = getattr(layer, "indexer_keys", None)  # [B, columns, index_head_dim], None where the layer has none
+        return {} if keys is None or keys.numel() == 0 else {"index_k": (1, int(keys.shape[-1]))}
+
+    def face(self, cache: Any, layer_idx: int, number_of_states: int) -> Any:
+        return IndexedFace(cache, layer_idx)
+
+
 KV = LayerKind("kv")
 """Per-token K/V: full, sliding-window or chunked attention; multi-head latent attention's latent and rotary key."""
 STATE = StateKind("state")
@@ -104,6 +118,8 @@ BOTH = HybridKind("kv+state")
 """A hybrid layer: both."""
 NONE = NoCacheKind("none")
 """Nothing cached (an MLP or MoE layer without attention, a KV-shared layer)."""
+INDEXED = IndexedKind("kv+index")
+"""K/V and a sparse attention's indexer keys per token."""
 
 _KIND_OF_TYPE: dict[str, LayerKind] = {
     "full_attention": KV,
@@ -114,6 +130,7 @@ _KIND_OF_TYPE: dict[str, LayerKind] = {
     "hybrid": BOTH,
     "hybrid_sliding": BOTH,
     "dummy": NONE,
+    "indexed_attention": INDEXED,
 }
 
 

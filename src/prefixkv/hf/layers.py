@@ -72,6 +72,16 @@ class PagedLayer(CacheLayerMixin):
         return None
 
 
+class IndexedFace(PagedLayer):
+    """The cache's face of a DeepSeek sparse attention layer: K/V as any layer's, and the lightning indexer's keys
+    (``update_indexer``, transformers' ``DynamicIndexedLayer``'s method) through the pool's ``index_k``."""
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Write the new indexer keys ``[B, q, index_head_dim]`` and return every row's, ``[B, columns,
+        index_head_dim]`` (pad columns: zeros, which the indexer's mask hides as it hides stock's pads)."""
+        return self.update_tensor("index_k", indexer_key_states[:, None])[:, 0]
+
+
 # transformers' layer of a recurrent layer's states (None before transformers 5, where no model is served with them)
 _StateBase: Any = releases.LINEAR_ATTENTION_LAYER or object
 

@@ -36,7 +36,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..base.memory import LayerShape
 from ..compat.releases import forward_cache_kwarg
-from . import kinds, states, vision
+from . import kinds, linear_cache, states, stepwise, vision
 from .support import eval_mode
 
 
@@ -49,7 +49,11 @@ class _Update(NamedTuple):
     value: tuple[int, int]
 
 
-class _Recording(DynamicCache):
+class _Resuming(linear_cache.LinearCacheNames, DynamicCache):
+    """A ``DynamicCache`` that MiniMax takes too (hf/linear_cache.py)."""
+
+
+class _Recording(_Resuming):
     """A ``DynamicCache`` that notes every ``update`` call (:class:`_Update`), per forward, and the layers that
     update a conv or recurrent state (built from ``config``: transformers' layers of each kind)."""
 
@@ -89,6 +93,16 @@ def measure(
     forwards prove the kinds: the layers that write K/V and those that update a state are the kinds'; a layer
     without K/V has :data:`NO_KV`."""
     _check_cross_attention(model)
+    # MiniMax takes the measuring caches (hf/linear_cache.py); Mamba's and RecurrentGemma's layers step through a
+    # forward that resumes a state as with a store's caches (hf/stepwise.py)
+    with linear_cache.admitting(model), stepwise.stepping(model):
+        return _measure(model, estimate, device, layer_kinds)
+
+
+def _measure(
+    model: Any, estimate: list[LayerShape], device: torch.device, layer_kinds: list[kinds.LayerKind] | None
+) -> list[LayerShape]:
+    """:func:`measure`'s forwards and checks."""
     text = model.config.get_text_config(decoder=True) if layer_kinds is not None else None
     cache = _Recording(text)
     name = forward_cache_kwarg(model.forward)
@@ -202,6 +216,11 @@ def padded_refusal(model: Any) -> tuple[str, bool] | None:
     return _PADDED.get(model)
 
 
+# the per-token tensors of transformers' cache layers, each with its columns on dim -2: K, V and DeepSeek sparse
+# attention's indexer keys (``DynamicIndexedLayer``, ``[B, columns, index_head_dim]``)
+_PER_TOKEN_FIELDS = ("keys", "values", "indexer_keys")
+
+
 def _padded_resumption(model: Any, name: str, device: torch.device, text: Any = None) -> tuple[str, bool] | None:
     """Whether a left-padded row that reuses K/V computed without pads (prefixkv's warm first forward: a pad column
     of zeros, the prefix's columns as an unpadded call computed them, the rest fed with the whole mask) gives what
@@ -269,8 +288,9 @@ def _zeroed_pad_gap(run: _Run, mask: torch.Tensor, text: Any) -> float:
     for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
         run(cache, 0, 3, mask[:, :3])
     for layer in zeros.layers:
-        for field in ("keys", "values"):
-            torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
+        for field in _PER_TOKEN_FIELDS:
+            if isinstance(getattr(layer, field, None), torch.Tensor):
+                getattr(layer, field)[..., :1, :] = 0
     return float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
 
 
@@ -280,9 +300,10 @@ def _unpadded_prefix_reused(run: _Run, mask: torch.Tensor, text: Any) -> torch.T
     cache = _fresh(text)
     run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
     for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
-        for field in ("keys", "values"):
-            held = torch.as_tensor(getattr(layer, field))
-            setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+        for field in _PER_TOKEN_FIELDS:
+            held = getattr(layer, field, None)
+            if isinstance(held, torch.Tensor):
+                setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
     return run(cache, 3, 4, mask)
 
 
@@ -386,17 +407,18 @@ def _check_resumes(model: Any, text_config: Any, name: str, device: torch.device
         return
     ids = torch.arange(3, 27, device=device).remainder(model.config.get_text_config(decoder=True).vocab_size)[None]
     whole = torch.as_tensor(model(input_ids=ids, use_cache=False).logits[:, -1])
-    cache = DynamicCache(config=text_config)
+    cache = _Resuming(config=text_config)
     model(input_ids=ids[:, :16], use_cache=True, **{name: cache})
     resumed = torch.as_tensor(model(input_ids=ids[:, 16:], use_cache=True, **{name: cache}).logits[:, -1])
     diff = float((whole - resumed).abs().max())
     if not diff <= tolerance:
+        tried = " (its layers stepped one id at a time, as prefixkv resumes them)" if stepwise.mixers(model) else ""
         raise UnsupportedModelError(
             f"{family(model)} does not resume a forward of several ids from its recurrent layers' state as one forward "
-            f"of the whole sequence computes it ({diff:.1e} off in {params.dtype if params is not None else ''}, over "
-            f"{tolerance:.0e}: Mamba's selective scan starts each such forward from a zero state, and some Mamba-2 "
-            "mixers scan in float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; "
-            "generate without prefixkv (with a DynamicCache) for this model"
+            f"of the whole sequence computes it{tried} ({diff:.1e} off in "
+            f"{params.dtype if params is not None else ''}, over {tolerance:.0e}: some Mamba-2 mixers scan in "
+            "float32 whatever the model's dtype); prefixkv resumes cached prefixes with such forwards; generate "
+            "without prefixkv (with a DynamicCache) for this model"
         )
 
 
@@ -416,7 +438,7 @@ def _padded_states(model: Any, text_config: Any, name: str, device: torch.device
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
     try:
         whole = torch.as_tensor(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1])
-        cache = DynamicCache(config=text_config)
+        cache = _Resuming(config=text_config)
         model(input_ids=ids[:, 1:4], use_cache=True, **{name: cache})
         for layer in cache.layers:  # a pad column of zeros ahead of the K/V, as the pool's null block
             for field in ("keys", "values"):

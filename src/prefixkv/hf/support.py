@@ -22,7 +22,7 @@ from ..base.errors import UnsupportedModelError
 from ..base.family import family
 from ..compat.releases import CACHE_KWARGS
 from ..kv.key_space import transformers_model
-from . import kinds
+from . import kinds, linear_cache, stepwise
 
 # layer kinds whose cache is per-token K/V; sliding and chunked layers differ only in their mask,
 # which transformers builds from the positions and ``get_mask_sizes``
@@ -78,7 +78,8 @@ def _refusal(model: Any, config: Any) -> str | None:
     if own is not None:
         return own
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
-    own_cache = supports_cache is not None and not supports_cache()
+    # MiniMax's own cache holds a recurrent state, which prefixkv's cache holds under its names (hf/linear_cache.py)
+    own_cache = supports_cache is not None and not supports_cache() and not linear_cache.admits(model)
     found = kinds.layer_kinds(text)
     if found is not None and not own_cache and (not kinds.stateful(found) or _calls_state_layers(model)):
         return _common_refusal(model, text)  # registered kinds (recurrent layers: transformers' cache layers hold them)
@@ -105,14 +106,17 @@ def _refusal(model: Any, config: Any) -> str | None:
 def _calls_state_layers(model: Any) -> bool:
     """Whether ``model``'s modeling code hands its recurrent state to the cache (``update_conv_state``,
     ``update_recurrent_state``); a model whose config names recurrent layers but whose code keeps their state in its
-    own modules (RecurrentGemma) does not. Read from the module's source: a model without weights is refused before
-    any forward could show it. Does not mutate."""
+    own modules does not, unless prefixkv bridges them to the cache (RecurrentGemma, :mod:`prefixkv.hf.stepwise`). Read
+    from the module's source: a model without weights is refused before any forward could show it. Does not
+    mutate."""
+    if stepwise.bridged(transformers_model(model)):
+        return True
     module = inspect.getmodule(type(transformers_model(model)))
     try:
         source = inspect.getsource(module) if module is not None else ""
     except (OSError, TypeError):
         return False
-    return "update_conv_state" in source or "update_recurrent_state" in source
+    return any(call in source for call in ("update_conv_state", "update_recurrent_state", "set_linear_cache"))
 
 
 def attends_through_interface(model: Any) -> bool:
@@ -162,24 +166,26 @@ _OWN_STATE_ARGUMENTS = {
     "mems": "its memory (each layer's hidden states of earlier tokens, from which it attends)",
     "past_buckets_states": "each layer's hash buckets and hidden states of earlier tokens",
 }
+# what was tried for a family refused for such an argument (issue 53)
+_TRIED_ARGUMENTS = {
+    "state": (
+        "; tried: the state resumes a forward of several ids as one forward of the whole sequence computes it (1e-8 "
+        "off in float64), but generate hands it from step to step in that argument, never through a cache, and a "
+        "prefixkv cache enters a call only as the cache generate hands each forward"
+    ),
+}
 
 
 def _cache_of_its_own(model: Any, text: Any) -> str | None:
     """Why a family whose cache holds something prefixkv's cannot (it says what) is refused, or ``None``: RWKV's
-    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, MiniMax's own cache class,
-    DeepSeek-V4's compressors, DeepSeek Sparse Attention's indexer. Does not mutate."""
+    ``state``, XLNet's ``mems`` and Reformer's ``past_buckets_states`` arguments, DeepSeek-V4's compressors. Does not
+    mutate."""
     forward = inspect.signature(transformers_model(model).forward).parameters
     own = [name for name in _OWN_STATE_ARGUMENTS if name in forward]
     if own and not set(CACHE_KWARGS) & set(forward):
         return (
             f"carries {_OWN_STATE_ARGUMENTS[own[0]]} in a `{own[0]}` argument of its own, not in a transformers Cache, "
-            "so there is no cache that prefixkv's could stand in for"
-        )
-    if getattr(text, "model_type", None) == "minimax":
-        return (
-            "accepts no cache but its own MiniMaxCache (its forward raises ValueError for any other): its "
-            "lightning-attention layers keep a running key-value product per layer there, which prefixkv's cache "
-            "does not hold"
+            f"so there is no cache that prefixkv's could stand in for{_TRIED_ARGUMENTS.get(own[0], '')}"
         )
     layer_types = set(getattr(text, "layer_types", None) or [])
     compressed = sorted(layer_types & _COMPRESSED_LAYER_TYPES)
@@ -189,13 +195,10 @@ def _cache_of_its_own(model: Any, text: Any) -> str | None:
         return (
             f"has compressed-attention layers {compressed} whose cache holds, besides a sliding window of K/V, a "
             f"compressor's running entries (one per {every or 'several'} tokens) and the tokens not yet compressed: "
-            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it"
-        )
-    if "indexed_attention" in layer_types:
-        return (
-            "has DeepSeek Sparse Attention layers ('indexed_attention'): a lightning indexer keeps keys of its own per "
-            f"token in the cache (`update_indexer`) to pick the {getattr(text, 'index_topk', 'top-k')} earlier tokens "
-            "each query attends to; prefixkv's cache keeps K/V only, with no indexer keys"
+            "not one K/V vector per token, so prefixkv cannot share or resume a prefix of it; tried: each of these is "
+            "a function of the prefix (snapshots at window ends could carry them), but the model fills them through "
+            "methods of its own cache layers (`store_compression_weights`, `update_compressor_states`, and the "
+            "compressed-sparse layers' overlap state), which prefixkv's cache does not implement per row"
         )
     return None
 
