@@ -118,11 +118,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
             inputs, kwargs = _feed_images(forward.rows, plan, inputs, kwargs)
         forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step, keyed=keyed))
         if forward.step is not None:
-            # a compiled step: the forward's masks are as wide as the step's slot table, a size of the graph as the
-            # table's width is; prefixkv attention hands the call to the model's own, in the graph
-            # (prefixkv.attention.static), and a hybrid's own sdpa takes the step's K/V as they are
-            mark_width(kwargs.get("attention_mask"))
-            return args, {**kwargs, STEP_KWARG: True} if serves(model) else kwargs
+            return args, _step_kwargs(model, kwargs)
         return (args, kwargs) if plan is not None else None
 
     @outside_compile
@@ -140,6 +136,14 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         stepwise.Stepping(model, _is_paged),
         linear_cache.Admitting(model),
     ]
+
+
+def _step_kwargs(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A compiled step's keyword inputs: its masks are as wide as the step's slot table, a size of the graph as the
+    table's width is; prefixkv attention hands the call to the model's own, in the graph (prefixkv.attention.static),
+    and a hybrid's own sdpa takes the step's K/V as they are. Marks the mask's width for the compiler."""
+    mark_width(kwargs.get("attention_mask"))
+    return {**kwargs, STEP_KWARG: True} if serves(model) else kwargs
 
 
 def _is_paged(cache: Any) -> bool:
