@@ -145,11 +145,12 @@ class Forward:
             self._owner = me
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``PagedPrefixCache.update``: write the new K/V of layer ``layer_idx`` into their slots and return what the
-        forward's attention reads (a compiled step's: in the graph, ``StaticStep.update``). Mutates the pool and the
-        rows."""
+        """``PagedPrefixCache.update``, which the cache hands its layers straight (the ``cache_kwargs`` that
+        releases before transformers 5 pass are not read): write the new K/V of layer ``layer_idx`` into their
+        slots and return what the forward's attention reads (a compiled step's: in the graph,
+        ``StaticStep.update``). Mutates the pool and the rows."""
         step = self.step
         if step is None:
             return self._paged_update(key_states, value_states, layer_idx)
