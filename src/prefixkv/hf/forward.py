@@ -33,6 +33,8 @@ from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
 
+_NO_SPACE = object()  # a Forward's key space before its first forward
+
 
 class Forward:
     """The forward state of one cache: its ``rows`` and ``call`` protocol (shared with the cache), the owner thread
@@ -55,6 +57,8 @@ class Forward:
         self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self._tables = static.StepTables(blocks.block_size)
+        self._space: Any = _NO_SPACE  # the rows' key space of the last forward, and the autocast dtype it names
+        self._autocast: torch.dtype | None = None
         self.step: static.StaticStep | None = None  # this forward's, when it is such a step
         self._owner: int | None = None
         self._guard = threading.Lock()
@@ -130,7 +134,9 @@ class Forward:
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
-        self._reads.autocast = autocast_in(held.space)  # checked at the forward's first layer (check_autocast)
+        if held.space is not self._space:  # the key space's autocast, read again only where the space changed
+            self._space, self._autocast = held.space, autocast_in(held.space)
+        self._reads.autocast = self._autocast  # checked at the forward's first layer (check_autocast)
 
     def _own(self) -> None:
         me = threading.get_ident()
