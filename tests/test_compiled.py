@@ -846,40 +846,58 @@ def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(mon
 
 
 def test_an_eager_write_that_a_growth_overtook_is_written_again() -> None:
-    """The eager step writes a layer without the store's lock (kv/pool.py, ``write_unlocked``): where another
-    thread's growth copied the tensors just before the write landed in them (simulated: the growth's copy is made,
-    the write goes to the old tensors, then the growth's new ones are set), the write is done again under the lock,
-    into the new tensors, so the call and a later request that reuses its tokens equal stock (float64)."""
+    """The eager step writes a layer without the store's lock, into the slot views its plan took when the step began
+    (hf/forward.py, ``write_layer``): where another thread's growth copied the tensors just before the write landed
+    in them (simulated when the write asks whether a growth runs: the growth's copy is made, the write goes to the
+    old tensors, then the growth's new ones are set), the write is done again under the lock, into the new tensors,
+    and the step's later layers write and read those, so the call and a later request that reuses its tokens equal
+    stock (float64)."""
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     twin = stock_twin(model)
     prompt = random_tokens(13, seed=31)[None]
     ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
     with prefixkv.PrefixStore(model, block_size=4) as store:
         blocks, pool = store.blocks, store.blocks.pool
-        write, raced, layers = pool.write, [], [0]
+        raced: list[int] = []
 
-        def overtaken(layer: int, *args: Any) -> None:
-            first = layers[-1] == 0  # layer 1's first write of the step, not the write again
-            layers.append(layer)
-            if len(raced) < 2 and args[0].numel() == 1 and layer == 1 and first:
-                with blocks.lock:  # as the store's room grows it (kv/room.py)
-                    old = pool.keys, pool.values
-                    pool.grow(pool.capacity + 4)
-                    blocks._allocator.grow(pool.capacity)
-                    grown, (pool.keys, pool.values) = (pool.keys, pool.values), old
-                write(layer, *args)  # into the tensors the write read before the growth set its own
-                pool.keys, pool.values = grown
-                raced.append(layer)
-                return
-            write(layer, *args)
+        class Overtaken(type(pool)):  # type: ignore[misc]
+            armed = False
+            grown: Any = None
 
-        pool.write = overtaken  # type: ignore[method-assign]
+            @property
+            def growing(self) -> bool:
+                if self.armed and self.grown is None:  # before the write: the growth copies the tensors now
+                    with blocks.lock:  # as the store's room grows it (kv/room.py)
+                        old = self.keys, self.values
+                        self.grow(self.capacity + 4)
+                        blocks._allocator.grow(self.capacity)
+                        self.grown, (self.keys, self.values) = (self.keys, self.values), old
+                        self.moves -= 1  # counted when it sets its tensors, below
+                    return False
+                if self.grown is not None:  # after the write, in the old tensors: the growth sets its new ones
+                    (self.keys, self.values), self.grown, self.armed = self.grown, None, False
+                    self.moves += 1
+                    raced.append(self.moves)
+                return bool(self.__dict__.get("_growing", False))
+
+            @growing.setter
+            def growing(self, value: bool) -> None:
+                self.__dict__["_growing"] = value
+
+        class Arm(LogitsProcessor):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                pool.armed = len(raced) < 2  # the next two steps' first writes are overtaken
+                return scores
+
+        pool.__class__ = Overtaken
         try:
             with prefixkv.PagedPrefixCache(store, prompt) as cache:
-                out = generate(model, prompt, None, cache, max_new_tokens=8)
+                out = generate(
+                    model, prompt, None, cache, max_new_tokens=8, logits_processor=LogitsProcessorList([Arm()])
+                )
         finally:
-            del pool.write
-        assert len(raced) == 2
+            pool.__class__ = Overtaken.__mro__[1]
+        assert len(raced) == 2 and raced[1] == raced[0] + 1
         assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
         store.check_invariants()
         later_request_matches_stock(model, store, out.sequences[:, :-1])
