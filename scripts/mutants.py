@@ -581,16 +581,16 @@ MUTATIONS = [
     Mutation(
         "v-stored-with-k-shape",
         "kv/pool.py",
-        "    return LayerSpec(*key, device, dtype, *value)\n",
-        "    return LayerSpec(*key, device, dtype)\n",
+        "    return LayerSpec(*key, device, dtype, *value, extra=tuple(extra))\n",
+        "    return LayerSpec(*key, device, dtype, extra=tuple(extra))\n",
         ("tests/test_latent.py::test_each_layer_keeps_the_shapes_it_hands_over",),
         "V is kept at K's heads and size: MLA's rotary key and MiMo's narrower V do not fit their pool",
     ),
     Mutation(
         "layer-spec-from-layer-0",
         "store/prefix_store.py",
-        "            layer_spec(s.key, s.value, d, self.dtype)\n",
-        "            layer_spec(measured[0].key, measured[0].value, d, self.dtype)\n",
+        "kinds.of(self.layer_kinds, i).spec(s, d, self.dtype) for",
+        "kinds.of(self.layer_kinds, i).spec(measured[0], d, self.dtype) for",
         ("tests/test_family_defects.py::test_layers_of_different_shapes_are_served",),
         "every layer's pool is shaped as layer 0's: a layer of other heads or size does not fit it",
     ),
@@ -887,7 +887,7 @@ MUTATIONS = [
     Mutation(
         "padded-check-takes-rounding-for-columns",
         "hf/shapes.py",
-        "bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:]))",
+        "bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:], text))",
         "bound = tolerance",
         ("tests/test_never_wrong.py::test_float32_rounding_is_not_a_padded_row_counting_positions_in_columns",),
         "float32 rounding of a model with large logits is taken for positions counted in columns: no padded reuse",
@@ -975,6 +975,23 @@ MUTATIONS = [
         "        return True\n",
         ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
         "a decode step's write that a growth in another thread overtook is lost in the old tensors",
+    ),
+    # -- issue 53: a layer kind is one object, its per-token tensors named in the pool
+    Mutation(
+        "kind-spec-drops-named-tensors",
+        "hf/kinds.py",
+        "        return layer_spec(shape.key, shape.value, device, dtype, shape.extra)\n",
+        "        return layer_spec(shape.key, shape.value, device, dtype)\n",
+        ("tests/test_kinds.py::test_a_kind_registered_from_a_test_is_served_exactly",),
+        "a kind's tensors besides K and V get no room in the pool: its layers' index keys have nowhere to go",
+    ),
+    Mutation(
+        "files-and-tiers-carry-k-and-v-only",
+        "kv/pool.py",
+        "        for name, shape in tensors.items():\n            out.append(",
+        "        for name, shape in list(tensors.items())[:2]:\n            out.append(",
+        ("tests/test_kinds.py::test_a_kinds_named_tensor_is_saved_loaded_and_tiered",),
+        "a file or a tier block keeps K and V alone: a kind's other tensors come back as zeros",
     ),
 ]
 

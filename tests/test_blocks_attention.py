@@ -116,6 +116,10 @@ class _Pool:
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return slot_view(self.keys[layer]), slot_view(self.values[layer])
 
+    @property
+    def specs(self) -> list[None]:  # one a layer: how many the plan takes the slot views of
+        return [None] * len(self.keys)
+
 
 @settings(max_examples=300, deadline=None)
 @given(layouts(), st.booleans(), st.booleans())

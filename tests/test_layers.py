@@ -199,9 +199,8 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows"),
-        "hf.call",
-        *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
+        *("hf.vision", "hf.proof", "hf.states", "hf.layers", "hf.kinds", "hf.support", "hf.shapes", "hf.parts"),
+        *("hf.rows", "hf.call", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],
     "store": ["store.options", "store.parallel", "store.files", "store.prefix_store", "store"],
     "many": ["many.arguments", "many.batches", "many.scheduler", "many.generation", "many"],

@@ -129,8 +129,7 @@ class FlexBackend:
             return attend(
                 reads,
                 call.query,
-                forward.pool.keys[layer],
-                forward.pool.values[layer],
+                *forward.pool.kv(layer),
                 scale=call.kwargs.get("scaling"),
                 key=call.key if reads.new_mask is not None else None,
                 value=call.value if reads.new_mask is not None else None,
@@ -171,7 +170,7 @@ class FlexBackend:
             lengths,
             positions,
             block_size=bs,
-            num_blocks=forward.pool.keys[0].shape[1],
+            num_blocks=forward.pool.capacity,
             device=call.query.device,
             visible=visible,
             new_visible=new_visible,

@@ -117,7 +117,7 @@ class Reader:
         so the same kernel call, without the copy."""
         if self._run is not None:
             first, count, columns = self._run
-            k, v = (t[layer][:, first : first + count] for t in (self._pool.keys, self._pool.values))
+            k, v = (t[:, first : first + count] for t in self._pool.kv(layer))
             k, v = (t.reshape(t.shape[0], -1, t.shape[3]) for t in (k, v))
             return k[None, :, :columns], v[None, :, :columns]
         return self._whole.read(layer, self._pool.specs[layer].device)
@@ -129,9 +129,9 @@ def _lone_run(
     """``(first block, blocks, columns)`` when the forward has one row, no padding, and its first ``columns``
     lie in consecutive blocks of an unquantized pool on a device whose pools attention reads in place; else
     ``None``. Does not mutate."""
-    if len(tables) != 1 or pads[0] or pool.kv_dtype is not None or not pool.keys:
+    if len(tables) != 1 or pads[0] or pool.kv_dtype is not None or not pool.specs:
         return None
-    if any(k.device.type not in READ_DEVICES for k in pool.keys):
+    if any(s.device.type not in READ_DEVICES for s in pool.specs):
         return None
     count = -(-columns // bs)
     table = tables[0][:count]

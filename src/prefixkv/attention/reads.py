@@ -93,15 +93,17 @@ def shapes_differ(pool: PoolView) -> bool:
 
 class PoolView(Protocol):
     """What the attention reads of a store's pool (:class:`prefixkv.kv.pool.BlockPool`; the attention never writes
-    it): per layer the K and V tensors ``[kv_heads, num_blocks, block_size, head_dim]`` (read at each call: a growth
-    of the pool replaces them), where each layer lies (``specs``), and the 8-bit storage (``kv_dtype``, ``None``
-    when the pool is stored in a float dtype), and each layer's K and V by slot (``slots``)."""
+    it): per layer the K and V tensors ``[kv_heads, num_blocks, block_size, head_dim]`` (``kv``, read at each call: a
+    growth of the pool replaces them), its blocks (``capacity``), where each layer lies (``specs``), and the 8-bit
+    storage (``kv_dtype``, ``None`` when the pool is stored in a float dtype), and each layer's K and V by slot
+    (``slots``)."""
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V tensors."""
+        ...
 
     @property
-    def keys(self) -> Sequence[torch.Tensor]: ...
-
-    @property
-    def values(self) -> Sequence[torch.Tensor]: ...
+    def capacity(self) -> int: ...
 
     @property
     def specs(self) -> Sequence[LayerView]: ...
@@ -142,7 +144,7 @@ class ForwardReads:
         # every layer's K and V by slot, taken once a step: the write and the attention of each layer read them here
         # (one call less a layer); the pool count of moves they are of (set by the cache, whose write refreshes both
         # where another thread's growth moved the pool meanwhile, prefixkv.hf.forward.write_layer)
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] = [pool.slots(layer) for layer in range(len(pool.keys))]
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = [pool.slots(layer) for layer in range(len(pool.specs))]
         self.moves = -1
         self.columns = columns
         self.gather = gather

@@ -97,8 +97,9 @@ class StaticStep:
     all that runs in the graph. Read-only after construction."""
 
     def __init__(self, pool: PoolView, slots: torch.Tensor, table: torch.Tensor, position: torch.Tensor) -> None:
-        self.keys: list[torch.Tensor] = list(pool.keys)
-        self.values: list[torch.Tensor] = list(pool.values)
+        held = [pool.kv(layer) for layer in range(len(pool.specs))]
+        self.keys: list[torch.Tensor] = [k for k, _ in held]
+        self.values: list[torch.Tensor] = [v for _, v in held]
         self.slots = slots
         self.table = table
         # the pool's size (it grows) and the bucket's width are sizes of one graph, not graphs of their own: a
@@ -127,7 +128,7 @@ class StaticStep:
         """Copy what :meth:`update` wrote (every layer's slots of the new column) into ``pool``'s tensors where they
         are no longer the ones this step was given (the pool grew meanwhile: a growth copies every layer into new
         tensors, and the copy may predate the write). The caller holds the store's lock. Mutates the pool."""
-        for given, now in ((self.keys, pool.keys), (self.values, pool.values)):
-            for old, new in zip(given, now):
+        for layer, pair in enumerate(zip(self.keys, self.values)):
+            for old, new in zip(pair, pool.kv(layer)):
                 if old is not new:
                     slot_view(new).index_copy_(1, self.slots, slot_view(old).index_select(1, self.slots))

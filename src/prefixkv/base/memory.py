@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -76,10 +77,23 @@ def attention_shape(config: Any) -> AttentionShape:
 
 
 class LayerShape(NamedTuple):
-    """What one layer that keeps K/V hands its cache per token: K's and V's (heads, head size)."""
+    """What one layer that keeps K/V hands its cache per token: K's and V's (heads, head size), and any more
+    per-token tensors its kind keeps, by name (``extra``, :meth:`prefixkv.hf.kinds.LayerKind.measure`)."""
 
     key: tuple[int, int]
     value: tuple[int, int]
+    extra: tuple[tuple[str, tuple[int, int]], ...] = ()
+
+
+class CachesKV(Protocol):
+    """A layer's kind as the estimate asks it (:class:`prefixkv.hf.kinds.LayerKind`): whether it keeps K/V, and a
+    state."""
+
+    @property
+    def writes_kv(self) -> bool: ...
+
+    @property
+    def has_state(self) -> bool: ...
 
 
 def layer_shapes(config: Any) -> list[LayerShape]:
@@ -148,7 +162,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype = torch.float32) -> int:
     >>> kv_bytes_per_token(cfg, torch.float16)
     256
     """
-    elements = sum(k[0] * k[1] + v[0] * v[1] for k, v in layer_shapes(config))
+    elements = sum(s.key[0] * s.key[1] + s.value[0] * s.value[1] for s in layer_shapes(config))
     return elements * torch.empty((), dtype=dtype).element_size()
 
 
@@ -165,16 +179,17 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def snapshot_budget(layer_kinds: list[str] | None, max_memory: int | str | None) -> int | None:
+def snapshot_budget(layer_kinds: Sequence[CachesKV] | None, max_memory: int | str | None) -> int | None:
     """The bytes a store's recurrent-state snapshots may hold (docs/memory.md, "Recurrent state"): for a model with
     recurrent layers (``layer_kinds``, :mod:`prefixkv.hf.kinds`) a quarter of ``max_memory``, the K/V pool getting the
     rest, or all of it for a model with no K/V layers; ``None`` without a ``max_memory`` (snapshots then live as long
     as the store holds their paths) or recurrent layers.
 
-    >>> snapshot_budget(["state", "kv"], "4MiB"), snapshot_budget(["state"], 1000), snapshot_budget(None, 1000)
+    >>> from prefixkv.hf.kinds import KV, STATE
+    >>> snapshot_budget([STATE, KV], "4MiB"), snapshot_budget([STATE], 1000), snapshot_budget(None, 1000)
     (1048576, 1000, None)
     """
-    if layer_kinds is None or max_memory is None:
+    if layer_kinds is None or max_memory is None or not any(k.has_state for k in layer_kinds):
         return None
     budget = parse_bytes(max_memory)
-    return budget if all(k in ("state", "none") for k in layer_kinds) else budget // 4
+    return budget if not any(k.writes_kv for k in layer_kinds) else budget // 4

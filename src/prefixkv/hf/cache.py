@@ -36,7 +36,7 @@ from ..kv.key_space import user_space
 from . import kinds, vision
 from .call import GenerateCall
 from .forward import Forward
-from .layers import HybridLayer, PagedLayer, StateLayer
+from .layers import StateLayer
 from .parts import StoreParts
 from .rows import RowSet, check_prompt
 
@@ -313,19 +313,8 @@ class PagedPrefixCache(Cache):
 
 
 def _layers(cache: PagedPrefixCache, store: StoreParts, num_layers: int) -> list[Any]:
-    """The cache's face of each layer (``cache.layers``), by its kind (:mod:`prefixkv.hf.kinds`): a
-    :class:`PagedLayer` for K/V (and for a layer without a cache, which never calls it), a :class:`StateLayer` for a
-    recurrent layer's states, a :class:`HybridLayer` for both."""
-    layer_kinds = store.layer_kinds
-    if layer_kinds is None:
-        return [PagedLayer(cache, i) for i in range(num_layers)]
-    states = kinds.number_of_states(store.hf_model.config)
-    faces: list[Any] = []
-    for i, kind in enumerate(layer_kinds):
-        if kind == kinds.STATE:
-            faces.append(StateLayer(cache, i, states))
-        elif kind == kinds.BOTH:
-            faces.append(HybridLayer(cache, i, states))
-        else:
-            faces.append(PagedLayer(cache, i))
-    return faces
+    """The cache's face of each layer (``cache.layers``), its kind's (:meth:`prefixkv.hf.kinds.LayerKind.face`): a
+    :class:`PagedLayer` for K/V (and for a layer without a cache, which never calls it), a
+    :class:`~prefixkv.hf.layers.StateLayer` for a recurrent layer's states, a :class:`~prefixkv.hf.layers.HybridLayer`
+    for both."""
+    return kinds.faces(cache, store.layer_kinds, num_layers, kinds.number_of_states(store.hf_model.config))

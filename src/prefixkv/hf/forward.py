@@ -25,10 +25,11 @@ from ..attention import interface, reads, static
 from ..attention.reader import Reader
 from ..base.errors import CacheMisuseError
 from ..base.family import family
+from ..base.slots import slot_table
 from ..compat import patching, releases
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
-from . import proof
+from . import kinds, proof
 from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
@@ -57,6 +58,7 @@ class Forward:
         self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self._tables = static.StepTables(blocks.block_size)
+        self._bs = blocks.block_size
         self._shapes = layer_shapes(store)  # each layer's K and V shapes, which every layer's update checks
         self._space: Any = _NO_SPACE  # the rows' key space of the last forward, and the autocast dtype it names
         self._autocast: torch.dtype | None = None
@@ -191,6 +193,29 @@ class Forward:
                 "generate call using it); its blocks are given back when the forward ends"
             )
         return write_layer(plan, self.rows, self.store, self._shapes, key_states, value_states, layer_idx)
+
+    @interface.outside_compile
+    def update_tensor(self, name: str, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Write the new values ``[B, heads, q, size]`` of layer ``layer_idx``'s per-token tensor ``name`` (one its
+        kind keeps besides K and V, :mod:`prefixkv.hf.kinds`) at the slots of this forward's new columns, and return
+        every row's whole tensor over the forward's columns, ``[B, heads, columns, size]`` (pad columns: the null
+        block's zeros). Mutates the pool."""
+        if self._owner != threading.get_ident() or self._reads is None or self.closed:
+            raise CacheMisuseError(
+                f"PagedPrefixCache got layer {layer_idx}'s {name!r} outside a forward of a cache that is open, or in "
+                "a compiled step (which carries K and V only)"
+            )
+        spec, held = self.store.blocks.pool.specs[layer_idx], self.rows
+        shape = spec.tensors.get(name)
+        if shape is None or (states.shape[1], states.shape[-1]) != shape or states.shape[-2] != held.new.shape[-1]:
+            raise CacheMisuseError(
+                f"layer {layer_idx} gives {name!r} of shape {tuple(states.shape)} for {held.new.shape[-1]} new "
+                f"columns, but the store keeps {shape} (heads, size) of it: this cache's store belongs to another model"
+            )
+        device = states.device
+        rows = slot_table([r.pad for r in held.rows], [r.table for r in held.rows], 0, held.length, self._bs)
+        keep = None if held.keep is None else held.keep.to(device)
+        return self.store.blocks.write_tensor(layer_idx, name, held.new.to(device), states, keep, rows.to(device))
 
     def end(self, ok: bool) -> None:
         """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
@@ -418,8 +443,7 @@ def end_step(held: RowSet, blocks: BlockManager, step: static.StaticStep, ok: bo
         if ok:
             step.carry_over(blocks.pool)
         if held.keep is not None:  # a pad column's K/V went to the null block: it must stay zeros
-            for t in (*blocks.pool.keys, *blocks.pool.values):
-                t[:, 0].zero_()
+            blocks.pool.zero_null_block()
     if ok:  # a compiled step wrote every layer (the graph has no per-layer record)
         held.seen[:] = [held.length] * len(held.seen)
 
@@ -432,11 +456,14 @@ def compile_refusal(store: StoreParts) -> str | None:
     release = releases.compile_refusal(store.hf_model)
     if release is not None:
         return release
-    if store.layer_kinds is not None:
+    if kinds.stateful(store.layer_kinds):
         return (
             f"this {family(store.hf_model)} model has recurrent layers, whose states the compiled step does not carry "
             "(their cache layers are selected and snapshotted in Python)"
         )
+    kept = sorted({name for s in store.blocks.pool.specs for name, _ in s.extra})
+    if kept:
+        return f"its layers keep per-token tensors besides K and V ({', '.join(kept)}), which the step does not write"
     if not interface.serves(store.hf_model):
         return (
             f"this {family(store.hf_model)} model runs its own attention, not prefixkv's (docs/architectures.md), and "

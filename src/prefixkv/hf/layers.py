@@ -46,6 +46,16 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cache.update(key_states, value_states, self._layer_idx)
 
+    def update_tensor(self, name: str, states: torch.Tensor) -> torch.Tensor:
+        """Write this layer's new values ``[B, heads, q, size]`` of the per-token tensor ``name`` its kind keeps
+        besides K and V (:mod:`prefixkv.hf.kinds`) and return every row's whole tensor, ``[B, heads, columns, size]``:
+        what a kind's face calls for such a tensor (a sparse attention's indexer keys), as ``update`` for K/V."""
+        forward = getattr(self._cache, "forward", None)
+        if forward is None:
+            raise CacheMisuseError(f"layer {self._layer_idx}'s {name!r} was handed to a cache without a forward")
+        result: torch.Tensor = forward.update_tensor(name, states, self._layer_idx)
+        return result
+
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length(self._layer_idx)
 

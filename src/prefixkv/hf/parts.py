@@ -15,6 +15,7 @@ import torch
 from ..base.settings import StoreSettings
 from ..base.stats import RowStats
 from ..kv.manager import BlockManager
+from .kinds import LayerKind
 from .states import Snapshots
 
 
@@ -71,8 +72,9 @@ class StoreParts(Protocol):
     def runner(self) -> Prefills: ...
 
     @property
-    def layer_kinds(self) -> list[str] | None:
-        """Each layer's kind (:mod:`prefixkv.hf.kinds`) for a model with recurrent layers, else ``None``."""
+    def layer_kinds(self) -> list[LayerKind] | None:
+        """Each layer's kind (:mod:`prefixkv.hf.kinds`) for a model with layers of another kind than K/V, else
+        ``None``."""
         ...
 
     @property

@@ -76,14 +76,16 @@ class _Recording(DynamicCache):
 
 
 def measure(
-    model: Any, estimate: list[LayerShape], device: torch.device, layer_kinds: list[str] | None = None
+    model: Any, estimate: list[LayerShape], device: torch.device, layer_kinds: list[kinds.LayerKind] | None = None
 ) -> list[LayerShape]:
     """Per layer that keeps K/V, its K and V shapes as the layer hands them over, from two forwards (one id, then two
     more that resume the cache) on ``device`` without gradients and with the random state restored (dropout draws
     nothing a later call would see); ``estimate`` (from the config) where the model does not run on ids alone. Raises
     :class:`UnsupportedModelError` when the layers do what prefixkv's cache cannot follow (the module's docstring).
-    Does not mutate the model. With ``layer_kinds`` (:func:`prefixkv.hf.kinds.layer_kinds`, a model with recurrent
-    layers) the forwards prove them: the layers that write K/V and those that update a state are the kinds'; a layer
+    Does not mutate the model. With ``layer_kinds`` (:func:`prefixkv.hf.kinds.layer_kinds`) the cache is
+    transformers' own for those kinds and each kind measures what else its layers hand over
+    (:meth:`prefixkv.hf.kinds.LayerKind.measure`, a shape's ``extra``); for a model with recurrent layers the
+    forwards prove the kinds: the layers that write K/V and those that update a state are the kinds'; a layer
     without K/V has :data:`NO_KV`."""
     _check_cross_attention(model)
     text = model.config.get_text_config(decoder=True) if layer_kinds is not None else None
@@ -106,7 +108,8 @@ def measure(
                     f"{e}), which every reuse of a prefix does; generate without prefixkv (with a DynamicCache) for "
                     "this model"
                 ) from e
-    if layer_kinds is not None:
+    if kinds.stateful(layer_kinds):
+        assert layer_kinds is not None
         for n, updates, stated in zip(fed, cache.forwards, cache.stated, strict=True):
             _check_kinds(model, layer_kinds, n, updates, stated)
         with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -114,26 +117,37 @@ def measure(
             _PADDED[model] = _padded_states(model, text, name, device)
         written = {u.layer: LayerShape(u.key, u.value) for u in cache.forwards[0]}
         _check_steady(model, written, cache.forwards[1])
-        return [written.get(i, NO_KV) for i in range(len(layer_kinds))]
+        return _with_extras(cache, layer_kinds, [written.get(i, NO_KV) for i in range(len(layer_kinds))])
     own = _own_kv_layers(model, len(estimate))
     for n, updates in zip(fed, cache.forwards, strict=True):
         _check_forward(model, own, n, updates)
     shapes = [LayerShape(u.key, u.value) for u in sorted(cache.forwards[0])]
     _check_steady(model, dict(enumerate(shapes)), cache.forwards[1])
     with eval_mode(model), vision.rope_deltas_aside(model), torch.random.fork_rng(devices=devices), torch.no_grad():
-        _PADDED[model] = _padded_resumption(model, name, device)
-    return shapes
+        _PADDED[model] = _padded_resumption(model, name, device, text)
+    return _with_extras(cache, layer_kinds, shapes)
 
 
-NO_KV = LayerShape((0, 0), (0, 0))
-"""The shape of a layer that keeps no K/V (a recurrent layer): an empty pool tensor."""
+NO_KV = kinds.NO_KV
+
+
+def _with_extras(
+    cache: DynamicCache, layer_kinds: list[kinds.LayerKind] | None, shapes: list[LayerShape]
+) -> list[LayerShape]:
+    """``shapes`` with what else each layer's kind measured it hand over (:meth:`kinds.LayerKind.measure`, from
+    ``cache``'s layers after the measuring forwards). Does not mutate."""
+    if layer_kinds is None:
+        return shapes
+    return [
+        s._replace(extra=tuple(kinds.of(layer_kinds, i).measure(cache.layers[i]).items())) for i, s in enumerate(shapes)
+    ]
 
 
 def _check_steady(model: Any, shapes: dict[int, LayerShape], resumed: list[_Update]) -> None:
     """Raise :class:`UnsupportedModelError` unless each layer hands the forward that resumes its cache K and V of the
     shapes it handed the first. Does not mutate."""
     for u in resumed:
-        if shapes.get(u.layer) != (u.key, u.value):
+        if shapes.get(u.layer) != LayerShape(u.key, u.value):
             raise UnsupportedModelError(
                 f"{family(model)}'s layer {u.layer} hands K {u.key} and V {u.value} (heads, head size) in a forward "
                 f"that resumes its cache, {shapes.get(u.layer)} in the first; prefixkv keeps one K/V shape per layer; "
@@ -175,7 +189,7 @@ def padded_refusal(model: Any) -> tuple[str, bool] | None:
     return _PADDED.get(model)
 
 
-def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str, bool] | None:
+def _padded_resumption(model: Any, name: str, device: torch.device, text: Any = None) -> tuple[str, bool] | None:
     """Whether a left-padded row that reuses K/V computed without pads (prefixkv's warm first forward: a pad column
     of zeros, the prefix's columns as an unpadded call computed them, the rest fed with the whole mask) gives what
     one forward of the whole padded row gives (stock's first forward), with the ``position_ids`` generate derives
@@ -203,8 +217,8 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
         return torch.as_tensor(out.logits[:, -1]).float()
 
     try:
-        bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:]))
-        real, zeros = DynamicCache(), DynamicCache()
+        bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:], text))
+        real, zeros = _fresh(text), _fresh(text)
         for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
             run(cache, 0, 3, mask[:, :3])
         for layer in zeros.layers:
@@ -220,8 +234,8 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
             "K/V for pads"
         ), True
     try:
-        whole = run(DynamicCache(), 0, 4, mask)
-        cache = DynamicCache()
+        whole = run(_fresh(text), 0, 4, mask)
+        cache = _fresh(text)
         run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
         for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
             for field in ("keys", "values"):
@@ -248,13 +262,19 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
 _ROUNDING_FACTOR = 64
 
 
-def _rounding(model: Any, name: str, ids: torch.Tensor) -> float:
+def _fresh(text: Any) -> DynamicCache:
+    """A stock cache: of the layers transformers builds for ``text`` (a config whose kinds prefixkv reads), else
+    plain."""
+    return DynamicCache() if text is None else DynamicCache(config=text)
+
+
+def _rounding(model: Any, name: str, ids: torch.Tensor, text: Any = None) -> float:
     """How far the last logits of ``ids`` (no pads) move when their prefill is split, at each cut: the rounding of
     the model's dtype on this model, which a padded row's reuse may show too. Does not mutate the model."""
-    whole = torch.as_tensor(model(input_ids=ids, use_cache=True, **{name: DynamicCache()}).logits[:, -1]).float()
+    whole = torch.as_tensor(model(input_ids=ids, use_cache=True, **{name: _fresh(text)}).logits[:, -1]).float()
     moved = 0.0
     for cut in range(1, ids.shape[1]):
-        cache = DynamicCache()
+        cache = _fresh(text)
         model(input_ids=ids[:, :cut], use_cache=True, **{name: cache})
         resumed = torch.as_tensor(model(input_ids=ids[:, cut:], use_cache=True, **{name: cache}).logits[:, -1])
         moved = max(moved, float((whole - resumed.float()).abs().max()))
@@ -301,12 +321,14 @@ def _check_forward(model: Any, num_layers: int, fed: int, updates: list[_Update]
         )
 
 
-def _check_kinds(model: Any, layer_kinds: list[str], fed: int, updates: list[_Update], stated: set[int]) -> None:
+def _check_kinds(
+    model: Any, layer_kinds: list[kinds.LayerKind], fed: int, updates: list[_Update], stated: set[int]
+) -> None:
     """Raise :class:`UnsupportedModelError` unless a forward fed ``fed`` ids wrote K/V, once each and ``fed`` columns,
     to exactly the layers whose kind writes K/V, and updated a state in exactly those whose kind has one. Does not
     mutate."""
-    kv = [i for i, k in enumerate(layer_kinds) if kinds.writes_kv(k)]
-    with_state = {i for i, k in enumerate(layer_kinds) if kinds.has_state(k)}
+    kv = [i for i, k in enumerate(layer_kinds) if k.writes_kv]
+    with_state = {i for i, k in enumerate(layer_kinds) if k.has_state}
     layers = [u.layer for u in updates]
     if sorted(layers) != kv or stated != with_state:
         raise UnsupportedModelError(

@@ -79,8 +79,9 @@ def _refusal(model: Any, config: Any) -> str | None:
         return own
     supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
     own_cache = supports_cache is not None and not supports_cache()
-    if kinds.layer_kinds(text) is not None and not own_cache and _calls_state_layers(model):
-        return _common_refusal(model, text)  # recurrent layers that transformers' own cache layers hold
+    found = kinds.layer_kinds(text)
+    if found is not None and not own_cache and (not kinds.stateful(found) or _calls_state_layers(model)):
+        return _common_refusal(model, text)  # registered kinds (recurrent layers: transformers' cache layers hold them)
     layer_types = list(getattr(text, "layer_types", None) or [])
     stateful = getattr(model, "_is_stateful", False) or any(getattr(text, f, None) is not None for f in _STATE_FIELDS)
     if stateful or set(layer_types) & _STATE_LAYER_TYPES or own_cache:
@@ -236,7 +237,7 @@ def state_option_refusal(model: Any, *, invariant: bool, offload: bool, kv_dtype
     mutate."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if text is None or kinds.layer_kinds(text) is None:
+    if text is None or not kinds.stateful(kinds.layer_kinds(text)):
         return None
     options = (("invariant=True/chunk_size", invariant), ("offload/offload_dir", offload), ("kv_dtype", kv_dtype))
     asked = [name for name, on in options if on]

@@ -262,6 +262,23 @@ class BlockManager:
         with self.lock:
             self.pool.write(layer, slots, key, value, keep)
 
+    def write_tensor(
+        self,
+        layer: int,
+        name: str,
+        slots: torch.Tensor,
+        given: torch.Tensor,
+        keep: torch.Tensor | None,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store new values of ``layer``'s per-token tensor ``name`` (one its kind keeps besides K and V,
+        :meth:`BlockPool.write_tensor`) at the ``slots`` ``[B, q]`` of a forward, and return every row's values over
+        ``rows`` (the slots of each row's columns, ``[B, columns]``), ``[B, heads, columns, size]``; under the lock,
+        as :meth:`write`. Mutates the pool."""
+        with self.lock:
+            self.pool.write_tensor(layer, name, slots, given, keep)
+            return self.pool.gather_tensor(layer, name, rows)
+
     def gather(
         self, layer: int, *, table: torch.Tensor | None = None, slots: torch.Tensor | None = None, length: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,7 @@
-"""The KV tensors: per attention layer, K and V as ``[kv_heads, num_blocks, block_size, head_dim]``, each of the heads
-and size that layer hands its cache (:class:`LayerSpec`: a layer's V may differ from its K, a layer from another).
+"""The KV tensors: per attention layer, each per-token tensor its kind keeps, by name (``k`` and ``v``, and any more a
+kind names, :mod:`prefixkv.hf.kinds`), as ``[heads, num_blocks, block_size, size]``, each of the heads and size that
+layer hands its cache (:class:`LayerSpec`: a layer's V may differ from its K, a layer from another). The pool is the
+only place the name of a tensor in a file or a tier is formed (:func:`stored_name`, :func:`stored_tensors`).
 
 Head-major: the slots of one head are contiguous across blocks, so the K/V of a run of consecutive blocks is a
 view ``[kv_heads, tokens, head_dim]`` whose every head is one contiguous range, which attention reads as fast as
@@ -33,7 +35,7 @@ Quantized storage (``kv_dtype="int8"`` or ``"fp8"``): codes and one scale per to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -49,11 +51,52 @@ def _normal_tensors() -> Iterator[None]:
         yield
 
 
+K, V = "k", "v"
+"""The names of a layer's K and V among its per-token tensors (:attr:`LayerSpec.tensors`)."""
+
+
+def stored_name(name: str, layer: int) -> str:
+    """The name of ``layer``'s tensor ``name`` in a saved file, a tier's block and :meth:`BlockPool.read_blocks`
+    (``k.0``, ``v.3``, ``index_k.1``): formed here only."""
+    return f"{name}.{layer}"
+
+
+def scale_name(name: str, layer: int) -> str:
+    """The name of the 8-bit scales of ``layer``'s tensor ``name`` (``k_scale.0``), as :func:`stored_name`."""
+    return f"{name}_scale.{layer}"
+
+
+class StoredTensor(NamedTuple):
+    """One tensor of a pool's blocks as saved and tiered: its name there (:func:`stored_name`,
+    :func:`scale_name`), its layer and per-token tensor name, that tensor's (heads, size), and whether it is the
+    8-bit scales of that tensor (``[blocks, block_size, heads]``) rather than the tensor (``[blocks, block_size,
+    heads, size]``)."""
+
+    stored: str
+    layer: int
+    name: str
+    shape: tuple[int, int]
+    scale: bool
+
+
+def stored_tensors(layers: Sequence[dict[str, tuple[int, int]]], quantized: bool) -> list[StoredTensor]:
+    """Every tensor of the blocks of a pool whose layers keep ``layers`` (each :attr:`LayerSpec.tensors`), by the
+    name a file or a tier gives it, scales too where ``quantized``. Does not mutate."""
+    out = []
+    for i, tensors in enumerate(layers):
+        for name, shape in tensors.items():
+            out.append(StoredTensor(stored_name(name, i), i, name, shape, False))
+            if quantized:
+                out.append(StoredTensor(scale_name(name, i), i, name, shape, True))
+    return out
+
+
 class LayerSpec(NamedTuple):
     """Where and how one attention layer's KV is kept (``dtype``: what reads return): K of ``kv_heads`` heads of
     ``head_dim``, and V of ``value_heads`` heads of ``value_dim``, ``None`` where V is shaped as K (multi-head latent
     attention hands ``update`` a latent and a rotary key of other sizes, docs/architectures.md, "Latent attention and
-    mixed shapes").
+    mixed shapes"), and any more per-token tensors its kind keeps (``extra``: name and (heads, size) each,
+    :mod:`prefixkv.hf.kinds`).
 
     >>> LayerSpec(1, 8, torch.device("cpu"), torch.float32, value_dim=32).value_shape
     (1, 32)
@@ -65,6 +108,7 @@ class LayerSpec(NamedTuple):
     dtype: torch.dtype
     value_heads: int | None = None
     value_dim: int | None = None
+    extra: tuple[tuple[str, tuple[int, int]], ...] = ()
 
     @property
     def key_shape(self) -> tuple[int, int]:
@@ -77,17 +121,47 @@ class LayerSpec(NamedTuple):
         heads = self.kv_heads if self.value_heads is None else self.value_heads
         return heads, self.head_dim if self.value_dim is None else self.value_dim
 
+    @property
+    def tensors(self) -> dict[str, tuple[int, int]]:
+        """Every per-token tensor the layer keeps, by name: ``k``, ``v`` and the ``extra`` ones, (heads, size) each.
 
-def layer_spec(key: tuple[int, int], value: tuple[int, int], device: torch.device, dtype: torch.dtype) -> LayerSpec:
+        >>> LayerSpec(2, 8, torch.device("cpu"), torch.float32, extra=(("index_k", (1, 4)),)).tensors
+        {'k': (2, 8), 'v': (2, 8), 'index_k': (1, 4)}
+        """
+        return spec_tensors(self.key_shape, self.value_shape, self.extra)
+
+
+def layer_spec(
+    key: tuple[int, int],
+    value: tuple[int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    extra: tuple[tuple[str, tuple[int, int]], ...] = (),
+) -> LayerSpec:
     """The spec of a layer whose K is ``key`` and V ``value`` (heads, head size), V's fields left ``None`` where it is
-    shaped as K (so a uniform model's specs, and the files they write, are what they were)."""
+    shaped as K (so a uniform model's specs, and the files they write, are what they were), and its ``extra``
+    per-token tensors."""
     if value == key:
-        return LayerSpec(*key, device, dtype)
-    return LayerSpec(*key, device, dtype, *value)
+        return LayerSpec(*key, device, dtype, extra=tuple(extra))
+    return LayerSpec(*key, device, dtype, *value, extra=tuple(extra))
+
+
+def spec_tensors(
+    key: tuple[int, int], value: tuple[int, int], extra: Sequence[tuple[str, tuple[int, int]]] = ()
+) -> dict[str, tuple[int, int]]:
+    """A layer's per-token tensors by name (:attr:`LayerSpec.tensors`) from its K and V shapes and ``extra`` ones."""
+    return {K: key, V: value, **dict(extra)}
+
+
+def spec_of(tensors: Mapping[str, tuple[int, int]], device: torch.device, dtype: torch.dtype) -> LayerSpec:
+    """The spec of a layer that keeps ``tensors`` (:attr:`LayerSpec.tensors`)."""
+    extra = tuple((name, shape) for name, shape in tensors.items() if name not in (K, V))
+    return layer_spec(tensors[K], tensors[V], device, dtype, extra)
 
 
 def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = None) -> int:
-    """K and V bytes of one block across all layers, scales included, each layer at its own K and V sizes.
+    """Bytes of one block across all layers, every per-token tensor of each (K, V and any more), scales included,
+    each at its own sizes.
 
     >>> spec = LayerSpec(2, 64, torch.device("cpu"), torch.float32)
     >>> block_bytes([spec], 16), block_bytes([spec], 16, "int8")
@@ -95,7 +169,7 @@ def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = 
     """
     total = 0
     for s in specs:
-        for heads, dim in (s.key_shape, s.value_shape):
+        for heads, dim in s.tensors.values():
             if kv_dtype is None:
                 total += block_size * heads * dim * s.dtype.itemsize
             else:  # 1-byte codes and a scale per token and head
@@ -103,12 +177,30 @@ def block_bytes(specs: list[LayerSpec], block_size: int, kv_dtype: str | None = 
     return total
 
 
+class _EveryLayer:
+    """A pool's attribute that is every layer's tensor ``name`` (or its scales) as a list; set, it replaces them."""
+
+    def __init__(self, name: str, *, scales: bool = False) -> None:
+        self._name, self._scales = name, scales
+
+    def __get__(self, pool: BlockPool, owner: type | None = None) -> list[torch.Tensor]:
+        return [t[self._name] for t in (pool.scales if self._scales else pool.tensors) if t]
+
+    def __set__(self, pool: BlockPool, given: Sequence[torch.Tensor]) -> None:
+        for tensors, t in zip(pool.scales if self._scales else pool.tensors, given, strict=True):
+            tensors[self._name] = t
+
+
 class BlockPool:
-    """K/V storage for every layer, addressed by slot index.
+    """Per-token storage for every layer, addressed by slot index: ``tensors[layer][name]`` for each per-token
+    tensor a layer keeps (:attr:`LayerSpec.tensors`: ``k``, ``v`` and any more its kind names), each ``[heads,
+    num_blocks, block_size, size]``, and in a quantized pool ``scales[layer][name]`` beside them. Read through
+    :meth:`layer`, :meth:`slots`, :meth:`gather` and the block methods; :attr:`keys` and :attr:`values` are every
+    layer's K and V.
 
     >>> spec = LayerSpec(2, 4, torch.device("cpu"), torch.float32)
     >>> pool = BlockPool([spec], block_size=16, capacity=3)
-    >>> pool.keys[0].shape
+    >>> pool.layer(0)["k"].shape
     torch.Size([2, 3, 16, 4])
     """
 
@@ -117,37 +209,44 @@ class BlockPool:
         self.specs = layers
         self.block_size = block_size
         self.kv_dtype = kv_dtype
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        # quantized pools only: per layer ``[kv_heads, num_blocks, block_size]`` scales of K and of V
-        self.key_scales: list[torch.Tensor] = []
-        self.value_scales: list[torch.Tensor] = []
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        # quantized pools only: per layer and name ``[heads, num_blocks, block_size]`` scales
+        self.scales: list[dict[str, torch.Tensor]] = []
         self.moves = 0  # growths and shrinks so far: the only operations that give the tensors new storage
         self.growing = False  # a growth is copying the tensors now (in another thread): a write may miss the copy
         with _normal_tensors():
-            self._allocate(layers, block_size, capacity, kv_dtype)
-        self._views = self._slot_views()
+            for s in layers:
+                tensors, scales = _allocated(s, block_size, capacity, kv_dtype)
+                self.tensors.append(tensors)
+                self.scales.append(scales)
+        self._views = _slot_views(self.tensors)
 
-    def _allocate(self, layers: list[LayerSpec], block_size: int, capacity: int, kv_dtype: str | None) -> None:
-        for s in layers:
-            store = s.dtype if kv_dtype is None else code_dtype(kv_dtype)
-            for (heads, dim), tensors, scales in (
-                (s.key_shape, self.keys, self.key_scales),
-                (s.value_shape, self.values, self.value_scales),
-            ):
-                shape = (heads, capacity, block_size, dim)
-                # zeros, not empty: the null block stands in for padding and must hold finite values
-                tensors.append(_held(torch.zeros(shape, device=s.device, dtype=store)))
-                if kv_dtype is not None:
-                    scales.append(_held(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE)))
+    def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
+        """``layer``'s per-token tensors by name, ``[heads, num_blocks, block_size, size]`` each (8-bit codes in a
+        quantized pool): the tensors themselves, which a growth replaces (read them at each use)."""
+        return self.tensors[layer]
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s K and V, as :meth:`layer` holds them."""
+        tensors = self.tensors[layer]
+        return tensors[K], tensors[V]
+
+    keys = _EveryLayer(K)
+    """Every layer's K (:meth:`layer`'s ``k``); set, each layer's K is replaced."""
+    values = _EveryLayer(V)
+    """Every layer's V (:meth:`layer`'s ``v``); set, each layer's V is replaced."""
+    key_scales = _EveryLayer(K, scales=True)
+    """Every layer's K scales (quantized pools; empty otherwise)."""
+    value_scales = _EveryLayer(V, scales=True)
+    """Every layer's V scales (quantized pools; empty otherwise)."""
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1] if self.keys else 0
+        return self.tensors[0][K].shape[1] if self.tensors else 0
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block across all layers, scales included."""
+        """Bytes of one block across all layers, every per-token tensor, scales included."""
         return block_bytes(self.specs, self.block_size, self.kv_dtype)
 
     def grow(self, capacity: int) -> None:
@@ -164,20 +263,13 @@ class BlockPool:
         self.growing = True
         try:
             with _normal_tensors():
-                moved = [
-                    [new(t) for t in tensors]
-                    for tensors in (self.keys, self.values, self.key_scales, self.value_scales)
-                ]
-            self.keys, self.values, self.key_scales, self.value_scales = moved
-            self._views = self._slot_views()
+                tensors = [{name: new(t) for name, t in per_layer.items()} for per_layer in self.tensors]
+                scales = [{name: new(t) for name, t in per_layer.items()} for per_layer in self.scales]
+            self.tensors, self.scales = tensors, scales
+            self._views = _slot_views(self.tensors)
             self.moves += 1
         finally:
             self.growing = False
-
-    def _slot_views(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Every layer's K and V and their :meth:`slots`, made once per storage (a decode step asks for them every
-        layer)."""
-        return [(k, v, slot_view(k), slot_view(v)) for k, v in zip(self.keys, self.values)]
 
     def write_unlocked(
         self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor | None = None
@@ -219,23 +311,40 @@ class BlockPool:
         if keep is not None:
             flat, new_k, new_v = flat[keep], new_k[keep], new_v[keep]
         if self.kv_dtype is not None:
-            self._write_quantized(layer, flat, new_k, new_v)
+            self._write_quantized(layer, flat, {K: new_k, V: new_v})
             return
         k.index_copy_(1, flat, new_k.transpose(0, 1).to(k.dtype))
         v.index_copy_(1, flat, new_v.transpose(0, 1).to(v.dtype))
 
-    def _write_quantized(self, layer: int, flat: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """Quantize ``[N, kv_heads, head_dim]`` values and place codes and scales at ``flat`` slots. Mutates."""
-        if new_k.shape == new_v.shape:  # K and V in one call
-            codes, scale = self._quantize(torch.stack((new_k, new_v)).to(torch.float32))
-            coded = [(codes[0], scale[0]), (codes[1], scale[1])]
+    @torch.no_grad()
+    def write_tensor(
+        self, layer: int, name: str, slots: torch.Tensor, given: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> None:
+        """Store new values of ``layer``'s per-token tensor ``name`` (one its kind keeps besides K and V), as
+        :meth:`write` stores K: ``given`` ``[B, heads, q, size]``. Mutates."""
+        flat = slots.reshape(-1)
+        new = given.transpose(1, 2).reshape(-1, given.shape[1], given.shape[3])  # [B*q, H, D]
+        if keep is not None:
+            flat, new = flat[keep], new[keep]
+        if self.kv_dtype is not None:
+            self._write_quantized(layer, flat, {name: new})
+            return
+        stored = self.slot(layer, name)
+        stored.index_copy_(1, flat, new.transpose(0, 1).to(stored.dtype))
+
+    def _write_quantized(self, layer: int, flat: torch.Tensor, new: dict[str, torch.Tensor]) -> None:
+        """Quantize ``[N, heads, size]`` values of each named tensor and place codes and scales at ``flat`` slots.
+        Mutates."""
+        shapes = {t.shape for t in new.values()}
+        if len(new) > 1 and len(shapes) == 1:  # all in one call
+            codes, scale = self._quantize(torch.stack(list(new.values())).to(torch.float32))
+            coded = [(codes[i], scale[i]) for i in range(len(new))]
         else:  # each token's codes come from its own values alone, so apart they are what they are together
-            coded = [self._quantize(t.to(torch.float32)) for t in (new_k, new_v)]
-        for (codes_i, scale_i), stored, scales in zip(
-            coded, (self.keys, self.values), (self.key_scales, self.value_scales), strict=True
-        ):
-            slot_view(stored[layer]).index_copy_(1, flat, codes_i.transpose(0, 1))
-            scales[layer].view(scales[layer].shape[0], -1).index_copy_(1, flat, scale_i.T)
+            coded = [self._quantize(t.to(torch.float32)) for t in new.values()]
+        for name, (codes_i, scale_i) in zip(new, coded, strict=True):
+            slot_view(self.tensors[layer][name]).index_copy_(1, flat, codes_i.transpose(0, 1))
+            scales = self.scales[layer][name]
+            scales.view(scales.shape[0], -1).index_copy_(1, flat, scale_i.T)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.kv_dtype is not None
@@ -249,94 +358,132 @@ class BlockPool:
         """``layer``'s K and V (their 8-bit codes in a quantized pool) indexed by slot, each ``[kv_heads,
         num_blocks * block_size, head_dim]`` (:func:`prefixkv.base.slots.slot_view`): views, so a write through them
         writes the pool."""
-        k, v, k_slots, v_slots = self._views[layer] if layer < len(self._views) else (None, None, None, None)
-        if k is not self.keys[layer] or v is not self.values[layer]:  # tensors set from outside: views made anew
-            self._views = self._slot_views()
-            k, v, k_slots, v_slots = self._views[layer]
-        assert k_slots is not None and v_slots is not None
-        return k_slots, v_slots
+        views, tensors = self._views[layer] if layer < len(self._views) else {}, self.tensors[layer]
+        k, v = views.get(K), views.get(V)
+        if k is None or v is None or k[0] is not tensors[K] or v[0] is not tensors[V]:  # set from outside: anew
+            self._views = _slot_views(self.tensors)
+            views = self._views[layer]
+            k, v = views[K], views[V]
+        return k[1], v[1]
+
+    def slot(self, layer: int, name: str) -> torch.Tensor:
+        """``layer``'s per-token tensor ``name`` indexed by slot, ``[heads, num_blocks * block_size, size]``, as
+        :meth:`slots`."""
+        t = self.tensors[layer][name]
+        view = self._views[layer].get(name) if layer < len(self._views) else None
+        return view[1] if view is not None and view[0] is t else slot_view(t)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the given slots. ``slots``: ``[B, L]`` -> two ``[B, kv_heads, L, head_dim]`` tensors (each of its
         own heads and size)."""
-        flat = slots.reshape(-1)
-        k, v = self.slots(layer)
-        if self.kv_dtype is None:
-            return _gathered(k, flat, slots.shape), _gathered(v, flat, slots.shape)
-        dtype = self.specs[layer].dtype
-        return (
-            self._gathered_codes(k, self.key_scales[layer], flat, slots.shape, dtype),
-            self._gathered_codes(v, self.value_scales[layer], flat, slots.shape, dtype),
-        )
+        return self.gather_tensor(layer, K, slots), self.gather_tensor(layer, V, slots)
 
-    def _gathered_codes(
-        self, codes: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor, shape: torch.Size, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """:meth:`gather` of one quantized tensor, ``codes`` ``[H, slots, D]``: ``[B, H, L, D]`` in ``dtype``."""
-        heads, dim = codes.shape[0], codes.shape[2]
-        taken = codes.index_select(1, flat)  # [H, B*n, D]
-        scale = scales.view(heads, -1).index_select(1, flat)  # [H, B*n]
-        values = self._dequantize(taken.transpose(0, 1), scale.T, dtype)  # [B*n, H, D]
-        return values.view(shape[0], shape[1], heads, dim).transpose(1, 2)
+    def gather_tensor(self, layer: int, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """``layer``'s tensor ``name`` at the given slots: ``slots`` ``[B, L]`` -> ``[B, heads, L, size]`` in the
+        layer's dtype. Does not mutate."""
+        flat = slots.reshape(-1)
+        stored = self.slot(layer, name)
+        if self.kv_dtype is None:
+            return _gathered(stored, flat, slots.shape)
+        scales = self.scales[layer][name]
+        taken = _gathered_codes(stored, scales, flat)  # [B*L, H, D] codes, [B*L, H] scales
+        values = self._dequantize(*taken, self.specs[layer].dtype)
+        return values.view(slots.shape[0], slots.shape[1], *values.shape[1:]).transpose(1, 2)
 
     def gather_blocks(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the first ``length`` columns when column ``c`` sits in block ``table[:, c // block_size]`` at
         offset ``c % block_size``: whole blocks are copied, a ``block_size`` times shorter index than
         :meth:`gather`. ``table``: ``[B, C]`` -> two ``[B, kv_heads, length, head_dim]`` tensors."""
+        return self.gather_blocks_tensor(layer, K, table, length), self.gather_blocks_tensor(layer, V, table, length)
+
+    def gather_blocks_tensor(self, layer: int, name: str, table: torch.Tensor, length: int) -> torch.Tensor:
+        """:meth:`gather_blocks` of ``layer``'s tensor ``name``: ``[B, heads, length, size]``. Does not mutate."""
         flat = table.reshape(-1)
         b, c = table.shape
-        pairs = ((self.keys, self.key_scales), (self.values, self.value_scales))
+        t = self.tensors[layer][name]
         if self.kv_dtype is not None:
-            dtype = self.specs[layer].dtype
-            out = []
-            for tensors, scales in pairs:
-                t = tensors[layer]
-                values = self._dequantize(_take(t, flat), _take_scales(scales[layer], flat), dtype)
-                out.append(values.view(b, c * self.block_size, t.shape[0], t.shape[3])[:, :length].transpose(1, 2))
-            return out[0], out[1]
-        k, v = (
-            t.index_select(1, flat).view(t.shape[0], b, c * self.block_size, t.shape[3])[:, :, :length].transpose(0, 1)
-            for t in (self.keys[layer], self.values[layer])
-        )
-        return k, v
+            scales = self.scales[layer][name]
+            values = self._dequantize(_take(t, flat), _take_scales(scales, flat), self.specs[layer].dtype)
+            return values.view(b, c * self.block_size, t.shape[0], t.shape[3])[:, :length].transpose(1, 2)
+        taken = t.index_select(1, flat).view(t.shape[0], b, c * self.block_size, t.shape[3])
+        return taken[:, :, :length].transpose(0, 1)
 
     @torch.no_grad()
     def copy_block(self, src: int, dst: int, n: int) -> None:
         """Copy the first ``n`` slots of block ``src`` into block ``dst`` in every layer. Mutates."""
-        for t in (*self.keys, *self.values, *self.key_scales, *self.value_scales):
+        for t in _every(self):
             t[:, dst, :n] = t[:, src, :n]
 
+    @torch.no_grad()
+    def zero_null_block(self) -> None:
+        """Zeros in block 0 of every tensor (the null block, which stands in for padding). Mutates."""
+        for t in _every(self):
+            t[:, 0].zero_()
+
     def _stored(self) -> dict[str, torch.Tensor]:
-        tensors = {}
-        for layer in range(len(self.specs)):
-            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = self.keys[layer], self.values[layer]
-            if self.kv_dtype is not None:
-                tensors[f"k_scale.{layer}"] = self.key_scales[layer]
-                tensors[f"v_scale.{layer}"] = self.value_scales[layer]
-        return tensors
+        """Every tensor by the name :meth:`read_blocks` gives its blocks (:func:`stored_tensors`)."""
+        layers = [s.tensors for s in self.specs]
+        return {
+            s.stored: (self.scales if s.scale else self.tensors)[s.layer][s.name]
+            for s in stored_tensors(layers, self.kv_dtype is not None)
+        }
 
     def read_blocks(self, blocks: list[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Copies of whole blocks as stored (codes and scales when quantized), on ``device``, by name
-        (``k.{layer}``, ``v.{layer}`` and, when quantized, ``k_scale.{layer}``, ``v_scale.{layer}``):
-        ``[len(blocks), block_size, kv_heads, head_dim]`` K/V, ``[len(blocks), block_size, kv_heads]`` scales.
-        Does not mutate."""
+        (:func:`stored_tensors`: ``k.{layer}``, ``v.{layer}``, any more per-token tensor ``{name}.{layer}`` and,
+        when quantized, ``{name}_scale.{layer}``): ``[len(blocks), block_size, heads, size]`` tensors,
+        ``[len(blocks), block_size, heads]`` scales. Does not mutate."""
         out = {}
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
-            out[name] = (_take_scales(t, index) if "scale" in name else _take(t, index)).to(device)
+            out[name] = (_take_scales(t, index) if t.dim() == 3 else _take(t, index)).to(device)  # 3: scales
         return out
 
     @torch.no_grad()
     def write_blocks(self, blocks: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Fill whole blocks of every layer from tensors as :meth:`read_blocks` returns them (unquantized K/V
+        """Fill whole blocks of every layer from tensors as :meth:`read_blocks` returns them (unquantized tensors
         are cast to each layer's dtype), moved to each layer's device. Mutates."""
         for name, t in self._stored().items():
             index = torch.tensor(blocks, dtype=torch.long, device=t.device)
             given = tensors[name].to(device=t.device, dtype=t.dtype, non_blocking=True)
-            if "scale" in name:
+            if t.dim() == 3:  # scales
                 t.index_copy_(1, index, given.permute(2, 0, 1))
             else:
                 _put(t, index, given)
+
+
+def _allocated(
+    s: LayerSpec, block_size: int, capacity: int, kv_dtype: str | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A layer's tensors of ``capacity`` blocks, zeros, and in a quantized pool their scales, by name."""
+    store = s.dtype if kv_dtype is None else code_dtype(kv_dtype)
+    tensors, scales = {}, {}
+    for name, (heads, dim) in s.tensors.items():
+        shape = (heads, capacity, block_size, dim)
+        # zeros, not empty: the null block stands in for padding and must hold finite values
+        tensors[name] = _held(torch.zeros(shape, device=s.device, dtype=store))
+        if kv_dtype is not None:
+            scales[name] = _held(torch.zeros(shape[:3], device=s.device, dtype=SCALE_DTYPE))
+    return tensors, scales
+
+
+def _slot_views(layers: list[dict[str, torch.Tensor]]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every layer's tensors and their slot views (:meth:`BlockPool.slots`), made once per storage (a decode step
+    asks for them every layer)."""
+    return [{name: (t, slot_view(t)) for name, t in per_layer.items()} for per_layer in layers]
+
+
+def _every(pool: BlockPool) -> list[torch.Tensor]:
+    """Every tensor of ``pool``, scales included."""
+    return [t for per_layer in (*pool.tensors, *pool.scales) for t in per_layer.values()]
+
+
+def _gathered_codes(codes: torch.Tensor, scales: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``[N, H, D]`` and scales ``[N, H]`` of slots ``flat`` of one quantized tensor, ``codes`` ``[H, slots,
+    D]``, ``scales`` ``[H, num_blocks, block_size]``."""
+    taken = codes.index_select(1, flat)  # [H, N, D]
+    scale = scales.view(codes.shape[0], -1).index_select(1, flat)  # [H, N]
+    return taken.transpose(0, 1), scale.T
 
 
 def _gathered(t: torch.Tensor, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The prefix file, whole: its format, written (:func:`write`, :func:`convert`), read back (:func:`read`) and checked
 (:func:`check_compatible`, :func:`check_model`). One safetensors file per save, so loading a file never runs code.
 
-The file holds, per attention layer, K and V of the saved blocks only (``k.{layer}``, ``v.{layer}``,
-``[blocks, block_size, kv_heads, head_dim]``, renumbered ``0..blocks-1``), and the trie as integer
-tensors, nodes listed parents first (:class:`Saved`, :func:`trie_tensors`):
+The file holds, per attention layer, each per-token tensor of the saved blocks only (``k.{layer}``, ``v.{layer}``
+and any more a layer's kind keeps, ``[blocks, block_size, heads, size]``, renumbered ``0..blocks-1``, named by the
+pool, :func:`prefixkv.kv.pool.stored_tensors`), and the trie as integer tensors, nodes listed parents first
+(:class:`Saved`, :func:`trie_tensors`):
 
 - ``trie.parent``: ``[nodes]``, the index of each node's parent, ``-1`` under the root;
 - ``trie.length``, ``trie.tokens``: each node's edge length, and all edges' token ids end to end;
@@ -11,10 +12,12 @@ tensors, nodes listed parents first (:class:`Saved`, :func:`trie_tensors`):
   edge touches), and those file block indices end to end.
 
 The string metadata records the format and its version, the block size, the pool's and the model's
-dtypes, the layer and head shapes, a fingerprint of the model (:func:`prefixkv.kv.fingerprint.fingerprint`) and a
-sha256 over all of the above (:func:`checksum`: every tensor's name, dtype, shape and bytes, and every other
-metadata entry). A file appears whole or not at all (:func:`write_atomically`, which the disk tier's block files
-use too), and is fully read and checked before a store is touched, so a refused file leaves the store as it was.
+dtypes, the layer and head shapes (and where a layer's kind keeps tensors besides K and V, their names and shapes,
+``layer_tensors``: a file without it is read as before), a fingerprint of the model
+(:func:`prefixkv.kv.fingerprint.fingerprint`) and a sha256 over all of the above (:func:`checksum`: every tensor's
+name, dtype, shape and bytes, and every other metadata entry). A file appears whole or not at all
+(:func:`write_atomically`, which the disk tier's block files use too), and is fully read and checked before a store
+is touched, so a refused file leaves the store as it was.
 What a save takes out of a store and what a load merges into it is :mod:`prefixkv.kv.persist`'s.
 """
 
@@ -34,7 +37,7 @@ from safetensors.torch import save_file
 from ..base.errors import PersistError
 from ..base.family import family
 from .fingerprint import fingerprint, tensor_bytes
-from .pool import BlockPool, LayerSpec, layer_spec
+from .pool import BlockPool, LayerSpec, StoredTensor, spec_of, spec_tensors, stored_tensors
 from .quantization import KV_DTYPES, SCALE_DTYPE, check_kv_dtype, code_dtype
 
 FORMAT = "prefixkv.prefixes"
@@ -57,17 +60,17 @@ class PersistStats:
 
 class PrefixFile(NamedTuple):
     """A file read and verified by :func:`read`: its metadata, each saved leaf's whole path as
-    ``(tokens, table)`` with ``table`` indexing the blocks, and per layer K/V of those blocks."""
+    ``(tokens, table)`` with ``table`` indexing the blocks, and the ``blocks`` saved, every tensor of them (scales
+    too) by the name the pool gives it (:func:`prefixkv.kv.pool.stored_tensors`)."""
 
     meta: dict[str, str]
     block_size: int
     dtype: torch.dtype
     model_dtype: torch.dtype
     paths: list[tuple[list[int], list[int]]]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    tensors: dict[str, torch.Tensor]
+    blocks: int
     kv_dtype: str | None = None
-    scales: dict[str, torch.Tensor] = {}  # noqa: RUF012 (never mutated) ``k_scale.{layer}``, ``v_scale.{layer}``
 
 
 # -- write and convert ----------------------------------------------------------------------------------
@@ -141,15 +144,16 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
     """
     check_kv_dtype(kv_dtype)
     file = read(path)
-    bs, count = file.block_size, file.keys[0].shape[0]
-    specs = [layer_spec(k, v, torch.device("cpu"), file.dtype) for k, v in file_shapes(file.meta, path)]
+    bs, count = file.block_size, file.blocks
+    specs = [spec_of(tensors, torch.device("cpu"), file.dtype) for tensors in file_layers(file.meta, path)]
     source, target = BlockPool(specs, bs, count, file.kv_dtype), BlockPool(specs, bs, count, kv_dtype)
     everything = list(range(count))
     if count:
         source.write_blocks(everything, blocks_of(file, everything))
         table, slots = torch.arange(count)[None], torch.arange(count * bs)[None]
-        for layer in range(len(specs)):
-            target.write(layer, slots, *source.gather_blocks(layer, table, count * bs))
+        for layer, spec in enumerate(specs):
+            for name in spec.tensors:
+                target.write_tensor(layer, name, slots, source.gather_blocks_tensor(layer, name, table, count * bs))
     with safe_open(str(path), framework="pt", device="cpu") as f:
         tensors = {name: f.get_tensor(name) for name in TRIE_KEYS}
     tensors.update(target.read_blocks(everything))
@@ -164,10 +168,7 @@ def convert(path: PathLike, new_path: PathLike, kv_dtype: str | None) -> Persist
 def blocks_of(file: PrefixFile, blocks: list[int]) -> dict[str, torch.Tensor]:
     """The file's tensors of ``blocks``, named as :meth:`BlockPool.read_blocks` names them."""
     index = torch.tensor(blocks, dtype=torch.long)
-    out = {f"k.{i}": k.index_select(0, index) for i, k in enumerate(file.keys)}
-    out.update({f"v.{i}": v.index_select(0, index) for i, v in enumerate(file.values)})
-    out.update({name: t.index_select(0, index) for name, t in file.scales.items()})
-    return out
+    return {name: t.index_select(0, index) for name, t in file.tensors.items()}
 
 
 # -- read and verify -------------------------------------------------------------------------------------
@@ -277,20 +278,18 @@ def _parse(path: Path, meta: dict[str, str], tensors: dict[str, torch.Tensor]) -
         kv.dtype,
         _dtype(meta, "model_dtype", path),
         paths,
-        kv.keys,
-        kv.values,
+        {s.stored: t for s, t in kv.tensors},
+        kv.blocks,
         kv.kv_dtype,
-        kv.scales,
     )
 
 
 class KV(NamedTuple):
-    """The K/V tensors of a file, as :func:`kv_tensors` checked them: per layer ``[blocks, block_size, kv_heads,
-    head_dim]`` K and V (codes when quantized), the scales by name, the dtype K/V are read back in."""
+    """The block tensors of a file, as :func:`kv_tensors` checked them: each (what the pool names it,
+    :class:`~prefixkv.kv.pool.StoredTensor`; the tensor), per layer ``[blocks, block_size, heads, size]`` (codes
+    when quantized) and the scales, the dtype they are read back in."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    scales: dict[str, torch.Tensor]
+    tensors: list[tuple[StoredTensor, torch.Tensor]]
     blocks: int
     dtype: torch.dtype
     kv_dtype: str | None
@@ -299,56 +298,55 @@ class KV(NamedTuple):
 def kv_tensors(
     tensors: dict[str, torch.Tensor], meta: dict[str, str], path: PathLike, bad: Callable[[str], Exception]
 ) -> KV:
-    """The K/V tensors (and scales) of a file of saved prefixes or of a tier's block, checked against the shapes and
-    dtypes its metadata ``meta`` names: each present, of its dtype and shape, as many blocks in each. Raises
-    ``bad(what is wrong)``, or :class:`PersistError` for metadata that names no valid shape. Does not mutate."""
+    """The block tensors (and scales) of a file of saved prefixes or of a tier's block, checked against the layers'
+    tensors and dtypes its metadata ``meta`` names (:func:`file_layers`): each present, of its dtype and shape, as
+    many blocks in each. Raises ``bad(what is wrong)``, or :class:`PersistError` for metadata that names no valid
+    shape. Does not mutate."""
     bs = _int(meta, "block_size", path)
     num_layers = _int(meta, "num_layers", path)
     if bs < 1 or num_layers < 1:
         raise bad(f"block_size {bs}, num_layers {num_layers}")
-    for name in (f"{kv}.{i}" for i in range(num_layers) for kv in "kv"):
-        if name not in tensors:
-            raise bad(f"tensor {name} is missing")
-    keys = [tensors[f"k.{i}"] for i in range(num_layers)]
-    values = [tensors[f"v.{i}"] for i in range(num_layers)]
-    layers = file_shapes(meta, path)
+    layers = file_layers(meta, path)
     if len(layers) != num_layers:
         raise PersistError(f"{path} names {len(layers)} layers' shapes for its {num_layers} layers; it is corrupted")
     dtype = _dtype(meta, "dtype", path)
     kv_dtype = meta.get("kv_dtype")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise bad(f"kv_dtype {kv_dtype!r} is none of {KV_DTYPES}")
+    named = stored_tensors(layers, kv_dtype is not None)
+    for s in named:
+        if not s.scale and s.stored not in tensors:
+            raise bad(f"tensor {s.stored} is missing")
     stored = dtype if kv_dtype is None else code_dtype(kv_dtype)
-    count = keys[0].shape[0] if keys[0].dim() == 4 else -1
-    expected = [(t, (bs, *shape)) for pair in zip(keys, values, layers) for t, shape in zip(pair[:2], pair[2])]
-    for t, shape in expected:
-        if t.dim() != 4 or tuple(t.shape[1:]) != shape or t.shape[0] != count or t.dtype != stored:
+    first = tensors[named[0].stored]
+    count = first.shape[0] if first.dim() == 4 else -1
+    out = []
+    for s in named:
+        t = tensors.get(s.stored)
+        heads, dim = s.shape
+        if s.scale:
+            if t is None or t.dtype != SCALE_DTYPE or tuple(t.shape) != (count, bs, heads):
+                raise bad(f"scale tensor {s.stored} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {heads}]")
+        elif t is None or t.dim() != 4 or tuple(t.shape) != (count, bs, heads, dim) or t.dtype != stored:
+            what = "a K/V tensor" if s.name in ("k", "v") else f"tensor {s.stored}"
+            shape = None if t is None else tuple(t.shape)
             raise bad(
-                f"a K/V tensor is {t.dtype} of shape {tuple(t.shape)}, "
-                f"expected {stored} of shape [{count}, {bs}, {shape[1]}, {shape[2]}]"
+                f"{what} is {None if t is None else t.dtype} of shape {shape}, "
+                f"expected {stored} of shape [{count}, {bs}, {heads}, {dim}]"
             )
-    scales = {}
-    if kv_dtype is not None:
-        for i, layer in enumerate(layers):
-            for kv, (heads, _) in zip("kv", layer):
-                name = f"{kv}_scale.{i}"
-                scale = tensors.get(name)
-                if scale is None or scale.dtype != SCALE_DTYPE or tuple(scale.shape) != (count, bs, heads):
-                    raise bad(f"scale tensor {name} is missing or not {SCALE_DTYPE} of shape [{count}, {bs}, {heads}]")
-                scales[name] = scale
-    return KV(keys, values, scales, count, dtype, kv_dtype)
+        out.append((s, t))
+    return KV(out, count, dtype, kv_dtype)
 
 
 def non_finite(kv: KV) -> str | None:
     """Where ``kv`` holds a NaN or an infinity ("non-finite V values (NaN or inf) in layer 1"), or ``None``.
     Does not mutate."""
-    for name, per_layer in (("K", kv.keys), ("V", kv.values)):
-        for layer, block in enumerate(per_layer):
-            if not torch.isfinite(block).all():
-                return f"non-finite {name} values (NaN or inf) in layer {layer}"
-    for name, scale in kv.scales.items():
-        if not torch.isfinite(scale).all():
-            return f"non-finite scales (NaN or inf) in {name}"
+    for s, t in kv.tensors:
+        if not torch.isfinite(t).all():
+            if s.scale:
+                return f"non-finite scales (NaN or inf) in {s.stored}"
+            name = s.name.upper() if s.name in ("k", "v") else s.name
+            return f"non-finite {name} values (NaN or inf) in layer {s.layer}"
     return None
 
 
@@ -416,6 +414,12 @@ def check_model(file: PrefixFile, path: PathLike, model: Any, specs: Sequence[La
             f"{path} was saved from a model with {len(theirs)} layers of K/V {_shapes_text(theirs)}, this model has "
             f"{len(shapes)} of {_shapes_text(shapes)}: it belongs to another model"
         )
+    kept, keeps = file_layers(meta, where), [s.tensors for s in specs]
+    if kept != keeps:
+        raise PersistError(
+            f"{path} was saved from a model whose layers keep the per-token tensors {kept}, this model's keep "
+            f"{keeps}: it belongs to another model"
+        )
     ours = fingerprint(model)
     if meta["model_fingerprint"] != ours:
         raise PersistError(
@@ -438,7 +442,36 @@ def shapes_meta(specs: Sequence[LayerSpec]) -> dict[str, str]:
     meta = {"kv_heads": str(first.kv_heads), "head_dim": str(first.head_dim)}
     if any(s.key_shape != first.key_shape or s.value_shape != first.key_shape for s in specs):
         meta["layer_shapes"] = ";".join(",".join(map(str, (*s.key_shape, *s.value_shape))) for s in specs)
+    if any(s.extra for s in specs):  # per layer "name=heads,size" of each tensor its kind keeps besides K and V
+        meta["layer_tensors"] = ";".join(" ".join(f"{n}={h},{d}" for n, (h, d) in s.extra) for s in specs)
     return meta
+
+
+def file_layers(meta: dict[str, str], path: PathLike) -> list[dict[str, tuple[int, int]]]:
+    """Each layer's per-token tensors by name (:attr:`prefixkv.kv.pool.LayerSpec.tensors`), K and V as
+    :func:`file_shapes` reads them and any more as :func:`shapes_meta` wrote them (``layer_tensors``; none in a file
+    without it). Raises :class:`PersistError` for metadata that names none. Does not mutate."""
+    layers = file_shapes(meta, path)
+    text = meta.get("layer_tensors")
+    extras: list[list[tuple[str, tuple[int, int]]]] = [[] for _ in layers]
+    if text is not None:
+        try:
+            parsed = [[_named_shape(item) for item in layer.split()] for layer in text.split(";")]
+        except ValueError:
+            parsed = []
+        if len(parsed) != len(layers):
+            raise PersistError(f"{path} has no valid 'layer_tensors' in its metadata ({text!r}); it is corrupted")
+        extras = parsed
+    return [spec_tensors(k, v, extra) for (k, v), extra in zip(layers, extras)]
+
+
+def _named_shape(item: str) -> tuple[str, tuple[int, int]]:
+    """``"index_k=1,8"`` as ``("index_k", (1, 8))``; raises ``ValueError`` for anything else."""
+    name, _, numbers = item.partition("=")
+    heads, dim = (int(n) for n in numbers.split(","))
+    if not name:
+        raise ValueError(item)
+    return name, (heads, dim)
 
 
 def file_shapes(meta: dict[str, str], path: PathLike) -> LayerShapes:

@@ -30,7 +30,7 @@ from ..hf.states import Snapshots
 from ..kv import prefix_file
 from ..kv.key_space import KeySpace, layer_devices, transformers_model, user_space
 from ..kv.manager import BlockManager
-from ..kv.pool import BlockPool, block_bytes, layer_spec
+from ..kv.pool import BlockPool, block_bytes
 from ..kv.tier import OffloadTier
 from . import files
 from .options import check_options, check_priority, max_blocks, offload_kind
@@ -115,11 +115,9 @@ class PrefixStore:
         devices = layer_devices(model, estimate.num_layers)
         # heads and sizes as the layers hand K/V over, not as the config names them (docs/how-it-works.md)
         measured = shapes.measure(self.hf_model, layer_shapes(model.config), devices[0], self.layer_kinds)
+        # what the pool keeps per token of each layer, as its kind says (a layer without K/V: empty pool tensors)
         specs = [
-            layer_spec(s.key, s.value, d, self.dtype)
-            if self.layer_kinds is None or kinds.writes_kv(self.layer_kinds[i])
-            else layer_spec(*shapes.NO_KV, d, self.dtype)  # no K/V: an empty pool tensor
-            for i, (s, d) in enumerate(zip(measured, devices))
+            kinds.of(self.layer_kinds, i).spec(s, d, self.dtype) for i, (s, d) in enumerate(zip(measured, devices))
         ]
         self.bytes_per_block = block_bytes(specs, block_size, kv_dtype)
         spare = snapshot_budget(self.layer_kinds, max_memory)  # the snapshots' share of max_memory
@@ -344,7 +342,7 @@ class PrefixStore:
     def _refuse_files(self, action: str) -> None:
         """Raise :class:`UnsupportedModelError` for a file of a model with recurrent layers, whose state snapshots
         live in memory only. Does not mutate."""
-        if self.layer_kinds is not None:
+        if kinds.stateful(self.layer_kinds):
             raise UnsupportedModelError(
                 f"PrefixStore.{action}: this model has recurrent layers (linear attention, Mamba or short "
                 "convolutions), whose state snapshots prefixkv keeps in memory only, and a file of their K/V alone "

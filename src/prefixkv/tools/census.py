@@ -44,6 +44,7 @@ from torch.nn.utils.rnn import pad_sequence
 from .. import models
 from ..base.errors import UnsupportedModelError, refuses_float64
 from ..compat.releases import GENERATE_CACHE_KWARG
+from ..hf import kinds
 from ..hf.cache import PagedPrefixCache
 from ..hf.support import REFUSAL_ADVICE
 from ..store.prefix_store import PrefixStore
@@ -210,7 +211,7 @@ def _compare(
     diffs: dict[str, float] = {}
     reused, why = 0, None
     calls = [("cold", cold, refs[0]), ("warm", warm, refs[1])]
-    if store.layer_kinds is not None:
+    if kinds.stateful(store.layer_kinds):
         # recurrent layers resume only where a state snapshot was taken: the first prompt that leaves the cold one's
         # path at the shared prefix takes it there (docs/architectures.md, "Recurrent and hybrid layers"), so that
         # the warm call resumes at the shared prefix
@@ -242,7 +243,7 @@ def _compare(
         detail = ", ".join(f"{k} {diffs[k]:.1e}" for k in bad)
         return FamilyResult(model_type, "wrong", f"logits off stock: {detail} ({name})", name, worst, reused)
     path = "the model's own attention on whole rows" if not _reads_blocks(model) else "reads the blocks"
-    if store.layer_kinds is not None:
+    if kinds.stateful(store.layer_kinds):
         path += "; recurrent layers resume from state snapshots"
     if reused == 0 and why is not None:
         return FamilyResult(model_type, "exact, no reuse", f"{path}; not cached: {why}", name, worst, reused)
