@@ -282,7 +282,8 @@ def write_layer(
     """``update`` of a forward that is not a compiled step, once the forward is known to be the owner's and the
     cache open: write the new K/V (``[B, kv_heads, q, head_dim]``) of layer ``layer_idx`` into the slots of
     ``held``'s new columns and return what the attention reads, as ``plan`` says (the new K/V themselves, or the
-    layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
+    layer's whole rows read from the pool); ``shapes``: each layer's K and V shapes (:func:`layer_shapes`). Mutates
+    the pool, ``held.seen`` and ``plan`` (its slot views, where another thread's growth moved the pool)."""
     check_layer(store, shapes, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
     device = key_states.device
     if plan.autocast is not False:  # the forward's first layer: the step's autocast, asked once
@@ -293,7 +294,7 @@ def write_layer(
         # the decode step's write, into the slot views the plan took at the step's begin: no lock, no call into
         # the pool, as BlockPool.write_unlocked writes ([B, H, q, D] -> [H, B*q, D], a view for a decode step)
         k, v = plan.views[layer_idx]
-        slots = held.new.view(-1).to(device)
+        slots = held.new.reshape(-1).to(device)
         k.index_copy_(1, slots, key_states.detach().transpose(0, 1).reshape(k.shape[0], -1, k.shape[2]).to(k.dtype))
         v.index_copy_(1, slots, value_states.detach().transpose(0, 1).reshape(v.shape[0], -1, v.shape[2]).to(v.dtype))
         landed = not pool.growing and pool.moves == plan.moves
