@@ -15,13 +15,16 @@ import pytest
 import torch
 from conftest import compare, random_tokens
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.cache_utils import DynamicIndexedLayer
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import prefixkv
 from prefixkv import PrefixStore
+from prefixkv.base.errors import PersistError
 from prefixkv.hf import kinds
 from prefixkv.hf.layers import PagedLayer
+from prefixkv.kv import prefix_file
 
 SRC = Path(__file__).parent.parent / "src" / "prefixkv"
 INDEX = 8  # the index key's size
@@ -134,6 +137,12 @@ def test_a_kinds_named_tensor_is_saved_loaded_and_tiered(indexed: Any, tmp_path:
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
     assert {"k.0", "v.1", "index_k.0", "index_k.1"} <= names
+    with safe_open(str(path), framework="pt") as f:  # a file without one of them is refused as malformed
+        tensors, meta = {n: f.get_tensor(n) for n in names - {"index_k.1"}}, dict(f.metadata())
+    meta["checksum"] = prefix_file.checksum(tensors, meta)
+    save_file(tensors, str(tmp_path / "short.safetensors"), metadata=meta)
+    with pytest.raises(PersistError, match=r"tensor index_k\.1 is missing"):
+        PrefixStore.load(tmp_path / "short.safetensors", indexed)
     with PrefixStore.load(path, indexed) as loaded:
         _exact(indexed, loaded, second, cached=16)  # the index keys came back from the file
         _exact(indexed, loaded, later)
@@ -220,3 +229,18 @@ def test_kind_names_are_compared_in_at_most_three_modules() -> None:
     assert len(comparing) <= 3, comparing
     for seen in ('kind == "state"', "k in (KV, x.BOTH)", "kinds.writes_kv(k)", "store.layer_kinds is not None"):
         assert _compares_kind_names(ast.parse(seen)), seen
+
+
+def test_a_kinds_named_tensor_under_an_invariant_store_and_the_disk_tier(indexed: Any, tmp_path: Path) -> None:
+    first, second, later = _prompts(16, 5, 3, seed=50)
+    with PrefixStore(indexed, block_size=4, invariant=True, chunk_size=8) as store:
+        _exact(indexed, store, first, cached=0)
+        _exact(indexed, store, second, cached=16)  # whole chunks of the shared prefix, index keys included
+        _exact(indexed, store, later)
+    with PrefixStore(indexed, block_size=4, num_blocks=12, offload="disk", offload_dir=tmp_path) as store:
+        prompts = _prompts(0, 20, 3, seed=60)
+        for ids in prompts:
+            _exact(indexed, store, ids, cached=0)
+        _exact(indexed, store, prompts[0], cached=19)  # from the disk tier's files, index keys included
+        assert store.stats.offload is not None and store.stats.offload.restored > 0
+        _exact(indexed, store, later)

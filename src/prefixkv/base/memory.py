@@ -106,7 +106,7 @@ def layer_shapes(config: Any) -> list[LayerShape]:
 
     >>> from transformers import DeepseekV3Config
     >>> layer_shapes(DeepseekV3Config(num_hidden_layers=1, kv_lora_rank=16, qk_rope_head_dim=8))
-    [LayerShape(key=(1, 16), value=(1, 8))]
+    [LayerShape(key=(1, 16), value=(1, 8), extra=())]
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     uniform = attention_shape(config)

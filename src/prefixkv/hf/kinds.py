@@ -16,8 +16,7 @@ says all that a layer of its kind asks of the library:
   attention's indexer keys); the pool (:mod:`prefixkv.kv.pool`) keeps, writes, reads, saves and tiers each by its
   name;
 - its face in the cache (:meth:`LayerKind.face`, ``cache.layers[i]``), through which the model writes a step: K/V
-  through ``update``, a named tensor through :meth:`prefixkv.hf.layers.PagedLayer.update_tensor`, a state through
-  transformers' own ``LinearAttentionLayer``;
+  through ``update``, a named tensor through :meth:`prefixkv.hf.layers.PagedLayer.update_tensor`;
 - for a kind with a state (:attr:`~LayerKind.has_state`), its face is transformers' ``LinearAttentionLayer``
   (:class:`prefixkv.hf.layers.StateLayer`), whose conv and recurrent states :mod:`prefixkv.hf.states` snapshots at
   token positions and restores, every state layer of a row at once.

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 
@@ -183,7 +183,15 @@ class _EveryLayer:
     def __init__(self, name: str, *, scales: bool = False) -> None:
         self._name, self._scales = name, scales
 
-    def __get__(self, pool: BlockPool, owner: type | None = None) -> list[torch.Tensor]:
+    @overload
+    def __get__(self, pool: None, owner: type | None = None) -> _EveryLayer: ...
+
+    @overload
+    def __get__(self, pool: BlockPool, owner: type | None = None) -> list[torch.Tensor]: ...
+
+    def __get__(self, pool: BlockPool | None, owner: type | None = None) -> list[torch.Tensor] | _EveryLayer:
+        if pool is None:  # read on the class (documentation tools)
+            return self
         return [t[self._name] for t in (pool.scales if self._scales else pool.tensors) if t]
 
     def __set__(self, pool: BlockPool, given: Sequence[torch.Tensor]) -> None:
