@@ -28,10 +28,12 @@ on a machine with CUDA:
 prefixkv's ``generate`` on CUDA runs the gather by default (``attention="auto"``) until these numbers show the
 FlexAttention backend (``attention="flex"``) faster; sections 2 and 4 run both, section 3 the kernel alone.
 
-Run: ``python benchmarks/gpu_check.py --out gpu_check.md``; ``--cpu-smoke`` runs a tiny version of every
-measurement on the CPU (to check the script); ``--sections corridor ...`` runs only the sections named. Writes
-``results/gpu_check.json`` (and ``$OUT/gpu_check.json``, ``$OUT/gpu_check.md`` when ``OUT`` is set). Without CUDA
-and without ``--cpu-smoke`` it says so and exits 0."""
+Run: ``python benchmarks/gpu_check.py --out gpu_check.md`` (on CUDA, every section in one run of at most
+:data:`BUDGET_S` seconds, which the last line judges); ``--device cpu --quick`` (or ``--cpu-smoke``) runs a tiny
+version of every measurement on the CPU (to check the script; ``--quick`` alone, on CUDA: the tiny sizes there);
+``--sections corridor ...`` runs only the sections named. Writes ``results/gpu_check.json`` (and
+``$OUT/gpu_check.json``, ``$OUT/gpu_check.md`` when ``OUT`` is set) for a run on CUDA. Asked for CUDA where there
+is none, it says so and exits 0."""
 
 from __future__ import annotations
 
@@ -76,6 +78,7 @@ class Sizes:
     big: bool  # the ~1.5B model (else the tiny one stands in for it)
 
 
+BUDGET_S = 8 * 60  # a full CUDA run, every section: what a lent device's session can spare
 KERNEL_POOL = 64  # blocks in the pool of the kernel section
 QUESTION = 32  # tokens after the warm prefix
 
@@ -720,17 +723,24 @@ SECTIONS: list[tuple[str, str, list[str], Callable[[str, Sizes], list[list[Any]]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the tables as Markdown to this file")
-    ap.add_argument("--cpu-smoke", action="store_true", help="a tiny version of every measurement on the CPU")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where to measure (default: cuda)")
+    ap.add_argument("--quick", action="store_true", help="the tiny sizes (what --device cpu is meant for)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="--device cpu --quick: check the script on the CPU")
     ap.add_argument(
         "--sections", nargs="+", choices=[key for key, *_ in SECTIONS], help="run only these sections (default: all)"
     )
     args = ap.parse_args(argv)
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a GPU machine, or --cpu-smoke")
+    device = "cpu" if args.cpu_smoke else args.device
+    quick = args.quick or args.cpu_smoke
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}); run it on a GPU machine, or --device cpu "
+              "--quick")  # fmt: skip
         return 0
-    device, sizes = ("cpu", SMOKE) if args.cpu_smoke else ("cuda", FULL)
+    sizes = SMOKE if quick else FULL
+    full = device == "cuda" and not quick and not args.sections
     started = time.perf_counter()
-    where = torch.cuda.get_device_name() if device == "cuda" else "CPU smoke"
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    where += " (quick)" if quick else ""
     report = [f"# gpu_check: {where}; {machine()}", ""]
     result: dict[str, Any] = {"machine": report[0][2:], "tables": {}}
     failed = []
@@ -749,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
         report.append(text + "\n")
         result["tables"][key] = body
     seconds = time.perf_counter() - started
-    tail = f"flex compiles: {flex.compiles()}; {seconds:.0f} s in all" + (
+    budget = f" (budget {BUDGET_S} s: {'met' if seconds <= BUDGET_S else 'MISSED'})" if full else ""
+    tail = f"flex compiles: {flex.compiles()}; {seconds:.0f} s in all{budget}" + (
         f"; FAILED: {', '.join(failed)}" if failed else ""
     )
     print(tail)
@@ -758,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
     markdown = "\n".join(report) + "\n"
     if args.out:
         args.out.write_text(markdown)
-    if not args.cpu_smoke:
+    if device == "cuda":
         save("gpu_check", result)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(result, indent=2))

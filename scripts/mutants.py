@@ -1059,6 +1059,23 @@ MUTATIONS = [
         ("tests/test_new_kinds.py::test_sparse_attention_keeps_its_indexer_keys",),
         "the indexer's keys get no room in the pool: a DSA layer's update_indexer has nowhere to write",
     ),
+    # -- issue 54, the decode corridor: the step's write into the plan's slot views
+    Mutation(
+        "corridor-write-keeps-stale-views",
+        "hf/forward.py",
+        "            plan.views, plan.moves = [pool.slots(layer) for layer in range(len(plan.views))], pool.moves\n",
+        "            plan.moves = pool.moves\n",
+        ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
+        "after another thread's growth the step's later layers write and read the old tensors the plan took",
+    ),
+    Mutation(
+        "corridor-overtaken-write-not-redone",
+        "hf/forward.py",
+        "        landed = not pool.growing and pool.moves == plan.moves\n",
+        "        landed = True\n",
+        ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
+        "a write that a growth's copy overtook is not written again: the grown pool lacks the step's column",
+    ),
 ]
 
 

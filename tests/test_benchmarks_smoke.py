@@ -222,9 +222,9 @@ def test_lm_eval_smoke_gives_the_answers_of_hf() -> None:
 
 
 def test_gpu_check_cpu_smoke_runs_every_measurement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``gpu_check.py --cpu-smoke``: every section's table, none failed, the kernel exact in float32."""
+    """``gpu_check.py --device cpu --quick``: every section's table, none failed, the kernel exact in float32."""
     out = tmp_path / "gpu.md"
-    assert gpu_check.main(["--cpu-smoke", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     report = out.read_text()
     assert "FAILED" not in report
     for _, title, header, _ in gpu_check.SECTIONS:  # every section printed its table, with rows
@@ -237,6 +237,23 @@ def test_gpu_check_cpu_smoke_runs_every_measurement(tmp_path: Path, capsys: pyte
     timed = _cells(report.split("## ")[3])  # the attention step: what was timed computed what the gather does
     assert timed and all(float(row[-1]) <= 1e-4 for row in timed)
     assert report.splitlines()[-1] in capsys.readouterr().out  # printed as well as written
+
+
+def test_gpu_check_quick_corridor_on_the_cpu(tmp_path: Path) -> None:
+    """``gpu_check.py --device cpu --quick --sections corridor`` (what a lent GPU runs, issue 54): the hybrid model and
+    the compiled default give the tokens they are compared with, the pool kept its addresses across the compiled
+    calls, every path timed; the quick suite runs it, so the script is known to run before a GPU is lent."""
+    out = tmp_path / "corridor.md"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--sections", "corridor", "--out", str(out)]) == 0
+    rows = _cells(out.read_text())
+    compared = [row for row in rows if row[4] != "-"]
+    assert [row[:2] for row in compared] == [["hybrid", "cold"], ["hybrid", "warm"], ["compiled default", "cold"],
+                                             ["compiled default", "warm"]]  # fmt: skip
+    assert all(row[5] == "True" and float(row[4]) <= 1e-4 for row in compared)
+    assert all(row[6].startswith("kept") for row in compared if row[0] == "compiled default")
+    timed = {row[1]: float(row[2]) for row in rows if row[2] != "-"}
+    assert set(timed) == {"eager decode", "dynamic", "prefixkv eager", "static compiled", "prefixkv compiled"}
+    assert all(ms > 0 for ms in timed.values())
 
 
 def test_gpu_check_without_cuda_says_so_and_exits_0(

@@ -116,6 +116,10 @@ class _Pool:
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return slot_view(self.keys[layer]), slot_view(self.values[layer])
 
+    @property
+    def specs(self) -> list[None]:  # one a layer: how many the plan takes the slot views of
+        return [None] * len(self.keys)
+
 
 @settings(max_examples=300, deadline=None)
 @given(layouts(), st.booleans(), st.booleans())
@@ -448,7 +452,8 @@ def test_the_gather_backend_attends_over_whole_rows_as_sdpa() -> None:
     full_v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
     query = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
     backend = gather.GatherBackend()
-    layout = reads.Layout(None, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
+    pool = _Pool(torch.zeros(2, 7, 4, 8, dtype=torch.float64), torch.zeros(2, 7, 4, 8, dtype=torch.float64))
+    layout = reads.Layout(pool, [0, 0], [[1, 2, 3], [4, 5, 6]], 6, 3, 4, lambda layer: (full_k, full_v))
     forward = backend.plan(layout, probe=False)
     assert not forward.in_place and type(forward) is reads.ForwardReads  # no reads of its own
     causal = torch.ones(3, 9, dtype=torch.bool).tril(6)[None, None].expand(2, 1, 3, 9)

@@ -329,11 +329,11 @@ def test_the_cpu_kernel_reads_grouped_heads_exactly(monkeypatch: Any, kernel_gro
     """The blocks reader's CPU kernel over K/V heads that groups of query heads share, on strided views as the
     pool hands out, is attention over the repeated heads in float64: through the kernel itself where the probe
     found that it reads grouped heads, and through the repetition that older kernels get (on every torch)."""
-    if kernel_groups and not releases._READS_GROUPED_HEADS:
+    if kernel_groups and not releases.CPU_KERNEL_READS_GROUPED_HEADS:
         pytest.skip(
             f"the CPU kernel of torch {torch.__version__} does not read grouped heads; the repetition serves it"
         )
-    monkeypatch.setattr(releases, "_READS_GROUPED_HEADS", kernel_groups)
+    monkeypatch.setattr(releases, "CPU_KERNEL_READS_GROUPED_HEADS", kernel_groups)
     g = torch.Generator().manual_seed(0)
     q, n = (7, 7) if causal else (3, 11)
     query = torch.randn(2, 6, q, 8, generator=g, dtype=torch.float64)

@@ -806,41 +806,98 @@ def test_a_compiled_step_after_a_growth_holds_the_new_pool_and_gives_eagers_toke
     assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
 
 
+def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other operation that moves the pool's storage: a ``clear`` with no live cache gives the grown blocks back
+    to the device (kv/manager.py, ``clear``), a move the pool counts. The next compiled call, on the graph the first
+    one compiled (dynamo alone), holds the new tensors in every step (none of the old, which a CUDA graph would
+    replay into), each a static address, and gives eager's tokens and logits, and stock's (float64)."""
+    monkeypatch.setattr(static, "StaticStep", HeldStep)
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    prompt = random_tokens(11, seed=41)[None]
+    new = 5
+    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=new)
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        with prefixkv.PagedPrefixCache(store, prompt) as cache:
+            eager = generate(model, prompt, None, cache, max_new_tokens=new)
+        torch._dynamo.reset()
+        outs, held = [], []
+        for turn in range(2):
+            store.warm([random_tokens(64, seed=10 * turn + s) for s in (42, 43, 44)], progress=False)  # grows it
+            HeldStep.held = []
+            before, moves = pool_storage(store), store.blocks.pool.moves
+            held.append(set(before))
+            with prefixkv.PagedPrefixCache(store, prompt) as cache:
+                outs.append(generate(model, prompt, None, cache, max_new_tokens=new,
+                                     compile_config=compile_config("eager")))  # fmt: skip
+            assert len(HeldStep.held) >= new - 1 and all(held == before for held in HeldStep.held)
+            store.clear()  # no live cache: the grown storage goes back
+            assert store.blocks.pool.moves == moves + 1 and not set(before) & set(pool_storage(store))
+        assert not held[0] & held[1]  # the second call's steps held none of the first's storage
+        pool = store.blocks.pool
+        assert all(t._dynamo_static_input_type == "unguarded" for t in (*pool.keys, *pool.values))
+        for out in outs:
+            assert torch.equal(out.sequences, eager.sequences) and max_diff(out, eager) <= 1e-12
+            assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
+        store.check_invariants()
+        with prefixkv.PagedPrefixCache(store, prompt) as cache:  # on the pool the clear left
+            assert torch.equal(generate(model, prompt, None, cache, max_new_tokens=new).sequences, ref.sequences)
+        later_request_matches_stock(model, store, prompt)
+
+
 def test_an_eager_write_that_a_growth_overtook_is_written_again() -> None:
-    """The eager step writes a layer without the store's lock (kv/pool.py, ``write_unlocked``): where another
-    thread's growth copied the tensors just before the write landed in them (simulated: the growth's copy is made,
-    the write goes to the old tensors, then the growth's new ones are set), the write is done again under the lock,
-    into the new tensors, so the call and a later request that reuses its tokens equal stock (float64)."""
+    """The eager step writes a layer without the store's lock, into the slot views its plan took when the step began
+    (hf/forward.py, ``write_layer``): where another thread's growth copied the tensors just before the write landed
+    in them (simulated when the write asks whether a growth runs: the growth's copy is made, the write goes to the
+    old tensors, then the growth's new ones are set), the write is done again under the lock, into the new tensors,
+    and the step's later layers write and read those, so the call and a later request that reuses its tokens equal
+    stock (float64)."""
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     twin = stock_twin(model)
     prompt = random_tokens(13, seed=31)[None]
     ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
     with prefixkv.PrefixStore(model, block_size=4) as store:
         blocks, pool = store.blocks, store.blocks.pool
-        write, raced, layers = pool.write, [], [0]
+        raced: list[int] = []
 
-        def overtaken(layer: int, *args: Any) -> None:
-            first = layers[-1] == 0  # layer 1's first write of the step, not the write again
-            layers.append(layer)
-            if len(raced) < 2 and args[0].numel() == 1 and layer == 1 and first:
-                with blocks.lock:  # as the store's room grows it (kv/room.py)
-                    old = pool.keys, pool.values
-                    pool.grow(pool.capacity + 4)
-                    blocks._allocator.grow(pool.capacity)
-                    grown, (pool.keys, pool.values) = (pool.keys, pool.values), old
-                write(layer, *args)  # into the tensors the write read before the growth set its own
-                pool.keys, pool.values = grown
-                raced.append(layer)
-                return
-            write(layer, *args)
+        class Overtaken(type(pool)):  # type: ignore[misc]
+            armed = False
+            grown: Any = None
 
-        pool.write = overtaken  # type: ignore[method-assign]
+            @property
+            def growing(self) -> bool:
+                if self.armed and self.grown is None:  # before the write: the growth copies the tensors now
+                    with blocks.lock:  # as the store's room grows it (kv/room.py)
+                        old = self.keys, self.values
+                        self.grow(self.capacity + 4)
+                        blocks._allocator.grow(self.capacity)
+                        self.grown, (self.keys, self.values) = (self.keys, self.values), old
+                        self.moves -= 1  # counted when it sets its tensors, below
+                    return False
+                if self.grown is not None:  # after the write, in the old tensors: the growth sets its new ones
+                    (self.keys, self.values), self.grown, self.armed = self.grown, None, False
+                    self.moves += 1
+                    raced.append(self.moves)
+                return bool(self.__dict__.get("_growing", False))
+
+            @growing.setter
+            def growing(self, value: bool) -> None:
+                self.__dict__["_growing"] = value
+
+        class Arm(LogitsProcessor):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                pool.armed = len(raced) < 2  # the next two steps' first writes are overtaken
+                return scores
+
+        pool.__class__ = Overtaken
         try:
             with prefixkv.PagedPrefixCache(store, prompt) as cache:
-                out = generate(model, prompt, None, cache, max_new_tokens=8)
+                out = generate(
+                    model, prompt, None, cache, max_new_tokens=8, logits_processor=LogitsProcessorList([Arm()])
+                )
         finally:
-            del pool.write
-        assert len(raced) == 2
+            pool.__class__ = Overtaken.__mro__[1]
+        assert len(raced) == 2 and raced[1] == raced[0] + 1
         assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
         store.check_invariants()
         later_request_matches_stock(model, store, out.sequences[:, :-1])

@@ -159,7 +159,7 @@ def blocks_attention(
     model's ``[B, 1, q, columns]`` mask (``None``: every held column and the new ones causally). Returns
     ``[B, q, Hq, D]`` as transformers' attention functions do."""
     batch, heads, q, dim = query.shape
-    pool_k, pool_v = forward.pool.slots(layer)
+    pool_k, pool_v = forward.views[layer]
     group = max(1, heads // pool_k.shape[0])
     everyone = tuple(range(batch))
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []

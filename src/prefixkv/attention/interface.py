@@ -72,11 +72,12 @@ def prefixkv_attention_forward(
         fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
         own: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
         return own
-    return paged_attention(module, query, key, value, attention_mask, **kwargs)
+    # eagerly, the call itself: torch.compiler.disable's wrapper costs a few microseconds in every layer of a step
+    attend = paged_attention if torch.compiler.is_compiling() else eager_paged_attention
+    return attend(module, query, key, value, attention_mask, **kwargs)
 
 
-@outside_compile
-def paged_attention(
+def eager_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -94,7 +95,8 @@ def paged_attention(
     if found is not None:
         forward, layer = found
         forward.served.add(layer)
-        key, value = reads.unwatched(key), reads.unwatched(value)
+        if forward.probe:  # only a probe forward hands out watched K/V
+            key, value = reads.unwatched(key), reads.unwatched(value)
         backend = forward.backend
         if forward.in_place and backend is not None:
             call = AttentionCall(module, query, key, value, attention_mask, kwargs)
@@ -113,6 +115,10 @@ def paged_attention(
     fn = ALL_ATTENTION_FUNCTIONS[_base(module.config)]
     out: tuple[torch.Tensor, torch.Tensor | None] = fn(module, query, key, value, attention_mask, **kwargs)
     return out
+
+
+paged_attention = outside_compile(eager_paged_attention)
+"""What a compiled model's call of this attention runs (:func:`eager_paged_attention`), outside the graph."""
 
 
 def sdpa_servable(

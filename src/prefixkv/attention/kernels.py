@@ -84,7 +84,12 @@ def attend_masked(
     b, heads, q, dim = query.shape
     if group > 1:
         query = query.reshape(b, key.shape[1], group * q, dim)
-    if query.device.type == "cpu":
+    if query.device.type == "cpu" and (releases.CPU_KERNEL_READS_GROUPED_HEADS or key.shape[1] == query.shape[1]):
+        # torch's CPU flash kernel straight, as releases.cpu_flash_attention calls it: a call less in every layer
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=mask.bias, scale=scale
+        )
+    elif query.device.type == "cpu":  # a kernel that reads K/V head h for query head h: the heads repeated first
         out, lse = releases.cpu_flash_attention(query, key, value, mask.bias, scale, causal=causal)
     elif query.dtype != torch.float64 and query.device.type == "cuda":
         out, lse = _attend_cuda(query, key, value, mask.bias, scale, causal)

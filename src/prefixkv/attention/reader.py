@@ -10,7 +10,6 @@ import torch
 
 from ..base.settings import StoreSettings
 from ..base.slots import slot_table
-from ..kv.key_space import autocast_dtype
 from . import registry
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout, PoolView, shapes_differ
@@ -99,7 +98,7 @@ class Reader:
         the blocks"), once per forward. Mutates only what the reader keeps between forwards."""
         self._whole.begin(pads, tables, start + q)
         gather = self._gather
-        if autocast_dtype(self._pool.specs[0].device.type) is not None:
+        if torch.is_autocast_enabled(self._pool.specs[0].device.type):  # torch's own query: once a step, no hop
             # under torch.autocast the model's own attention, on whole rows in the dtypes the layers handed over,
             # computes what it computes without a cache (docs/correctness.md, "Autocast")
             self._run = None

@@ -141,6 +141,11 @@ class ForwardReads:
         canonical: bool = False,
     ) -> None:
         self.pool = pool
+        # every layer's K and V by slot, taken once a step: the write and the attention of each layer read them here
+        # (one call less a layer); the pool count of moves they are of (set by the cache, whose write refreshes both
+        # where another thread's growth moved the pool meanwhile, prefixkv.hf.forward.write_layer)
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = [pool.slots(layer) for layer in range(len(pool.specs))]
+        self.moves = -1
         self.columns = columns
         self.gather = gather
         self.probe = probe

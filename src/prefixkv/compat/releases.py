@@ -248,7 +248,9 @@ def _kernel_reads_grouped_heads() -> bool:
     return torch.allclose(out[0], torch.ones_like(out[0]))
 
 
-_READS_GROUPED_HEADS = _kernel_reads_grouped_heads()
+# whether torch's CPU flash kernel reads grouped K/V heads (torch 2.9 on): the attention kernels (attention/kernels.py)
+# call it straight where it does, and through cpu_flash_attention where the heads must be repeated first
+CPU_KERNEL_READS_GROUPED_HEADS = _kernel_reads_grouped_heads()
 
 
 def cpu_flash_attention(
@@ -265,7 +267,7 @@ def cpu_flash_attention(
     a multiple of ``Hkv``) under an additive ``attn_mask`` or ``causal``, and the log-sum-exp ``[B, Hq, q]``. On a
     kernel that does not read grouped heads (torch before 2.9) the K/V heads are repeated first. Does not mutate."""
     group = query.shape[1] // key.shape[1]
-    if group > 1 and not _READS_GROUPED_HEADS:
+    if group > 1 and not CPU_KERNEL_READS_GROUPED_HEADS:
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, causal, attn_mask=attn_mask, scale=scale

@@ -123,6 +123,10 @@ class PagedPrefixCache(linear_cache.LinearCacheNames, Cache):
             self.forward = Forward(store, self._rowset, GenerateCall(None), compileable)
             """This cache's forwards, from begin to end (:class:`prefixkv.hf.forward.Forward`): what the model hooks
             and the runner call; a user never does."""
+            if type(self).update is PagedPrefixCache.update:  # a subclass's own update keeps its place
+                # each layer's update goes to the Forward straight, one call less in every layer of every step
+                # (docs/how-it-works.md, "The decode corridor"); a copy builds its own (__deepcopy__)
+                self.update = self.forward.update  # type: ignore[method-assign]
             if input_ids is not None:
                 pads, keys = check_prompt(input_ids, attention_mask)
                 self._rowset.images = vision.plan(store.hf_model.config, pads, keys, inputs)

@@ -34,6 +34,8 @@ from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
 
+_NO_SPACE = object()  # a Forward's key space before its first forward
+
 
 class Forward:
     """The forward state of one cache: its ``rows`` and ``call`` protocol (shared with the cache), the owner thread
@@ -57,6 +59,9 @@ class Forward:
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self._tables = static.StepTables(blocks.block_size)
         self._bs = blocks.block_size
+        self._shapes = layer_shapes(store)  # each layer's K and V shapes, which every layer's update checks
+        self._space: Any = _NO_SPACE  # the rows' key space of the last forward, and the autocast dtype it names
+        self._autocast: torch.dtype | None = None
         self.step: static.StaticStep | None = None  # this forward's, when it is such a step
         self._owner: int | None = None
         self._guard = threading.Lock()
@@ -131,8 +136,12 @@ class Forward:
         if q == 1 and self.takes_steps():
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
+        moves = self.store.blocks.pool.moves  # before the plan takes the pool's views: a growth after it is seen
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
-        self._reads.autocast = autocast_in(held.space)  # checked at the forward's first layer (check_autocast)
+        self._reads.moves = moves
+        if held.space is not self._space:  # the key space's autocast, read again only where the space changed
+            self._space, self._autocast = held.space, autocast_in(held.space)
+        self._reads.autocast = self._autocast  # checked at the forward's first layer (check_autocast)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -147,11 +156,12 @@ class Forward:
             self._owner = me
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``PagedPrefixCache.update``: write the new K/V of layer ``layer_idx`` into their slots and return what the
-        forward's attention reads (a compiled step's: in the graph, ``StaticStep.update``). Mutates the pool and the
-        rows."""
+        """``PagedPrefixCache.update``, which the cache hands its layers straight (the ``cache_kwargs`` that
+        releases before transformers 5 pass are not read): write the new K/V of layer ``layer_idx`` into their
+        slots and return what the forward's attention reads (a compiled step's: in the graph,
+        ``StaticStep.update``). Mutates the pool and the rows."""
         step = self.step
         if step is None:
             return self._paged_update(key_states, value_states, layer_idx)
@@ -164,7 +174,7 @@ class Forward:
         """:meth:`update`'s checks, for an eager compiled step."""
         if self._owner != threading.get_ident():
             raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
-        check_layer(self.store, key_states, layer_idx, self.rows.length - 1, self.rows.length)
+        check_layer(self.store, self._shapes, key_states, layer_idx, self.rows.length - 1, self.rows.length)
 
     @interface.outside_compile
     def _paged_update(
@@ -182,7 +192,7 @@ class Forward:
                 "this PagedPrefixCache was closed during the forward (close() from another thread cancels the "
                 "generate call using it); its blocks are given back when the forward ends"
             )
-        return write_layer(plan, self.rows, self.store, key_states, value_states, layer_idx)
+        return write_layer(plan, self.rows, self.store, self._shapes, key_states, value_states, layer_idx)
 
     @interface.outside_compile
     def update_tensor(self, name: str, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -264,6 +274,7 @@ def write_layer(
     plan: reads.ForwardReads,
     held: RowSet,
     store: StoreParts,
+    shapes: list[tuple[tuple[int, int], tuple[int, int]]],
     key_states: torch.Tensor,
     value_states: torch.Tensor,
     layer_idx: int,
@@ -271,16 +282,32 @@ def write_layer(
     """``update`` of a forward that is not a compiled step, once the forward is known to be the owner's and the
     cache open: write the new K/V (``[B, kv_heads, q, head_dim]``) of layer ``layer_idx`` into the slots of
     ``held``'s new columns and return what the attention reads, as ``plan`` says (the new K/V themselves, or the
-    layer's whole rows read from the pool). Mutates the pool, ``held.seen`` and ``plan``."""
-    check_layer(store, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
+    layer's whole rows read from the pool); ``shapes``: each layer's K and V shapes (:func:`layer_shapes`). Mutates
+    the pool, ``held.seen`` and ``plan`` (its slot views, where another thread's growth moved the pool)."""
+    check_layer(store, shapes, key_states, layer_idx, held.seen[layer_idx], held.length, value_states)
     device = key_states.device
     if plan.autocast is not False:  # the forward's first layer: the step's autocast, asked once
         check_autocast(plan, device.type, layer_idx)
-    keep = None if held.keep is None else held.keep.to(device)
-    blocks, slots = store.blocks, held.new.to(device)
-    if not blocks.pool.write_unlocked(layer_idx, slots, key_states, value_states, keep):
-        with blocks.lock:  # a growth in another thread copied the tensors meanwhile: written again, after it
-            blocks.pool.write(layer_idx, slots, key_states, value_states, keep)
+    blocks = store.blocks
+    pool = blocks.pool
+    if held.keep is None and pool.kv_dtype is None and not pool.growing and pool.moves == plan.moves:
+        # the decode step's write, into the slot views the plan took at the step's begin: no lock, no call into
+        # the pool, as BlockPool.write_unlocked writes ([B, H, q, D] -> [H, B*q, D], a view for a decode step)
+        k, v = plan.views[layer_idx]
+        slots = held.new.reshape(-1).to(device)
+        k.index_copy_(1, slots, key_states.detach().transpose(0, 1).reshape(k.shape[0], -1, k.shape[2]).to(k.dtype))
+        v.index_copy_(1, slots, value_states.detach().transpose(0, 1).reshape(v.shape[0], -1, v.shape[2]).to(v.dtype))
+        landed = not pool.growing and pool.moves == plan.moves
+    else:
+        keep = None if held.keep is None else held.keep.to(device)
+        landed = pool.write_unlocked(layer_idx, held.new.to(device), key_states, value_states, keep)
+    if not landed or pool.moves != plan.moves:
+        with blocks.lock:  # a growth in another thread moved the tensors since the step began
+            if not landed:  # and copied them before the write landed: written again, after it
+                keep = None if held.keep is None else held.keep.to(device)
+                pool.write(layer_idx, held.new.to(device), key_states, value_states, keep)
+            # the step's later writes and reads go to the new tensors
+            plan.views, plan.moves = [pool.slots(layer) for layer in range(len(plan.views))], pool.moves
     held.seen[layer_idx] = held.length
     if plan.in_place:
         hand_out(plan, layer_idx, key_states)
@@ -315,6 +342,7 @@ def check_autocast(plan: reads.ForwardReads, device_type: str, layer: int) -> No
 
 def check_layer(
     store: StoreParts,
+    shapes: list[tuple[tuple[int, int], tuple[int, int]]],
     key_states: torch.Tensor,
     layer_idx: int,
     seen: int,
@@ -322,15 +350,17 @@ def check_layer(
     value_states: torch.Tensor | None = None,
 ) -> None:
     """Raise :class:`CacheMisuseError` unless ``key_states`` (and ``value_states``) fit the store's layer
-    ``layer_idx`` and a forward that allocated ``length - seen`` columns for it."""
+    ``layer_idx``, whose K and V shapes are ``shapes[layer_idx]`` (:func:`layer_shapes`), and a forward that
+    allocated ``length - seen`` columns for it."""
     specs = store.blocks.pool.specs
     if layer_idx >= len(specs):
         raise CacheMisuseError(f"layer {layer_idx} does not exist in a store built for {len(specs)} layers")
     spec = specs[layer_idx]
-    if (key_states.shape[1], key_states.shape[-1]) != spec.key_shape:
-        _wrong_shape(layer_idx, "K", key_states, spec.key_shape)
-    if value_states is not None and (value_states.shape[1], value_states.shape[-1]) != spec.value_shape:
-        _wrong_shape(layer_idx, "V", value_states, spec.value_shape)
+    key_shape, value_shape = shapes[layer_idx]
+    if (key_states.shape[1], key_states.shape[-1]) != key_shape:
+        _wrong_shape(layer_idx, "K", key_states, key_shape)
+    if value_states is not None and (value_states.shape[1], value_states.shape[-1]) != value_shape:
+        _wrong_shape(layer_idx, "V", value_states, value_shape)
     for t in (key_states,) if value_states is None else (key_states, value_states):
         if t.device == spec.device and t.dtype == store.settings.model_dtype:
             continue
@@ -352,6 +382,12 @@ def check_layer(
     q = key_states.shape[-2]
     if seen + q != length:
         raise CacheMisuseError(f"layer {layer_idx} got {q} new tokens but this forward allocated {length - seen}")
+
+
+def layer_shapes(store: StoreParts) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Each layer's K and V shapes (heads, head size) in ``store``'s pool, which :func:`check_layer` reads at every
+    layer of every step: worked out once per cache. Does not mutate."""
+    return [(s.key_shape, s.value_shape) for s in store.blocks.pool.specs]
 
 
 def _wrong_shape(layer: int, name: str, given: torch.Tensor, built: tuple[int, int]) -> None:
