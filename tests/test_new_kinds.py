@@ -137,6 +137,40 @@ def test_minimax_keeps_its_running_product_as_a_recurrent_state(monkeypatch: pyt
         model(ids, cache=DynamicCache(config=model.config), use_cache=True)
 
 
+# the store's modes on the newly served stateful families (docs/architectures.md's kind x feature table): an invariant
+# store, 8-bit attention blocks and a saved file, each against stock generate (for int8, with a cache that quantizes
+# as the pool does), the second prompt reusing the shared prefix, then a later ordinary request
+STATEFUL = {"mamba": torch.float64, "falcon_mamba": torch.float64, "recurrent_gemma": torch.float64}
+STATEFUL["minimax"] = torch.float32  # its experts refuse float64
+MODES: dict[str, dict[str, Any]] = {"invariant": {"invariant": True, "chunk_size": 4}, "int8": {"kv_dtype": "int8"}}
+
+
+@pytest.mark.parametrize("mode", [*MODES, "file"])
+@pytest.mark.parametrize("family", list(STATEFUL))
+def test_the_newly_served_families_take_the_stores_modes(
+    family: str, mode: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dtype = STATEFUL[family]
+    tol = TOL if dtype == torch.float64 else 1e-4
+    if family == "minimax":  # stock takes its own MiniMaxCache only; its int8 blocks move the logits 1.9e-5 from it
+        monkeypatch.setattr(conftest, "reference_cache", lambda model, kv_dtype: None)
+    model = prefixkv.models.build(census.tiny_config(family), dtype=dtype)
+    store = prefixkv.PrefixStore(model, block_size=4, **MODES.get(mode, {}))
+    shared = random_tokens(13, seed=1)
+    first = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 22])])[None])
+    if mode == "file":
+        store.save(tmp_path / "x.safetensors")
+        store.close()
+        store = prefixkv.PrefixStore.load(tmp_path / "x.safetensors", model)
+    second = compare(model, store, torch.cat([shared, torch.tensor([20, 21, 23, 24])])[None])
+    later = compare(model, store, random_tokens(9, seed=7)[None])
+    # the invariant store resumes at its last whole chunk before the last token; the others after the shared 15
+    assert second.cache.stats.cached_tokens == (12 if mode == "invariant" else 15), second.cache.stats
+    for run in (first, second, later):
+        assert run.max_diff <= tol and run.same_tokens, (mode, run.max_diff)
+    store.close()
+
+
 def test_rwkv_is_refused_with_what_was_tried() -> None:
     """RWKV's state resumes a forward of several ids (what the refusal says was tried, checked here), but it travels in
     generate's `state` argument, where no cache of prefixkv's is ever handed."""
