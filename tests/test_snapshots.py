@@ -221,3 +221,27 @@ def test_an_agent_like_trace_reuses_nine_tenths_of_what_attention_would() -> Non
     assert store.stats.hit_tokens >= 0.9 * ceiling, (store.stats.hit_tokens, ceiling)
     later = exact(compare(model, store, torch.tensor([prompts[0]])))  # an ordinary request after them
     assert later.cached_tokens == len(prompts[0]) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_the_first_prompt_takes_its_grid_inside_one_forward(family: str) -> None:
+    model = tiny(family)
+    store = prefixkv.PrefixStore(model)
+    forwards: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        prefix = tokens(300, seed=40)
+        a = joined(prefix, tokens(40, seed=41))
+        exact(compare(model, store, a, max_new_tokens=1))
+        prefilled = list(forwards)
+        b = exact(compare(model, store, joined(prefix, tokens(40, seed=42)), max_new_tokens=1))
+    finally:
+        hook.remove()
+    # the grid's four snapshots and the last-but-one token's, from one forward (stock's twin runs one too)
+    assert sorted(len(path) for _, path in store.snapshots._held) >= [64, 128, 192, 256]
+    assert prefilled == [339, 1], prefilled
+    assert b.cached_tokens == below(300)
+    later = exact(compare(model, store, tokens(50, seed=43)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0

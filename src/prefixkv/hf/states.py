@@ -11,14 +11,25 @@ evicts, in any key space (:meth:`Snapshots.evicted`), and the snapshots on that 
 at a cost of that stretch, never of how many snapshots are held. Past their budget the least useful go first
 (docs/memory.md, "Recurrent state"): those taken once and never used (grid positions, call ends), oldest first,
 before the ones used or taken where prompts part (junctions), and the newest last.
+
+A prefill that wants snapshots at several positions takes them from inside one forward where the model's code allows
+(:func:`recording`): the conv states are the inputs the layer hands ``update_conv_state``, and a recurrent kernel
+that takes an initial state and hands back the final one (the gated delta rule of Qwen3-Next and Qwen3.5) is run
+segment by segment between the positions; elsewhere the prefill is split into a forward per position
+(docs/memory.md, "Recurrent state").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import itertools
 import math
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -328,3 +339,149 @@ def clear(layers: StateLayers) -> None:
         layer.conv_states[idx] = layer.recurrent_states[idx] = None
         layer.is_conv_states_initialized[idx] = layer.is_recurrent_states_initialized[idx] = False
         layer.has_previous_state[idx] = False
+
+
+# -- states inside one forward --------------------------------------------------------------------------------------
+
+# recurrent kernels that take ``initial_state`` and hand back the final state, by their name in a modeling module:
+# run segment by segment, they hand the state at each boundary (:func:`_segmented`)
+_KERNELS = ("torch_chunk_gated_delta_rule",)
+_inside = threading.local()  # the recording forward running in this thread: its cuts, what it captured
+
+
+class Recorded:
+    """What a recording forward captured: per :data:`StateKey`, the layer's state after each cut (batch axis kept),
+    and each conv state's kernel size."""
+
+    def __init__(self, cuts: list[int]) -> None:
+        self.cuts = cuts
+        self.tensors: dict[StateKey, list[torch.Tensor]] = {}
+        self.kernels: dict[tuple[int, int], int] = {}
+        self.pending: list[torch.Tensor] | None = None  # a segmented kernel's states, until the layer's update
+
+
+@contextlib.contextmanager
+def recording(cuts: list[int]) -> Iterator[Recorded]:
+    """Inside: a forward of this thread (over more tokens than the last of ``cuts``, ascending, each ``>= 1``) also
+    captures every state layer's states after each cut's count of its tokens (:func:`snapshot_at`)."""
+    recorded = Recorded(cuts)
+    _inside.recorded = recorded
+    try:
+        yield recorded
+    finally:
+        _inside.recorded = None
+
+
+def _recorded() -> Recorded | None:
+    found = getattr(_inside, "recorded", None)
+    return found if found is not None and found.cuts else None
+
+
+@torch.no_grad()
+def note_conv(layer: Any, index: int, conv_states: torch.Tensor, state_idx: int, kernel: int | None) -> None:
+    """A state layer (``index``) is handed ``conv_states`` ``[B, C, q]`` (the conv's inputs of a forward's ``q``
+    tokens): while :func:`recording`, capture its conv state after each cut, the last ``kernel`` inputs before it
+    (zeros before the first token), as ``update_conv_state`` keeps them after the whole forward. Does not mutate the
+    layer."""
+    recorded = _recorded()
+    if recorded is None or getattr(layer, "record_past", False):
+        return
+    if kernel is None and layer.is_conv_states_initialized[state_idx]:
+        kernel = int(layer.conv_kernel_size[state_idx])
+    if kernel is None:
+        return  # a layer that sizes its conv state by what it is handed: no snapshot inside this forward
+    if layer.has_previous_state[state_idx]:
+        before = layer.conv_states[state_idx]
+    else:
+        before = conv_states.new_zeros((*conv_states.shape[:-1], kernel))
+    with torch.inference_mode(False):
+        full = torch.cat([before, conv_states], dim=-1)  # [B, C, kernel + q]
+        recorded.tensors[(index, state_idx, "conv")] = [full[..., c : c + kernel].clone() for c in recorded.cuts]
+    recorded.kernels[(index, state_idx)] = kernel
+
+
+def note_recurrent(index: int, state_idx: int) -> None:
+    """A state layer (``index``) is handed its recurrent state after a forward: while :func:`recording`, keep the
+    states a segmented kernel handed at the cuts as this layer's. Does not mutate the layer."""
+    recorded = _recorded()
+    if recorded is None:
+        return
+    pending, recorded.pending = recorded.pending, None
+    if pending is not None and len(pending) == len(recorded.cuts):
+        recorded.tensors[(index, state_idx, "recurrent")] = pending
+
+
+def snapshot_at(layers: StateLayers, recorded: Recorded, row: int, cut: int, position: int) -> Snapshot | None:
+    """Row ``row``'s states after ``recorded.cuts[cut]`` tokens of the recording forward, as the snapshot at
+    ``position``; ``None`` where a state the layers hold was not captured (a model whose recurrent kernel cannot be
+    segmented). Does not mutate."""
+    tensors: dict[StateKey, torch.Tensor] = {}
+    kernels: dict[tuple[int, int], int] = {}
+    for layer, i, idx in _each(layers):
+        for kind, ready in (
+            ("conv", layer.is_conv_states_initialized),
+            ("recurrent", layer.is_recurrent_states_initialized),
+        ):
+            if ready[idx]:
+                captured = recorded.tensors.get((i, idx, kind))
+                if captured is None:
+                    return None
+                tensors[(i, idx, kind)] = captured[cut][row]
+        if layer.is_conv_states_initialized[idx]:
+            kernels[(i, idx)] = recorded.kernels[(i, idx)]
+    return Snapshot(position, tensors, kernels)
+
+
+def _segmented(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel`` (``(query, key, value, g=, beta=, initial_state=, output_final_state=)`` over ``[B, L, ...]``),
+    run segment by segment between the cuts while :func:`recording`, each resuming the state the one before handed
+    (the same calls a forward split at the cuts makes); the states at the cuts go to the layer's
+    ``update_recurrent_state`` (:func:`note_recurrent`). Otherwise ``kernel`` itself."""
+
+    @functools.wraps(kernel)
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorded = _recorded()
+        if recorded is None or args or not {"g", "beta"} <= kwargs.keys() or recorded.cuts[-1] >= query.shape[1]:
+            return kernel(query, key, value, *args, **kwargs)
+        final = kwargs.pop("output_final_state", False)
+        state = kwargs.pop("initial_state", None)
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        outputs, states = [], []
+        for a, b in itertools.pairwise([0, *recorded.cuts, query.shape[1]]):
+            out, state = kernel(
+                query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
+                output_final_state=True, **kwargs,
+            )  # fmt: skip
+            outputs.append(out)
+            states.append(state)
+        recorded.pending = states[:-1]
+        return torch.cat(outputs, dim=1), state if final else None
+
+    run.prefixkv_segmented = True  # type: ignore[attr-defined]
+    return run
+
+
+def records_inside(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` can hand its states at positions inside it (:func:`recording`): every layer
+    class that hands its cache a recurrent state runs it with a kernel :func:`_segmented` wraps (wrapped here, in its
+    modeling module, once; it runs as before outside a recording). Mutates those modules."""
+    return _records_inside(frozenset(type(m) for m in model.modules()))
+
+
+@functools.lru_cache(maxsize=64)
+def _records_inside(classes: frozenset[type]) -> bool:
+    for cls in classes:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if "update_recurrent_state" not in source:
+            continue
+        module = sys.modules.get(cls.__module__)
+        names = [n for n in _KERNELS if f"{n}(" in source and callable(getattr(module, n, None))]
+        if len(names) != 1:
+            return False
+        kernel = getattr(module, names[0])
+        if not getattr(kernel, "prefixkv_segmented", False):
+            setattr(module, names[0], _segmented(kernel))
+    return True
