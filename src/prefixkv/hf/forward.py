@@ -126,6 +126,7 @@ class Forward:
         start = held.allocate(forward, x.shape[0], q)
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
+        held.begin_cuts(start, q)  # a model with recurrent layers: snapshots on this forward's way
         if q == 1 and self.takes_steps():
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
@@ -192,6 +193,7 @@ class Forward:
         if step is not None:
             end_step(self.rows, self.store.blocks, step, ok)
         self.rows.note_silent(ok)
+        self.rows.end_cuts(ok and not self.closed)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:

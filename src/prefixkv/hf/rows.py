@@ -33,6 +33,7 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from . import proof, shapes, states, vision
 from .parts import StoreParts
+from .states import Cuts, Recorded
 
 
 class Row:
@@ -187,6 +188,10 @@ class RowSet:
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
         self.images: vision.ImagePlan | None = None  # the prompt's images, keyed by what they are
+        # a model with recurrent layers: where this call's own forwards take snapshots, and what the one running
+        # captures for them (prefixkv.hf.states.recording)
+        self.cuts: Cuts | None = None
+        self._recording: tuple[int, Recorded] | None = None
 
     # -- a prompt --------------------------------------------------------------------------------
 
@@ -268,7 +273,9 @@ class RowSet:
         of its state, else a padded batch reuses nothing and its stats say why). With ``split``, first each row's
         prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
         from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
-        call then resumes at its last token. Mutates."""
+        call then resumes at its last token. One unpadded row of a model whose forward can hand the states inside it
+        (:func:`prefixkv.hf.states.records_inside`) is not computed first: the call's own forward takes the same
+        snapshots on its way (:meth:`begin_cuts`), so the prompt costs one forward, as without a cache. Mutates."""
         snapshots, n, plan = store.snapshots, len(rows), self.images
         states.clear(self.states)
         self.publishes = True
@@ -281,6 +288,17 @@ class RowSet:
         missed: str | None = None  # why the first row that resumes short of the K/V held does
         chosen: list[states.Snapshot | None] = [None] * n
         offset = 0
+        # the call's own forward takes the snapshots where it can (no runner, no padding, no image)
+        inside = (
+            split
+            and refusal is None
+            and n == 1
+            and not pads[0]
+            and plan is None
+            and store.settings.chunk_size is None
+            and states.records_inside(store.hf_model)
+        )
+        planned: tuple[list[int], list[int]] | None = None
 
         def choose(lengths: list[int]) -> list[int]:
             nonlocal offset, chosen
@@ -306,10 +324,16 @@ class RowSet:
                 for i, prompt in enumerate(rows):
                     stops, junctions, why = self._stops(store, rows, i, caps[i], held[i])
                     missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
-                    if stops:
+                    if stops and inside:
+                        planned = (stops, junctions)
+                    elif stops:
                         run = store.runner.prefill_states(prompt[: stops[-1]], stops, self.namespace, junctions)
                         computed[i] = prefills.enter_context(run)
             claims, reused = self.blocks.claim(rows, self.space, choose)
+        if planned is not None:
+            stops, junctions = planned
+            positions = states.grid_positions(offset, [s for s in stops if s > offset], snapshots.step())
+            self.cuts = states.Cuts(tuple(positions), frozenset(junctions))
         if offset:
             states.restore(self.states, [s for s in chosen if s is not None])
             for keys, snapshot in zip(rows, chosen):
@@ -366,8 +390,8 @@ class RowSet:
             }[dropped]
             why = (
                 f"the prefix the store holds ends at token {match}, where {what}: resumed at token {deepest} (the "
-                f"deepest snapshot on the path) and computed up to {match} by a forward of its own, snapshotted "
-                "there, so the next prompt with that prefix resumes there"
+                f"deepest snapshot on the path) and took one at {match} on the way, so the next prompt with that "
+                "prefix resumes there"
             )
         if deepest == cap:
             return [], [], why
@@ -390,6 +414,47 @@ class RowSet:
                 continue  # the runner's last stop
             self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
             self.snapshots.add(self.space, row.keys, states.take(self.states, b, end))
+
+    def begin_cuts(self, start: int, q: int) -> None:
+        """Before a forward of ``q`` columns after ``start``: have it capture the states at the call's cuts inside it
+        (:attr:`cuts`; :meth:`end_cuts` takes the snapshots). Mutates."""
+        cuts = self.cuts
+        if cuts is None:
+            return
+        inner = [p - start for p in cuts.positions if start < p < start + q]
+        self._recording = (start, states.start_recording(inner)) if inner else None
+
+    def end_cuts(self, ok: bool) -> None:
+        """After a forward (``ok``: it returned, and the cache is open): publish the first row's tokens up to each cut
+        it reached, a last part-filled block included, and a snapshot of its states there; the cuts past it wait for
+        the next forward. Mutates the store."""
+        cuts, recording = self.cuts, self._recording
+        if cuts is None:
+            return
+        self._recording = None
+        if recording is not None:
+            states.stop_recording()
+        end = self.length
+        row = self.rows[0] if self.rows else None
+        if not ok or self.broken or row is None or not row.proven or self.snapshots is None:
+            self.cuts = None
+            return
+        later = tuple(p for p in cuts.positions if p > end)
+        self.cuts = states.Cuts(later, cuts.junctions) if later else None
+        start, recorded = recording if recording is not None else (end, None)
+        for p in cuts.positions:
+            if not start < p <= end:
+                continue
+            if p == end:
+                snapshot: states.Snapshot | None = states.take(self.states, 0, p)
+            else:
+                assert recorded is not None
+                snapshot = states.snapshot_at(self.states, recorded, 0, recorded.cuts.index(p - start), p)
+            if snapshot is None:
+                continue
+            known = row.published * self.block_size
+            self.blocks.publish(row.claim, row.keys, known=known, end=p, space=self.space)
+            self.snapshots.add(self.space, row.keys, snapshot, junction=p in cuts.junctions)
 
     def snapshot_row(self, snapshots: states.Snapshots, *, junction: bool = False) -> None:
         """Publish the one row's tokens (a last part-filled block included) and a snapshot of its states after them

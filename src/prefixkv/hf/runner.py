@@ -22,7 +22,6 @@ from ..kv.key_space import user_space
 from . import states
 from .cache import PagedPrefixCache
 from .parts import StoreParts
-from .states import MIN_STEP
 
 
 @contextlib.contextmanager
@@ -101,7 +100,7 @@ def prefill_states(
         rows = cache.forward.rows
         rows.attach(store, [0], [tokens], count=False, chunks=True)  # reuse only: no stops of its own
         start = cache.get_seq_length()
-        positions = _positions(start, sorted(s for s in set(stops) if s > start), snapshots.step())
+        positions = states.grid_positions(start, sorted(s for s in set(stops) if s > start), snapshots.step())
         if positions and states.records_inside(store.hf_model):
             # one forward, its states taken at every position on the way
             *cuts, end = positions
@@ -119,29 +118,6 @@ def prefill_states(
             rows.snapshot_row(snapshots, junction=stop in junctions)
             done = stop
         yield cache.get_seq_length() - start
-
-
-_NEAR = MIN_STEP // 4  # tokens: a grid position closer than this to the next stop is not one
-
-
-def _positions(done: int, stops: list[int], step: int | None) -> list[int]:
-    """Where :func:`prefill_states` takes snapshots after ``done`` tokens: each of ``stops`` (ascending, past
-    ``done``) and each multiple of the grid's ``step`` on the way (``None``: not known yet, :data:`MIN_STEP`; ``0``:
-    none), except a grid position just before a stop, left to it: a later prompt that parts in between recomputes
-    those few tokens, where a forward or a kernel segment of them would cost about a whole kernel chunk. Does not
-    mutate."""
-    unit = MIN_STEP if step is None else step
-    positions = []
-    for stop in stops:
-        while unit:
-            grid = (done // unit + 1) * unit
-            if stop - grid < _NEAR:
-                break
-            positions.append(grid)
-            done = grid
-        positions.append(stop)
-        done = stop
-    return positions
 
 
 def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:

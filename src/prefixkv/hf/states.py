@@ -46,7 +46,36 @@ MIN_STEP = 64
 """The finest grid (tokens between grid snapshots) and the grid without a snapshot budget: a prompt that parts from
 an earlier one recomputes at most this many tokens of their shared prefix (docs/memory.md, "Recurrent state")."""
 
+_NEAR = MIN_STEP // 4  # tokens: a grid position closer than this to the next stop is not one
 _REMEMBERED = 4096  # dropped snapshots remembered, to tell a miss "dropped" from "never taken"
+
+
+def grid_positions(done: int, stops: list[int], step: int | None) -> list[int]:
+    """Where a prefill that has ``done`` tokens takes snapshots: each of ``stops`` (ascending, past ``done``) and each
+    multiple of the grid's ``step`` on the way (``None``: not known yet, :data:`MIN_STEP`; ``0``: none), except a grid
+    position just before a stop, left to it (a later prompt that parts in between recomputes those few tokens, where
+    a forward or a kernel segment of them would cost about a whole kernel chunk). Does not mutate."""
+    unit = MIN_STEP if step is None else step
+    positions = []
+    for stop in stops:
+        while unit:
+            grid = (done // unit + 1) * unit
+            if stop - grid < _NEAR:
+                break
+            positions.append(grid)
+            done = grid
+        positions.append(stop)
+        done = stop
+    return positions
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a call's own forwards take snapshots (ascending ``positions``), and which of them are ``junctions``
+    (kept longest)."""
+
+    positions: tuple[int, ...]
+    junctions: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -364,12 +393,23 @@ class Recorded:
 def recording(cuts: list[int]) -> Iterator[Recorded]:
     """Inside: a forward of this thread (over more tokens than the last of ``cuts``, ascending, each ``>= 1``) also
     captures every state layer's states after each cut's count of its tokens (:func:`snapshot_at`)."""
-    recorded = Recorded(cuts)
-    _inside.recorded = recorded
+    recorded = start_recording(cuts)
     try:
         yield recorded
     finally:
-        _inside.recorded = None
+        stop_recording()
+
+
+def start_recording(cuts: list[int]) -> Recorded:
+    """:func:`recording` from here to :func:`stop_recording` (a forward's begin and end hooks), in this thread."""
+    recorded = Recorded(cuts)
+    _inside.recorded = recorded
+    return recorded
+
+
+def stop_recording() -> None:
+    """End this thread's recording (:func:`start_recording`)."""
+    _inside.recorded = None
 
 
 def _recorded() -> Recorded | None:
