@@ -199,7 +199,8 @@ WITHIN = {
         "attention.flex",
     ],
     "hf": [
-        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts", "hf.rows"),
+        *("hf.vision", "hf.proof", "hf.kinds", "hf.support", "hf.shapes", "hf.states", "hf.parts"),
+        *("hf.resume", "hf.rows"),
         "hf.call",
         *("hf.layers", "hf.forward", "hf.cache", "hf.hooks", "hf.runner"),
     ],

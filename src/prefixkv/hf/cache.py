@@ -41,6 +41,24 @@ from .parts import StoreParts
 from .rows import RowSet, check_prompt
 
 
+def _check_arguments(store: Any, compileable: Any, inputs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` unless a ``PagedPrefixCache`` is built on a store, ``compileable`` is a bool or ``None``,
+    and the other keywords are a processor's image inputs. Does not mutate."""
+    if not isinstance(store, StoreParts):
+        raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
+    if compileable is not None and not isinstance(compileable, bool):
+        raise TypeError(
+            f"compileable takes True (every one-token forward a compiled step), False (never compiled) or None "
+            f"(the default: compiled where generate compiles), got {compileable!r}"
+        )
+    unknown = sorted(set(inputs) - vision.IMAGE_INPUTS)
+    if unknown:
+        raise TypeError(
+            f"PagedPrefixCache got unexpected keyword arguments {unknown}; besides input_ids and attention_mask it "
+            f"takes a processor's image inputs ({', '.join(sorted(vision.IMAGE_INPUTS))})"
+        )
+
+
 @releases.adapt_cache
 class PagedPrefixCache(Cache):
     """A ``transformers`` cache whose KV lives in a :class:`PrefixStore`'s shared blocks.
@@ -79,19 +97,7 @@ class PagedPrefixCache(Cache):
         compileable: bool | None = None,
         **inputs: Any,
     ) -> None:
-        if not isinstance(store, StoreParts):
-            raise TypeError(f"PagedPrefixCache needs a PrefixStore, got {type(store).__name__}")
-        if compileable is not None and not isinstance(compileable, bool):
-            raise TypeError(
-                f"compileable takes True (every one-token forward a compiled step), False (never compiled) or None "
-                f"(the default: compiled where generate compiles), got {compileable!r}"
-            )
-        unknown = sorted(set(inputs) - vision.IMAGE_INPUTS)
-        if unknown:
-            raise TypeError(
-                f"PagedPrefixCache got unexpected keyword arguments {unknown}; besides input_ids and attention_mask it "
-                f"takes a processor's image inputs ({', '.join(sorted(vision.IMAGE_INPUTS))})"
-            )
+        _check_arguments(store, compileable, inputs)
         self.store = store
         self._blocks = blocks = store.blocks  # the store's claim contract
         num_layers = len(blocks.pool.specs)

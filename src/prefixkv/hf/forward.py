@@ -28,7 +28,7 @@ from ..base.family import family
 from ..compat import patching, releases
 from ..kv.key_space import autocast_dtype, autocast_in
 from ..kv.manager import BlockManager
-from . import proof
+from . import proof, resume
 from .call import GenerateCall
 from .parts import StoreParts
 from .rows import RowSet
@@ -223,7 +223,7 @@ class Forward:
                 self._release_pending = True
                 return
         try:
-            self.rows.keep_ends()  # a model with recurrent layers: the call's end, where its next turn resumes
+            resume.keep_ends(self.rows)  # a model with recurrent layers: the call's end, where its next turn resumes
         finally:
             self.rows.release()
 

@@ -32,6 +32,7 @@ from . import vision
 from .cache import PagedPrefixCache
 from .parts import Handle, StoreParts
 from .proof import ForwardInputs
+from .rows import RowSet
 
 
 def paged_cache(kwargs: dict[str, Any]) -> PagedPrefixCache | None:
@@ -47,6 +48,34 @@ def _store_cache(store: StoreParts, kwargs: dict[str, Any]) -> PagedPrefixCache 
     """The ``PagedPrefixCache`` of ``store`` that a forward carries, if any."""
     cache = paged_cache(kwargs)
     return cache if cache is not None and cache.store is store else None
+
+
+def _copied_model() -> CacheMisuseError:
+    """The error of a forward of a copy of the store's model: ``copy.deepcopy(model)`` copies the store's hooks, but
+    the copy's weights are not the store's model's."""
+    return CacheMisuseError(
+        "this PagedPrefixCache's PrefixStore was built for another model (this one is a copy.deepcopy of "
+        "it, which carries the store's hooks, not the store): build a PrefixStore for this model"
+    )
+
+
+def _feed_images(
+    held: RowSet, plan: vision.ImagePlan, inputs: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A forward's ``inputs`` (by name) and ``kwargs`` with the inputs of the images of ``plan`` it feeds only
+    (:meth:`prefixkv.hf.vision.ImagePlan.feed`), each row of ``held`` from its next token. Raises
+    :class:`CacheMisuseError` where the forward's images are not the prompt's. Does not mutate."""
+    fed = inputs.get("input_ids")
+    batch = fed.shape[0] if isinstance(fed, torch.Tensor) else len(held.rows)
+    per = max(1, batch // max(1, len(held.rows)))
+    starts = [held.length - held.rows[b // per].pad for b in range(batch)] if held.rows else []
+    try:
+        sliced = plan.feed(starts, kwargs) if starts else kwargs
+    except ValueError as e:
+        raise CacheMisuseError(str(e)) from None
+    if sliced is kwargs:
+        return inputs, kwargs
+    return {**inputs, **{k: v for k, v in sliced.items() if k in vision.KEYED}}, sliced
 
 
 def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
@@ -71,11 +100,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         if cache is None:
             return None
         if module is not model:
-            # `copy.deepcopy(model)` copies these hooks: the copy's weights are not the store's model's
-            raise CacheMisuseError(
-                "this PagedPrefixCache's PrefixStore was built for another model (this one is a copy.deepcopy of "
-                "it, which carries the store's hooks, not the store): build a PrefixStore for this model"
-            )
+            raise _copied_model()
         forward = cache.forward  # what generate's prepare noted for this forward, taken
         decode_step, forward.next_decode_step = forward.next_decode_step, False
         source, built = forward.built_masks or (None, None)
@@ -90,18 +115,7 @@ def attach_hooks(model: torch.nn.Module, store: StoreParts) -> list[Handle]:
         plan = forward.rows.images
         if plan is not None:  # a prompt's images, keyed by what they are: this forward gets those it feeds only
             keyed = vision.KEYED
-            held = forward.rows
-            fed = inputs.get("input_ids")
-            batch = fed.shape[0] if isinstance(fed, torch.Tensor) else len(held.rows)
-            per = max(1, batch // max(1, len(held.rows)))
-            starts = [held.length - held.rows[b // per].pad for b in range(batch)] if held.rows else []
-            try:
-                sliced = plan.feed(starts, kwargs) if starts else kwargs
-            except ValueError as e:
-                raise CacheMisuseError(str(e)) from None
-            if sliced is not kwargs:
-                kwargs = sliced
-                inputs = {**inputs, **{k: v for k, v in sliced.items() if k in vision.KEYED}}
+            inputs, kwargs = _feed_images(forward.rows, plan, inputs, kwargs)
         forward.begin(ForwardInputs.of(inputs, positions_matter=positions_matter, decode_step=decode_step, keyed=keyed))
         if forward.step is not None and serves(model):
             # a compiled step: prefixkv attention hands the call to the model's own, in the graph

@@ -11,13 +11,12 @@ Keys. A row's ``keys`` are the token ids where the attention mask is 1, and ``-1
 hides a token (:func:`prefixkv.base.tokens.key`): a hole shifts the positions after it, so the K/V that follow are not
 those of the unmasked ids. Leading padding is not part of a row.
 
-The rows of one cache are a :class:`RowSet`: it attaches a prompt, allocates a forward's columns, applies the
-proof's verdicts, publishes, crops, selects and forks rows, all through the block manager's claim contract
-(docs/how-it-works.md, "The block manager"); it never calls the cache."""
+The rows of one cache are a :class:`RowSet`: it attaches a prompt (by the rules of :mod:`prefixkv.hf.resume`),
+allocates a forward's columns, applies the proof's verdicts, publishes, crops, selects and forks rows, all through the
+block manager's claim contract (docs/how-it-works.md, "The block manager"); it never calls the cache."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -28,10 +27,10 @@ import torch
 from ..base.errors import CacheMisuseError
 from ..base.slots import slot_table
 from ..base.stats import CacheStats, RowStats
-from ..base.tokens import common_length, is_image_key, key, relabel
+from ..base.tokens import key, relabel
 from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
-from . import proof, shapes, states, vision
+from . import proof, resume, states, vision
 from .parts import StoreParts
 from .states import Cuts, Recorded
 
@@ -92,15 +91,6 @@ def new_slots(rows: list[Row], start: int, q: int, block_size: int) -> tuple[tor
     return new, (new.reshape(-1) != 0).nonzero().view(-1) if pads else None
 
 
-def chunk_end(keys: list[int], chunk: int) -> int:
-    """Where the canonical chunks of a prompt row end in an invariant store: after the whole chunks before the
-    one that holds its last token (generate's own forward computes that one) and before its first token the mask
-    hides (a prefill without the row's mask would compute other K/V) or its first image placeholder (a prefill of ids
-    alone has no image). Does not mutate."""
-    hidden = next((t for t, k in enumerate(keys) if k < 0 or is_image_key(k)), len(keys))
-    return min(len(keys) - 1, hidden) // chunk * chunk
-
-
 def check_mask(attention_mask: Any, shape: tuple[int, ...]) -> torch.Tensor:
     """``attention_mask`` as a CPU bool tensor, after checking its shape and that it holds only 0 and 1 (of
     any dtype: a float 0.5 is an error, not padding). Does not mutate."""
@@ -147,6 +137,19 @@ def check_prompt(input_ids: Any, attention_mask: Any) -> tuple[list[int], list[l
         row = int((~mask.any(dim=1)).nonzero()[0])
         raise ValueError(f"row {row} of attention_mask is all padding")
     return layout(input_ids, mask)
+
+
+def first_rows(blocks: BlockManager, forward: proof.ForwardInputs, batch: int, length: int) -> list[Row]:
+    """Rows for a first forward of ``batch`` rows of a cache built without a prompt (``length`` columns so far):
+    their leading pads read from the forward's mask, their keys known when it feeds ids from the start. Mutates
+    ``blocks`` (registers their empty claims)."""
+    pads = [0] * batch
+    mask, q = forward.attention_mask, forward.fed.shape[1] if forward.fed is not None else 0
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= q:
+        pads = (mask[:, : length + q].to(torch.long).cpu().cumsum(dim=1) == 0).sum(dim=1).tolist()
+    known = forward.input_ids is not None and length == 0
+    claims = blocks.empty_claims(batch)
+    return [Row(p, [] if known else None, c, 0) for p, c in zip(pads, claims)]
 
 
 class RowSet:
@@ -205,215 +208,29 @@ class RowSet:
         Mutates.
 
         In an invariant store (docs/correctness.md, "Outputs that never depend on the cache") each row first has its
-        canonical chunks computed (:func:`chunk_end`, by the store's runner), reuses exactly those, and the cache
-        publishes nothing: every K/V a later call may reuse comes from a canonical chunk forward. With ``chunks``
-        the cache is such a forward's (the runner's): its one row, a whole number of chunks, reuses every whole
-        chunk the store holds, and its forwards publish."""
+        canonical chunks computed (:func:`prefixkv.hf.resume.chunk_end`, by the store's runner), reuses exactly
+        those, and the cache publishes nothing: every K/V a later call may reuse comes from a canonical chunk
+        forward. With ``chunks`` the cache is such a forward's (the runner's): its one row, a whole number of chunks,
+        reuses every whole chunk the store holds, and its forwards publish. The rules of reuse, for K/V and for a
+        model with recurrent layers (the snapshot rules), are :mod:`prefixkv.hf.resume`'s."""
         plan = self.images
         if plan is not None:  # an image's placeholders are keyed by the image (hf/vision.py)
             rows = [relabel(r, known) for r, known in zip(rows, plan.keys)]
         if self.states:
-            self._attach_states(store, pads, rows, count=count, split=not chunks)
-            return
-        bs, chunk = self.block_size, store.settings.chunk_size
-        self.publishes = chunk is None or chunks
-        # one prompt token stays uncached (docs/how-it-works.md, "Reuse, step by step")
-        caps = [len(r) - 1 for r in rows]
-        held: list[int] | None = None
-        offset = 0
-
-        def choose(lengths: list[int]) -> list[int]:
-            nonlocal offset
-            matched = [min(n, c) for n, c in zip(lengths, caps)]
-            if chunk is not None:
-                matched = [m // chunk * chunk for m in matched]
-            offset = min(p + m for p, m in zip(pads, matched))  # one offset per batch
-            while plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
-                snapped = min(p + plan.snap(i, max(0, offset - p)) for i, p in enumerate(pads))
-                if snapped == offset:
-                    break
-                offset = snapped
-            return [max(0, offset - p) for p in pads]
-
-        with contextlib.ExitStack() as prefills:
-            if chunk is None:
-                prefilled = store.runner.prefill_shared(rows, self.namespace) if len(rows) > 1 else []
-            elif chunks:
-                caps, prefilled = [len(r) for r in rows], []
-            else:
-                caps, prefilled = [chunk_end(r, chunk) for r in rows], []
-                # what the runner computes stays locked until the rows hold it
-                kept = [r[:c] for r, c in zip(rows, caps)]
-                held = prefills.enter_context(store.runner.prefill_chunks(kept, self.namespace))
-            claims, reused = self.blocks.claim(rows, self.space, choose)
-        self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, claims, reused)]
-        for row, r in zip(self.rows, reused):
+            states.clear(self.states)
+            self.publishes = True
+            start = resume.attach_states(self, store, pads, rows, plan, self.namespace, count=count, split=not chunks)
+            self.cuts = start.cuts
+        else:
+            self.publishes = store.settings.chunk_size is None or chunks
+            start = resume.attach_kv(self.blocks, store, self.space, self.namespace, plan, pads, rows, count, chunks)
+        bs = self.block_size
+        self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, start.claims, start.reused)]
+        for row, r in zip(self.rows, start.reused):
             row.real = real_count(row.keys[:r])
-        self.length = offset
-        self.seen = [offset] * len(self.seen)
-        if held is not None:  # what the canonical prefill computed was computed by this call
-            reused = [min(h, r) for h, r in zip(held, reused)]
-        # the shared prefill's tokens were computed by this call: charge them to a row that reused them
-        for cost, members in prefilled:
-            j = max(members, key=lambda i: reused[i])
-            reused[j] -= min(cost, reused[j])
-        per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, reused))
-        self.stats = CacheStats(
-            sum(s.prompt_tokens for s in per_row), sum(reused), sum(s.computed_tokens for s in per_row), per_row
-        )
-        if count:
-            self.blocks.ledger.count_query([len(t) for t in rows], reused)
-
-    def _attach_states(
-        self, store: StoreParts, pads: list[int], rows: list[list[int]], *, count: bool, split: bool
-    ) -> None:
-        """:meth:`attach` for a model with recurrent layers: a row reuses a prefix only up to a position where the
-        store holds a snapshot of its states (and the K/V before it), at one column for every row (one offset per
-        batch; a left-padded row at that column less its pads, where the store measured that the model keeps pads out
-        of its state, else a padded batch reuses nothing and its stats say why). With ``split``, first each row's
-        prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume
-        from (where the store's match ends: a junction; where two rows of the batch part), each stop snapshotted: the
-        call then resumes at its last token. One unpadded row of a model whose forward can hand the states inside it
-        (:func:`prefixkv.hf.states.records_inside`) is not computed first: the call's own forward takes the same
-        snapshots on its way (:meth:`begin_cuts`), so the prompt costs one forward, as without a cache. Mutates."""
-        snapshots, n, plan = store.snapshots, len(rows), self.images
-        states.clear(self.states)
-        self.publishes = True
-        # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
-        refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
-        caps = [0 if refusal is not None else len(r) - 1 for r in rows]
-        # what the store held before this call computed anything: the K/V an attention-only model would reuse
-        held = [self.blocks.cached_length(r[: len(r) - 1], self.space) for r in rows] if split or count else [0] * n
-        computed = [0] * n
-        missed: str | None = None  # why the first row that resumes short of the K/V held does
-        chosen: list[states.Snapshot | None] = [None] * n
-        offset = 0
-        # the call's own forward takes the snapshots where it can (no runner, no padding, no image)
-        inside = (
-            split
-            and refusal is None
-            and n == 1
-            and not pads[0]
-            and plan is None
-            and store.settings.chunk_size is None
-            and states.records_inside(store.hf_model)
-        )
-        planned: tuple[list[int], list[int]] | None = None
-
-        def choose(lengths: list[int]) -> list[int]:
-            nonlocal offset, chosen
-            # the deepest column where every row holds a snapshot (at that column less its pads)
-            c = min(p + min(m, cap) for p, m, cap in zip(pads, lengths, caps))
-            while c > 0:
-                if plan is not None:  # nor inside any row's image (hf/vision.py: a forward feeds whole images)
-                    c = min(p + plan.snap(i, max(0, c - p)) for i, p in enumerate(pads))
-                if any(c - p < 1 for p in pads):
-                    c = 0
-                    break
-                found = [snapshots.find(self.space, r, c - p) for r, p in zip(rows, pads)]
-                lowest = min(0 if f is None else p + f.position for f, p in zip(found, pads))
-                if lowest == c:
-                    chosen = found
-                    break
-                c = lowest
-            offset = c
-            return [max(0, c - p) for p in pads]
-
-        with contextlib.ExitStack() as prefills:
-            if split and refusal is None:
-                for i, prompt in enumerate(rows):
-                    stops, junctions, why = self._stops(store, rows, i, caps[i], held[i])
-                    missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
-                    if stops and inside:
-                        planned = (stops, junctions)
-                    elif stops:
-                        run = store.runner.prefill_states(prompt[: stops[-1]], stops, self.namespace, junctions)
-                        computed[i] = prefills.enter_context(run)
-            claims, reused = self.blocks.claim(rows, self.space, choose)
-        if planned is not None:
-            stops, junctions = planned
-            positions = states.grid_positions(offset, [s for s in stops if s > offset], snapshots.step())
-            self.cuts = states.Cuts(tuple(positions), frozenset(junctions))
-        if offset:
-            states.restore(self.states, [s for s in chosen if s is not None])
-            for keys, snapshot in zip(rows, chosen):
-                if snapshot is not None:
-                    snapshots.use(self.space, keys, snapshot)
-        self.rows = [Row(p, keys, c, r // self.block_size) for p, keys, c, r in zip(pads, rows, claims, reused)]
-        for row, r in zip(self.rows, reused):
-            row.real = real_count(row.keys[:r])
-        self.length = offset
-        self.seen = [offset] * len(self.seen)
-        cached = [max(0, r - c) for r, c in zip(reused, computed)]
-        per_row = tuple(RowStats(len(t), r, len(t) - r) for t, r in zip(rows, cached))
-        self.stats = CacheStats(
-            sum(x.prompt_tokens for x in per_row),
-            sum(cached),
-            sum(x.computed_tokens for x in per_row),
-            per_row,
-            f"a left-padded batch of this model reuses no prefix: {refusal[0]}; it is computed whole, its K/V kept"
-            if refusal is not None
-            else missed,
-            split_tokens=sum(computed),
-        )
-        if count:
-            self.blocks.ledger.count_query([len(t) for t in rows], cached)
-            snapshots.count_kv_hits(sum(held))
-
-    def _stops(
-        self, store: StoreParts, rows: list[list[int]], i: int, cap: int, held: int
-    ) -> tuple[list[int], list[int], str | None]:
-        """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded), which of those
-        stops are junctions (where prompts part: kept longest, :class:`prefixkv.hf.states.Snapshots`), and why the
-        row resumes short of the ``held`` tokens whose K/V the store holds (``None``: it does not). It stops at the
-        store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
-        ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
-        the store holds, and nowhere if one is at ``cap`` already or the row has tokens its mask hides (the runner
-        computes without the row's mask). The runner adds the grid's stops on the way (:func:`prefill_states`). Does
-        not mutate."""
-        row = rows[i]
-        # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
-        cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
-        if cap < 1 or any(k < 0 for k in row[:cap]):
-            return [], [], None
-        found = store.snapshots.find(self.space, row, cap)
-        deepest = 0 if found is None else found.position
-        match = min(held, cap)
-        why = None
-        if deepest < match:
-            dropped = store.snapshots.why_missing(self.space, row, match)
-            what = {
-                None: "no recurrent-state snapshot was taken yet",
-                "budget": "its recurrent-state snapshot was taken and then dropped for the snapshots' budget "
-                '(store.snapshots.max_bytes: docs/memory.md, "Recurrent state")',
-                "path": "its recurrent-state snapshot was dropped when that path's K/V were evicted",
-            }[dropped]
-            why = (
-                f"the prefix the store holds ends at token {match}, where {what}: resumed at token {deepest} (the "
-                f"deepest snapshot on the path) and took one at {match} on the way, so the next prompt with that "
-                "prefix resumes there"
-            )
-        if deepest == cap:
-            return [], [], why
-        junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
-        kept = sorted(j for j in junctions if deepest < j < cap)
-        return sorted({*kept, cap}), kept, why
-
-    def keep_ends(self) -> None:
-        """At the end of a call (the cache closes), for a model with recurrent layers: publish every proven,
-        unpadded row's tokens, a last part-filled block included, and a snapshot of its states after them, so that
-        the next turn of a chat resumes there. Mutates the store."""
-        if not self.states or self.broken or not self.publishes or not self.rows:
-            return
-        for b, row in enumerate(self.rows):
-            end = self.length - row.pad
-            if not row.proven or row.pad or end < 1 or len(row.keys) != end or self.snapshots is None:
-                continue
-            found = self.snapshots.find(self.space, row.keys, end)
-            if found is not None and found.position == end:
-                continue  # the runner's last stop
-            self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
-            self.snapshots.add(self.space, row.keys, states.take(self.states, b, end))
+        self.length = start.offset
+        self.seen = [start.offset] * len(self.seen)
+        self.stats = start.stats
 
     def begin_cuts(self, start: int, q: int) -> None:
         """Before a forward of ``q`` columns after ``start``: have it capture the states at the call's cuts inside it
@@ -425,47 +242,21 @@ class RowSet:
         self._recording = (start, states.start_recording(inner)) if inner else None
 
     def end_cuts(self, ok: bool) -> None:
-        """After a forward (``ok``: it returned, and the cache is open): publish the first row's tokens up to each cut
-        it reached, a last part-filled block included, and a snapshot of its states there; the cuts past it wait for
-        the next forward. Mutates the store."""
+        """After a forward (``ok``: it returned, and the cache is open): the snapshots at the cuts it reached
+        (:func:`prefixkv.hf.resume.take_cuts`); the cuts past it wait for the next forward. Mutates the store."""
         cuts, recording = self.cuts, self._recording
         if cuts is None:
             return
         self._recording = None
         if recording is not None:
             states.stop_recording()
-        end = self.length
-        row = self.rows[0] if self.rows else None
-        if not ok or self.broken or row is None or not row.proven or self.snapshots is None:
-            self.cuts = None
-            return
-        later = tuple(p for p in cuts.positions if p > end)
-        self.cuts = states.Cuts(later, cuts.junctions) if later else None
-        start, recorded = recording if recording is not None else (end, None)
-        for p in cuts.positions:
-            if not start < p <= end:
-                continue
-            if p == end:
-                snapshot: states.Snapshot | None = states.take(self.states, 0, p)
-            else:
-                assert recorded is not None
-                snapshot = states.snapshot_at(self.states, recorded, 0, recorded.cuts.index(p - start), p)
-            if snapshot is None:
-                continue
-            known = row.published * self.block_size
-            self.blocks.publish(row.claim, row.keys, known=known, end=p, space=self.space)
-            self.snapshots.add(self.space, row.keys, snapshot, junction=p in cuts.junctions)
-
-    def snapshot_row(self, snapshots: states.Snapshots, *, junction: bool = False) -> None:
-        """Publish the one row's tokens (a last part-filled block included) and a snapshot of its states after them
-        (the runner's stops; a ``junction`` is kept longest). Mutates the store."""
-        (row,) = self.rows
-        end = self.length  # the row's keys are its whole prompt's from the start; its columns, what was computed
-        self.blocks.publish(row.claim, row.keys, known=row.published * self.block_size, end=end, space=self.space)
-        snapshots.add(self.space, row.keys, states.take(self.states, 0, end), junction=junction)
+        later = tuple(p for p in cuts.positions if p > self.length)
+        self.cuts = Cuts(later, cuts.junctions) if later and ok else None
+        if ok:
+            resume.take_cuts(self, cuts, *(recording or (self.length, None)))
 
     def note_silent(self, ok: bool) -> None:
-        """At a forward's end: the layers that write no K/V now count its columns too (``ok``: it returned);
+        """At a forward's end: the layers that write no K/V count its columns too (``ok``: it returned);
         a forward that raised leaves the recurrent states half-updated. Mutates."""
         if ok:
             for i in self.silent:
@@ -497,8 +288,9 @@ class RowSet:
     # -- one forward -----------------------------------------------------------------------------
 
     def allocate(self, forward: proof.ForwardInputs, batch: int, q: int) -> int:
-        """Fit the rows to the forward's ``batch``, then claim blocks (and copies of shared part-blocks about to be
-        written) for its ``q`` new columns; where they start. Mutates."""
+        """Fit the rows to the forward's ``batch`` (rows for a first forward of a cache built without a prompt, or the
+        rows repeated for a batch that ``generate`` expanded), then claim blocks (and copies of shared part-blocks
+        about to be written) for its ``q`` new columns; where they start. Mutates."""
         if self.broken:
             raise CacheMisuseError(
                 "an earlier forward with this cache raised half-way, and the recurrent layers' states it left cannot "
@@ -506,7 +298,15 @@ class RowSet:
             )
         if self.length != min(self.seen):
             self.truncate(min(self.seen))  # an earlier forward raised half-way: drop its columns
-        self._fit_batch(batch, forward)
+        if not self.rows:  # a first forward of a cache built without a prompt
+            self.rows = first_rows(self.blocks, forward, batch, self.length)
+        elif batch != len(self.rows):  # the rows repeated for a batch generate expanded (num_return_sequences, beams)
+            if batch % len(self.rows):
+                raise CacheMisuseError(
+                    f"this cache holds {len(self.rows)} rows but the forward feeds {batch}; "
+                    "build the cache from the same batch you pass to generate"
+                )
+            self.select([i for i in range(len(self.rows)) for _ in range(batch // len(self.rows))])
         start, rows = self.length, self.rows
         self.blocks.extend(
             [row.claim for row in rows], [(max(0, start - row.pad), start + q - row.pad) for row in rows]
@@ -514,25 +314,6 @@ class RowSet:
         self.new, self.keep = new_slots(rows, start, q, self.block_size)
         self.length = start + q
         return start
-
-    def _fit_batch(self, batch: int, forward: proof.ForwardInputs) -> None:
-        """Rows for a first forward of a cache built without a prompt, or the rows repeated for a batch that
-        ``generate`` expanded (``num_return_sequences``, beams). Mutates."""
-        if not self.rows:
-            pads = [0] * batch
-            mask, q = forward.attention_mask, forward.fed.shape[1] if forward.fed is not None else 0
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= q:
-                pads = (mask[:, : self.length + q].to(torch.long).cpu().cumsum(dim=1) == 0).sum(dim=1).tolist()
-            known = forward.input_ids is not None and self.length == 0
-            claims = self.blocks.empty_claims(batch)
-            self.rows = [Row(p, [] if known else None, c, 0) for p, c in zip(pads, claims)]
-        elif batch != len(self.rows):
-            if batch % len(self.rows):
-                raise CacheMisuseError(
-                    f"this cache holds {len(self.rows)} rows but the forward feeds {batch}; "
-                    "build the cache from the same batch you pass to generate"
-                )
-            self.select([i for i in range(len(self.rows)) for _ in range(batch // len(self.rows))])
 
     def prove(self, forward: proof.ForwardInputs, start: int, *, training: bool, reused: bool) -> None:
         """Apply the proof's verdicts (docs/correctness.md, "Publish only what is proven") to every row: record
@@ -573,16 +354,6 @@ class RowSet:
                 known = row.published * bs  # on the path of the row's trie node: publish continues from it
                 self.blocks.publish(row.claim, row.keys, known=known, end=full * bs, space=self.space)
                 row.published = full
-
-    def publish_all(self) -> None:
-        """Publish every token of the one row, a last part-filled block included (what ``PrefixStore.pin`` keeps; a
-        forward publishes whole blocks only). Raises :class:`CacheMisuseError` when its K/V could not be proven to be
-        those of its ids. Mutates."""
-        (row,) = self.rows
-        if not row.proven:
-            raise CacheMisuseError("the prefill's K/V could not be proven to be those of its ids; nothing pinned")
-        bs = self.block_size
-        self.blocks.publish(row.claim, row.keys, known=row.published * bs, end=len(row.keys), space=self.space)
 
     # -- row surgery -----------------------------------------------------------------------------
 

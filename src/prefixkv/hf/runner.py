@@ -19,7 +19,7 @@ from ..base.stats import CacheStats, RowStats
 from ..base.tokens import common_length, is_image_key
 from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
-from . import states
+from . import resume, states
 from .cache import PagedPrefixCache
 from .parts import StoreParts
 
@@ -48,7 +48,7 @@ def prefill(
             cache.forward.rows.attach(store, [0], [tokens], count=False)
         _forward(cache, tokens[cache.get_seq_length() :])
         if keep_partial:
-            cache.forward.rows.publish_all()
+            resume.publish_all(cache.forward.rows)
         yield cache.stats.per_row[0]
 
 
@@ -110,12 +110,12 @@ def prefill_states(
                 snapshot = states.snapshot_at(rows.states, recorded, 0, j, c)
                 if snapshot is not None:
                     snapshots.add(rows.space, tokens, snapshot, junction=c in junctions)
-            rows.snapshot_row(snapshots, junction=end in junctions)  # publishes the K/V up to end: every cut's path
+            resume.snapshot_row(rows, snapshots, junction=end in junctions)  # publishes up to end: every cut's path
             positions = []
         done = start
         for stop in positions:  # a model whose recurrent kernel cannot hand inner states: a forward per position
             _forward(cache, tokens[done:stop])
-            rows.snapshot_row(snapshots, junction=stop in junctions)
+            resume.snapshot_row(rows, snapshots, junction=stop in junctions)
             done = stop
         yield cache.get_seq_length() - start
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -204,13 +205,7 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
 
     try:
         bound = max(tolerance, _ROUNDING_FACTOR * _rounding(model, name, ids[:, 1:]))
-        real, zeros = DynamicCache(), DynamicCache()
-        for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
-            run(cache, 0, 3, mask[:, :3])
-        for layer in zeros.layers:
-            for field in ("keys", "values"):
-                torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
-        seen = float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
+        seen = _zeroed_pad_gap(run, mask)
     except Exception as e:
         return f"a left-padded row cannot resume a cache of this model ({type(e).__name__}: {e})", True
     if seen > bound:
@@ -221,13 +216,7 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
         ), True
     try:
         whole = run(DynamicCache(), 0, 4, mask)
-        cache = DynamicCache()
-        run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
-        for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
-            for field in ("keys", "values"):
-                held = torch.as_tensor(getattr(layer, field))
-                setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
-        reused = run(cache, 3, 4, mask)
+        reused = _unpadded_prefix_reused(run, mask)
     except Exception as e:
         return f"a left-padded row cannot reuse a cache of this model ({type(e).__name__}: {e})", False
     if not bool(whole.isfinite().all()):
@@ -241,6 +230,34 @@ def _padded_resumption(model: Any, name: str, device: torch.device) -> tuple[str
         "(the model counts positions in columns, or derives its mask from the cache's length, pads included), so a "
         "padded row cannot reuse cached K/V"
     ), False
+
+
+# a forward of the probe's row from column ``start`` to ``stop`` with a cache and mask: its last token's logits
+_Run = Callable[[DynamicCache, int, int, torch.Tensor], torch.Tensor]
+
+
+def _zeroed_pad_gap(run: _Run, mask: torch.Tensor) -> float:
+    """How far the last token's logits move when the padded prefix's cached pad column holds zeros (the pool's null
+    block) rather than its K/V, the rest fed with the whole ``mask``. Does not mutate the model."""
+    real, zeros = DynamicCache(), DynamicCache()
+    for cache in (real, zeros):  # the padded prefix, then its pad column as it is and as the null block
+        run(cache, 0, 3, mask[:, :3])
+    for layer in zeros.layers:
+        for field in ("keys", "values"):
+            torch.as_tensor(getattr(layer, field))[..., :1, :] = 0
+    return float((run(real, 3, 4, mask) - run(zeros, 3, 4, mask)).abs().max())
+
+
+def _unpadded_prefix_reused(run: _Run, mask: torch.Tensor) -> torch.Tensor:
+    """The last token's logits where the padded row resumes the prefix as an unpadded call computes it, behind a pad
+    column of zeros (prefixkv's warm first forward). Does not mutate the model."""
+    cache = DynamicCache()
+    run(cache, 1, 3, mask[:, 1:3])  # the prefix as an unpadded call computes it
+    for layer in cache.layers:  # and a pad column of zeros ahead, as the pool's null block
+        for field in ("keys", "values"):
+            held = torch.as_tensor(getattr(layer, field))
+            setattr(layer, field, torch.cat([torch.zeros_like(held[..., :1, :]), held], dim=-2))
+    return run(cache, 3, 4, mask)
 
 
 # how many times a model's own rounding (:func:`_rounding`) a padded row's reuse may move its logits: rounding

@@ -164,25 +164,7 @@ class ImagePlan:
         fed = [n for n, (b, image) in enumerate(order) if image.begin >= starts[b]]
         if len(fed) == len(order):
             return kwargs
-        out = dict(kwargs)
-        for name in _PER_IMAGE:
-            value = kwargs.get(name)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if not fed:
-                out[name] = None
-            elif self.layout == "tiles":
-                real = _real_images(kwargs["pixel_values"])
-                out[name] = _pick_5d(value, [real[n] for n in fed], value.shape[0])
-            elif name == "pixel_values" and spans:
-                out[name] = torch.cat([value[slice(*spans[n])] for n in fed])
-            else:
-                out[name] = value[torch.tensor(fed, device=value.device)]
-        several = kwargs.get("batch_num_images")
-        if isinstance(several, torch.Tensor):
-            # LLaVA-OneVision encodes an image alone (in patches) where its count is 1, as every keyed one's is (plan)
-            out["batch_num_images"] = several.new_ones(len(fed))
-        return out
+        return _pick_images(kwargs, fed, self.layout, spans)
 
     def check(self, inputs: Mapping[str, Any], order: list[int] | None = None) -> None:
         """Raise ``ValueError`` unless ``inputs`` (by name) carry the images the plan was built from: a call's
@@ -490,6 +472,32 @@ def _token_types(
     return out
 
 
+def _pick_images(
+    kwargs: dict[str, Any], fed: list[int], layout: str | None, spans: list[tuple[int, int]]
+) -> dict[str, Any]:
+    """``kwargs`` (a forward's, by name) with the inputs of the images numbered ``fed`` only (in the images'
+    ``layout``; ``spans``: each image's rows of a flat ``pixel_values``). Does not mutate."""
+    out = dict(kwargs)
+    for name in _PER_IMAGE:
+        value = kwargs.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not fed:
+            out[name] = None
+        elif layout == "tiles":
+            real = _real_images(kwargs["pixel_values"])
+            out[name] = _pick_5d(value, [real[n] for n in fed], value.shape[0])
+        elif name == "pixel_values" and spans:
+            out[name] = torch.cat([value[slice(*spans[n])] for n in fed])
+        else:
+            out[name] = value[torch.tensor(fed, device=value.device)]
+    several = kwargs.get("batch_num_images")
+    if isinstance(several, torch.Tensor):
+        # LLaVA-OneVision encodes an image alone (in patches) where its count is 1, as every keyed one's is (plan)
+        out["batch_num_images"] = several.new_ones(len(fed))
+    return out
+
+
 def plan(config: Any, pads: list[int], keys: list[list[int]], inputs: Mapping[str, Any]) -> ImagePlan | None:
     """The images of a prompt whose rows are ``keys`` (after ``pads``) on a model of ``config``, given the
     processor's ``inputs`` (none: every placeholder is an image the cache was not given) and the ``generate``
@@ -519,16 +527,37 @@ def plan(config: Any, pads: list[int], keys: list[list[int]], inputs: Mapping[st
                 f"the prompt holds {sum(runs)} image placeholder tokens, but its {len(per)} images need {sum(counts)} "
                 f"({counts}): build the cache from the processor's outputs for these input_ids"
             )
+    found, out_rows, placed = _place(keys, at, image_id, len(per), counts)
+    types = _token_types(inputs, pads, keys, media, found) if per else []
+    encoding = _encoding(inputs)
+    parts = [images.digest(one) for one in per]
+    digests = [images.digest({**one, **extra, **encoding}) for one, extra in zip(per, types)]
+    out_keys = [_keyed(row, row_placed, digests) for row, row_placed in zip(keys, placed)]
+    out = ImagePlan(config, out_keys, out_rows, inputs if per else {}, digests, counts, layout, parts)
+    out.refusal = refusal
+    return out
+
+
+# a row's placeholders: each one's token index, its image (-1: none) and its index among that image's placeholders
+_Placed = list[tuple[int, int, int]]
+
+
+def _place(
+    keys: list[list[int]], at: list[list[int]], image_id: int | None, given: int, counts: list[int]
+) -> tuple[list[tuple[int, Image]], list[list[Image]], list[_Placed]]:
+    """The ``given`` images the placeholders ``at`` of each row of ``keys`` hold, in order, each taking ``counts``
+    of them: each image's row and span, each row's images and each row's placeholders (:data:`_Placed`). Raises
+    ``ValueError`` where they end inside an image. Does not mutate."""
     found: list[tuple[int, Image]] = []  # each image's row and span
     out_rows: list[list[Image]] = []
-    placed: list[list[tuple[int, int, int]]] = []  # each row's placeholders: token index, image (-1: none), index in it
+    placed: list[_Placed] = []
     image, used = 0, 0  # the image now, and how many of its placeholders the rows used so far
     for b, (row, where) in enumerate(zip(keys, at)):
         row_images: list[Image] = []
-        row_placed: list[tuple[int, int, int]] = []
+        row_placed: _Placed = []
         for t in where:
             k = row[t]
-            if k < 0 or token(k) != image_id or image >= len(per):
+            if k < 0 or token(k) != image_id or image >= given:
                 # a video, audio, an image not given, or a placeholder the mask hides: matches nothing from here
                 row_images.append(Image(t, t, -1))
                 row_placed.append((t, -1, 0))
@@ -545,22 +574,17 @@ def plan(config: Any, pads: list[int], keys: list[list[int]], inputs: Mapping[st
                 image, used = image + 1, 0
         out_rows.append(row_images)
         placed.append(row_placed)
-    if per and (image, used) != (len(per), 0):
-        raise ValueError(f"the prompt's placeholders end inside image {image} of {len(per)}")
-    types = _token_types(inputs, pads, keys, media, found) if per else []
-    encoding = _encoding(inputs)
-    parts = [images.digest(one) for one in per]
-    digests = [images.digest({**one, **extra, **encoding}) for one, extra in zip(per, types)]
-    out_keys = []
-    for row, row_placed in zip(keys, placed):
-        row_keys, unknown = list(row), images.unknown()
-        for t, number, index in row_placed:
-            row_keys[t] = image_key(
-                unknown if number < 0 else digests[number], t if number < 0 else index, token(row[t])
-            )
-        out_keys.append(row_keys)
-    out = ImagePlan(config, out_keys, out_rows, inputs if per else {}, digests, counts, layout, parts)
-    out.refusal = refusal
+    if given and (image, used) != (given, 0):
+        raise ValueError(f"the prompt's placeholders end inside image {image} of {given}")
+    return found, out_rows, placed
+
+
+def _keyed(row: list[int], placed: _Placed, digests: list[bytes]) -> list[int]:
+    """``row``'s keys with its ``placed`` placeholders keyed by their images' ``digests`` (one no image has for a
+    placeholder of none). Does not mutate."""
+    out, unknown = list(row), images.unknown()
+    for t, number, index in placed:
+        out[t] = image_key(unknown if number < 0 else digests[number], t if number < 0 else index, token(row[t]))
     return out
 
 
