@@ -976,6 +976,23 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
         "a decode step's write that a growth in another thread overtook is lost in the old tensors",
     ),
+    # -- issue 56: snapshots taken inside one forward
+    Mutation(
+        "snapshots-inside-conv-one-token-late",
+        "hf/states.py",
+        "[full[..., c : c + kernel].clone() for c in recorded.cuts]",
+        "[full[..., c + 1 : c + 1 + kernel].clone() for c in recorded.cuts]",
+        ("tests/test_snapshots.py::test_where_the_prefix_parts",),
+        "a conv state taken inside a forward holds the inputs up to one token past its position",
+    ),
+    Mutation(
+        "snapshots-inside-kernel-final-state",
+        "hf/states.py",
+        "recorded.pending = states[:-1]",
+        "recorded.pending = [state] * (len(states) - 1)",
+        ("tests/test_snapshots.py::test_the_first_prompt_takes_its_grid_inside_one_forward",),
+        "the gated delta rule's state at every position inside a forward is the forward's last",
+    ),
 ]
 
 

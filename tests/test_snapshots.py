@@ -223,7 +223,7 @@ def test_an_agent_like_trace_reuses_nine_tenths_of_what_attention_would() -> Non
     assert later.cached_tokens == len(prompts[0]) - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 def test_the_first_prompt_takes_its_grid_inside_one_forward(family: str) -> None:
     model = tiny(family)
     store = prefixkv.PrefixStore(model)
@@ -232,16 +232,18 @@ def test_the_first_prompt_takes_its_grid_inside_one_forward(family: str) -> None
         lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
     try:
-        prefix = tokens(300, seed=40)
+        prefix = tokens(260, seed=40)
         a = joined(prefix, tokens(40, seed=41))
         exact(compare(model, store, a, max_new_tokens=1))
         prefilled = list(forwards)
-        b = exact(compare(model, store, joined(prefix, tokens(40, seed=42)), max_new_tokens=1))
+        # B parts 4 tokens past the grid position it resumes at, and its logits come 3 tokens later: a state taken
+        # at the wrong place inside A's forward shows (Qwen3.5's tiny states fade within some tens of tokens)
+        b = exact(compare(model, store, joined(prefix, tokens(3, seed=42)), max_new_tokens=1))
     finally:
         hook.remove()
     # the grid's four snapshots and the last-but-one token's, from the one forward stock runs too
-    assert sorted(len(path) for _, path in store.snapshots._held) >= [64, 128, 192, 256]
-    assert prefilled == [340], prefilled
-    assert b.cached_tokens == below(300)
+    assert prefilled == [300], prefilled
+    assert {64, 128, 192, 256, 299} <= {len(path) for _, path in store.snapshots._held}
+    assert b.cached_tokens == below(260) and b.split_tokens == 0
     later = exact(compare(model, store, tokens(50, seed=43)[None]))  # an ordinary request after them
     assert later.cached_tokens == 0

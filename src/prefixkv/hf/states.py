@@ -26,7 +26,6 @@ import functools
 import inspect
 import itertools
 import math
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -503,25 +502,33 @@ def _segmented(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 def records_inside(model: torch.nn.Module) -> bool:
     """Whether a forward of ``model`` can hand its states at positions inside it (:func:`recording`): every layer
-    class that hands its cache a recurrent state runs it with a kernel :func:`_segmented` wraps (wrapped here, in its
-    modeling module, once; it runs as before outside a recording). Mutates those modules."""
+    class whose code hands its cache a recurrent state runs it with a kernel :func:`_segmented` wraps (wrapped here, in
+    the globals its code reads, once; it runs as before outside a recording). Read from the names the classes' code
+    uses, not their source. Mutates those globals."""
     return _records_inside(frozenset(type(m) for m in model.modules()))
+
+
+def _names(code: Any) -> set[str]:
+    """The global and attribute names ``code`` and the functions defined inside it use."""
+    names = set(code.co_names)
+    for inner in code.co_consts:
+        if hasattr(inner, "co_names"):
+            names |= _names(inner)
+    return names
 
 
 @functools.lru_cache(maxsize=64)
 def _records_inside(classes: frozenset[type]) -> bool:
     for cls in classes:
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
+        # each method itself, under the hooks a decorator wraps it in
+        methods = [inspect.unwrap(f) for c in cls.__mro__ for f in vars(c).values() if callable(f)]
+        functions = [(f.__globals__, _names(f.__code__)) for f in methods if hasattr(f, "__code__")]
+        if not any("update_recurrent_state" in names for _, names in functions):
             continue
-        if "update_recurrent_state" not in source:
-            continue
-        module = sys.modules.get(cls.__module__)
-        names = [n for n in _KERNELS if f"{n}(" in source and callable(getattr(module, n, None))]
-        if len(names) != 1:
+        calls = [(scope, n) for scope, names in functions for n in _KERNELS if n in names]
+        if not calls or not all(callable(scope.get(n)) for scope, n in calls):
             return False
-        kernel = getattr(module, names[0])
-        if not getattr(kernel, "prefixkv_segmented", False):
-            setattr(module, names[0], _segmented(kernel))
+        for scope, n in calls:
+            if not getattr(scope[n], "prefixkv_segmented", False):
+                scope[n] = _segmented(scope[n])
     return True
