@@ -247,3 +247,24 @@ def test_the_first_prompt_takes_its_grid_inside_one_forward(family: str) -> None
     assert b.cached_tokens == below(260) and b.split_tokens == 0
     later = exact(compare(model, store, tokens(50, seed=43)[None]))  # an ordinary request after them
     assert later.cached_tokens == 0
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_a_message_end_is_a_snapshot_the_next_prompt_resumes(family: str) -> None:
+    model = tiny(family)
+    store = prefixkv.PrefixStore(model)
+    end_of_turn = 201  # a token id no random prompt here holds (they are under 200)
+    store.snapshots.marks = frozenset({end_of_turn})
+    system = torch.cat([tokens(99, seed=50), torch.tensor([end_of_turn])])  # a 100-token message, its marker last
+    a = exact(compare(model, store, joined(system, tokens(20, seed=51)), max_new_tokens=2))
+    assert a.split_tokens == 0  # taken inside the call's own forward
+    # B shares A's message and 5 more tokens: it resumes after the message's end, not at the grid's 64
+    b = exact(compare(model, store, joined(system, tokens(5, seed=51), tokens(20, seed=52)), max_new_tokens=2))
+    assert b.cached_tokens == 100, b
+    store.snapshots.marks = frozenset()  # without marks: the grid position before the message's end
+    other = torch.cat([tokens(99, seed=53), torch.tensor([end_of_turn])])
+    exact(compare(model, store, joined(other, tokens(20, seed=54)), max_new_tokens=2))
+    c = exact(compare(model, store, joined(other, tokens(5, seed=54), tokens(20, seed=55)), max_new_tokens=2))
+    assert c.cached_tokens == below(100)
+    later = exact(compare(model, store, tokens(50, seed=56)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0

@@ -299,11 +299,11 @@ def stops(
     """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded), which of those
     stops are junctions (where prompts part: kept longest, :class:`prefixkv.hf.states.Snapshots`), and why the
     row resumes short of the ``held`` tokens whose K/V the store holds (``None``: it does not). It stops at the
-    store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
-    ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
-    the store holds, and nowhere if one is at ``cap`` already or the row has tokens its mask hides (the runner
-    computes without the row's mask). The runner adds the grid's stops on the way
-    (:func:`prefixkv.hf.runner.prefill_states`). Does not mutate."""
+    store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, after each
+    token of :attr:`~prefixkv.hf.states.Snapshots.marks` (a message's end), and at ``cap`` (or the row's first image
+    placeholder, which the runner cannot compute); only past the deepest snapshot the store holds, and nowhere if one
+    is at ``cap`` already or the row has tokens its mask hides (the runner computes without the row's mask). The
+    grid's stops on the way are added to them (:func:`prefixkv.hf.states.grid_positions`). Does not mutate."""
     row = rows[i]
     # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
     cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
@@ -329,6 +329,8 @@ def stops(
     if deepest == cap:
         return [], [], why
     junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
+    if snapshots.marks:  # after each message's end (Snapshots.marks), where the next prompt likely parts
+        junctions |= {t + 1 for t in range(deepest, cap) if row[t] in snapshots.marks}
     kept = sorted(j for j in junctions if deepest < j < cap)
     return sorted({*kept, cap}), kept, why
 

@@ -105,6 +105,9 @@ class Snapshots:
         """Tokens between the snapshots a long prefill takes on its way (``None``: :meth:`step` derives it; ``0``:
         none)."""
         self.block_size = 1
+        self.marks: frozenset[int] = frozenset()
+        """Token ids that end a message (a chat template's turn markers): a prefill takes a snapshot after each one,
+        kept as long as a junction's (docs/memory.md, "Recurrent state"). None by default."""
         self.kv_bytes_per_token = kv_bytes_per_token
         self.pool_bytes = pool_bytes
         self._held: dict[Key, Snapshot] = {}
