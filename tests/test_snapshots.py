@@ -268,3 +268,45 @@ def test_a_message_end_is_a_snapshot_the_next_prompt_resumes(family: str) -> Non
     assert c.cached_tokens == below(100)
     later = exact(compare(model, store, tokens(50, seed=56)[None]))  # an ordinary request after them
     assert later.cached_tokens == 0
+
+
+def test_under_a_tight_budget_every_miss_says_what_was_dropped() -> None:
+    model = tiny("lfm2")
+    store = prefixkv.PrefixStore(model)
+    snapshots = store.snapshots
+    taken: set[tuple[Any, tuple[int, ...]]] = set()  # every snapshot ever taken, by key space and path
+    add = snapshots.add
+
+    def noting(space: Any, keys: Any, snapshot: Any, **kw: Any) -> None:
+        taken.add((space, tuple(keys[: snapshot.position])))
+        add(space, keys, snapshot, **kw)
+
+    snapshots.add = noting  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(57)
+    documents = [tokens(200, seed=70 + d).tolist() for d in range(2)]
+    budget = None
+    misses = dropped = 0
+    for k in range(24):
+        x = int(torch.randint(40, 201, (1,), generator=generator))
+        p = documents[k % 2][:x] + tokens(10, seed=700 + k).tolist()
+        held = store.cached_length(p[:-1])
+        was_taken = (store.blocks.space(), tuple(p[:held])) in taken  # before this call takes one there
+        with prefixkv.PagedPrefixCache(store, torch.tensor([p])) as cache:
+            model.generate(torch.tensor([p]), cache=cache, max_new_tokens=1, do_sample=False)
+        if budget is None:  # the tightest budget: three snapshots
+            budget = snapshots.max_bytes = 3 * next(iter(snapshots._held.values())).nbytes
+        if cache.stats.cached_tokens < held:
+            misses += 1
+            why = cache.stats.not_cached or ""
+            if was_taken:
+                dropped += 1
+                assert "taken and then dropped for the snapshots' budget" in why, why
+            else:
+                assert "no recurrent-state snapshot was taken yet" in why, why
+        assert snapshots.bytes_used <= budget
+    stats = store.stats
+    assert misses > dropped > 0 and stats.snapshots_dropped_budget > 0 and stats.snapshots_dropped_path == 0
+    assert stats.snapshots_taken - stats.snapshots_dropped_budget == stats.snapshots == len(snapshots)
+    later = exact(compare(model, store, tokens(30, seed=71)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0
+    store.check_invariants()
