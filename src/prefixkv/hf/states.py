@@ -375,8 +375,9 @@ def clear(layers: StateLayers) -> None:
 # -- states inside one forward --------------------------------------------------------------------------------------
 
 # recurrent kernels that take ``initial_state`` and hand back the final state, by their name in a modeling module:
-# run segment by segment, they hand the state at each boundary (:func:`_segmented`)
-_KERNELS = ("torch_chunk_gated_delta_rule",)
+# run segment by segment, they hand the state at each boundary (:func:`_segmented`); each with the kernel of one
+# token that the same code runs for a forward of one token after a state (what a forward split there would run)
+_KERNELS = {"torch_chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule"}
 _inside = threading.local()  # the recording forward running in this thread: its cuts, what it captured
 
 
@@ -474,10 +475,11 @@ def snapshot_at(layers: StateLayers, recorded: Recorded, row: int, cut: int, pos
     return Snapshot(position, tensors, kernels)
 
 
-def _segmented(kernel: Callable[..., Any]) -> Callable[..., Any]:
+def _segmented(kernel: Callable[..., Any], one: Callable[..., Any] | None) -> Callable[..., Any]:
     """``kernel`` (``(query, key, value, g=, beta=, initial_state=, output_final_state=)`` over ``[B, L, ...]``),
     run segment by segment between the cuts while :func:`recording`, each resuming the state the one before handed
-    (the same calls a forward split at the cuts makes); the states at the cuts go to the layer's
+    (the same calls a forward split at the cuts makes: a segment of one token after a state by ``one``, where the
+    layer's code runs that, not a whole chunk of ``kernel``); the states at the cuts go to the layer's
     ``update_recurrent_state`` (:func:`note_recurrent`). Otherwise ``kernel`` itself."""
 
     @functools.wraps(kernel)
@@ -490,7 +492,8 @@ def _segmented(kernel: Callable[..., Any]) -> Callable[..., Any]:
         g, beta = kwargs.pop("g"), kwargs.pop("beta")
         outputs, states = [], []
         for a, b in itertools.pairwise([0, *recorded.cuts, query.shape[1]]):
-            out, state = kernel(
+            run_segment = one if one is not None and b - a == 1 and state is not None else kernel
+            out, state = run_segment(
                 query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
                 output_final_state=True, **kwargs,
             )  # fmt: skip
@@ -520,6 +523,10 @@ def _names(code: Any) -> set[str]:
     return names
 
 
+def _all(functions: list[tuple[dict[str, Any], set[str]]]) -> set[str]:
+    return set().union(*(names for _, names in functions))
+
+
 @functools.lru_cache(maxsize=64)
 def _records_inside(classes: frozenset[type]) -> bool:
     for cls in classes:
@@ -533,5 +540,6 @@ def _records_inside(classes: frozenset[type]) -> bool:
             return False
         for scope, n in calls:
             if not getattr(scope[n], "prefixkv_segmented", False):
-                scope[n] = _segmented(scope[n])
+                one = scope.get(_KERNELS[n])
+                scope[n] = _segmented(scope[n], one if callable(one) and _KERNELS[n] in _all(functions) else None)
     return True
