@@ -126,12 +126,12 @@ class Forward:
         start = held.allocate(forward, x.shape[0], q)
         held.prove(forward, start, training=self.store.hf_model.training, reused=not call.computed and start > 0)
         call.computed = True
-        held.begin_cuts(start, q)  # a model with recurrent layers: snapshots on this forward's way
         if q == 1 and self.takes_steps():
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
         self._reads.autocast = autocast_in(held.space)  # checked at the forward's first layer (check_autocast)
+        held.begin_cuts(start, q)  # last: a begin that raised leaves no recording running (end_cuts stops it)
 
     def _own(self) -> None:
         me = threading.get_ident()
