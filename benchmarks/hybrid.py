@@ -13,7 +13,8 @@ With ``--parting SIZE`` (``tiny``, ``10M``, ``100M``: the Qwen3-Next-shaped mode
 size), issue 56's measures instead (docs/benchmarks.md, "Where prompts part"):
 
 - A = S shared tokens + its own, then B and C the same S + others, on a fresh store: the tokens B and C reuse (and
-  B on the attention model), and B's and A's time to the first token over stock ``generate``'s on the same prompt.
+  B on the attention model), and A's, B's and C's time to the first token over stock ``generate``'s on the same
+  prompt, by the wall clock and by the process's CPU time (``--shapes`` picks the prompts).
 - The agent-like trace (4 documents of 600 tokens, 40 prompts each of a document's first 100-600 tokens and 30 of
   their own, in random order): the hybrid's hit rate against the attention model's, the most any cache reuses, and
   256- and 528-token grids computed from the same prompts; then under snapshot budgets of 0.5, 1, 2 and 4 times the
@@ -21,7 +22,7 @@ size), issue 56's measures instead (docs/benchmarks.md, "Where prompts part"):
 - A 6-turn chat: the warm call's time to the first token over stock's, per turn.
 
 A model ``PrefixStore`` refuses is reported with the reason. Run: ``python benchmarks/hybrid.py [--smoke]`` or
-``python benchmarks/hybrid.py --parting 10M``.
+``python benchmarks/hybrid.py --parting 10M`` (several sizes: one run, ``--parting tiny 10M 100M --parts abc``).
 """
 
 from __future__ import annotations
