@@ -70,7 +70,7 @@ def test_generate_many_bar_counts_rows_as_they_end_and_this_calls_reuse(
     first = prefixkv.generate_many(model, prompts, store=store, progress=False, **kw)
     eos = first[0].tokens[1]  # row 0 emits it at its second step: it ends there, the others run on
     assert eos not in first[0].tokens[:1]
-    monkeypatch.setattr(prefixkv.many, "tqdm", _Recorder)
+    monkeypatch.setattr(prefixkv.many.generation, "tqdm", _Recorder)
     _Recorder.events = []
     again = prefixkv.generate_many(model, prompts, store=store, progress=True, eos_token_id=eos, **kw)
     kinds = [kind for kind, _, _ in _Recorder.events]

@@ -411,6 +411,53 @@ def test_the_class_size_check_can_fail() -> None:
     assert (lines, len(methods)) == (53, 26)
 
 
+# the glue in pieces a reader takes in at once (issue 53): no function of hf/ over 60 lines (methods and nested
+# functions too), and the rows of a cache small again once the snapshot rules left them for hf/resume.py
+FUNCTION_LINES = 60
+ROWSET_LINES, ROWSET_METHODS, ROWS_MODULE_LINES = 300, 15, 400
+
+
+def long_functions(tree: ast.Module, most: int) -> list[str]:
+    """Each function of a module (at any depth) over ``most`` lines, from its ``def`` to its last line."""
+    return sorted(
+        f"{node.name}: {lines}"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (lines := (node.end_lineno or node.lineno) - node.lineno + 1) > most
+    )
+
+
+@pytest.mark.parametrize("module", sorted(m for m in sources() if m.startswith("hf.")))
+def test_no_function_of_the_glue_is_over_60_lines(module: str) -> None:
+    assert long_functions(sources()[module], FUNCTION_LINES) == []
+
+
+def rows_too_big(text: str) -> list[str]:
+    """What of ``hf/rows.py``'s source ``text`` is over its bound: ``RowSet``'s methods or lines, the module's lines."""
+    lines, methods = classes(ast.parse(text))["RowSet"]
+    module = len(text.splitlines())
+    return [
+        *([f"RowSet has {len(methods)} methods"] if len(methods) > ROWSET_METHODS else []),
+        *([f"RowSet has {lines} lines"] if lines > ROWSET_LINES else []),
+        *([f"hf/rows.py has {module} lines"] if module > ROWS_MODULE_LINES else []),
+    ]
+
+
+def test_the_rows_of_a_cache_are_small() -> None:
+    assert rows_too_big((PACKAGE / "hf" / "rows.py").read_text()) == []
+
+
+def test_the_function_size_check_can_fail() -> None:
+    body = "".join(f"    x = {i}\n" for i in range(59))
+    nested = "".join(f"            y = {i}\n" for i in range(60))
+    tree = ast.parse(f"def short():\n{body}\nclass C:\n    def m(self):\n        def inner():\n{nested}")
+    assert long_functions(tree, 60) == ["inner: 61", "m: 62"]
+    assert long_functions(tree, 61) == ["m: 62"]
+    methods = "".join(f"    def m{i}(self):\n" + "        x = 1\n" * 18 + "\n" for i in range(16))
+    big = f"class RowSet:\n{methods}" + "x = 1\n" * 80
+    assert rows_too_big(big) == ["RowSet has 16 methods", "RowSet has 320 lines", "hf/rows.py has 401 lines"]
+
+
 # what a user calls on a PagedPrefixCache (docs/api.md); the rest of its public methods are transformers' Cache
 # interface (``get_max_length``: the name prefixkv.compat.releases.adapt_cache gives the interface's max-shape method)
 CACHE_USER_FACING = {"stats", "close", "closed", "block_tables"}

@@ -5,6 +5,9 @@ asked for: ``prefixkv/__init__.py`` re-exports each of them."""
 
 from __future__ import annotations
 
+# the release check first: it refuses an unsupported transformers or torch before anything else imports them
+from .compat import releases  # isort: split
+
 from . import display, models
 from .base.errors import (
     CacheMisuseError,
@@ -16,9 +19,6 @@ from .base.errors import (
 )
 from .base.memory import estimate, kv_bytes_per_token
 from .base.stats import CacheStats, RowStats, StoreStats, TierStats
-
-# _compat first: it refuses an unsupported transformers or torch before anything else imports them
-from .compat import releases
 from .enabling import disable, enable
 from .hf.cache import PagedPrefixCache
 from .kv.prefix_file import PersistStats

@@ -130,6 +130,7 @@ def attach_kv(
     plan: vision.ImagePlan | None,
     pads: list[int],
     rows: list[list[int]],
+    *,
     count: bool,
     chunks: bool,
 ) -> Start:
@@ -184,14 +185,8 @@ class SnapshotOffset:
         caps: list[int],
         plan: vision.ImagePlan | None,
     ) -> None:
-        self.snapshots, self.space, self.rows, self.pads, self.caps, self.plan = (
-            snapshots,
-            space,
-            rows,
-            pads,
-            caps,
-            plan,
-        )
+        self.snapshots, self.space, self.rows = snapshots, space, rows
+        self.pads, self.caps, self.plan = pads, caps, plan
         self.offset = 0
         self.chosen: list[Snapshot | None] = [None] * len(rows)
 

@@ -223,7 +223,9 @@ class RowSet:
             self.cuts = start.cuts
         else:
             self.publishes = store.settings.chunk_size is None or chunks
-            start = resume.attach_kv(self.blocks, store, self.space, self.namespace, plan, pads, rows, count, chunks)
+            start = resume.attach_kv(
+                self.blocks, store, self.space, self.namespace, plan, pads, rows, count=count, chunks=chunks
+            )
         bs = self.block_size
         self.rows = [Row(p, keys, c, r // bs) for p, keys, c, r in zip(pads, rows, start.claims, start.reused)]
         for row, r in zip(self.rows, start.reused):
