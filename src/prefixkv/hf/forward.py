@@ -131,7 +131,8 @@ class Forward:
             return
         self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
         self._reads.autocast = autocast_in(held.space)  # checked at the forward's first layer (check_autocast)
-        held.begin_cuts(start, q)  # last: a begin that raised leaves no recording running (end_cuts stops it)
+        if held.cuts is not None:  # last: a begin that raised leaves no recording running
+            resume.begin_cuts(held, start, q)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -193,7 +194,8 @@ class Forward:
         if step is not None:
             end_step(self.rows, self.store.blocks, step, ok)
         self.rows.note_silent(ok)
-        self.rows.end_cuts(ok and not self.closed)
+        if self.rows.cuts is not None:
+            resume.end_cuts(self.rows, ok and not self.closed)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:

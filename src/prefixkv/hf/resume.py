@@ -87,6 +87,10 @@ class HeldRows(Protocol):
     @property
     def length(self) -> int: ...
 
+    # where the call's own forwards take snapshots, and what the one running captures for them (:func:`begin_cuts`)
+    cuts: Cuts | None
+    recording: tuple[int, Recorded] | None
+
 
 def chunk_end(keys: list[int], chunk: int) -> int:
     """Where the canonical chunks of a prompt row end in an invariant store: after the whole chunks before the
@@ -239,12 +243,10 @@ def attach_states(
     computed = [0] * n
     missed: str | None = None  # why the first row that resumes short of the K/V held does
     choose = SnapshotOffset(snapshots, held.space, rows, pads, caps, plan)
-    # the call's own forward takes the snapshots where it can (no runner: no padding, no image, one row)
-    inside = n == 1 and not pads[0] and plan is None and store.settings.chunk_size is None
+    inside = split and refusal is None and _in_forward(store, pads, plan)
     planned: tuple[list[int], list[int]] | None = None
     with contextlib.ExitStack() as prefills:
         if split and refusal is None:
-            inside = inside and states.records_inside(store.hf_model)
             for i, prompt in enumerate(rows):
                 at, junctions, why = stops(snapshots, held.space, rows, i, caps[i], cached[i])
                 missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
@@ -254,11 +256,6 @@ def attach_states(
                     run = store.runner.prefill_states(prompt[: at[-1]], at, namespace, junctions)
                     computed[i] = prefills.enter_context(run)
         claims, reused = held.blocks.claim(rows, held.space, choose)
-    cuts = None
-    if planned is not None:
-        at, junctions = planned
-        positions = states.grid_positions(choose.offset, [s for s in at if s > choose.offset], snapshots.step())
-        cuts = Cuts(tuple(positions), frozenset(junctions))
     if choose.offset:
         states.restore(held.states, [s for s in choose.chosen if s is not None])
         for keys, snapshot in zip(rows, choose.chosen):
@@ -270,7 +267,25 @@ def attach_states(
     if count:
         held.blocks.ledger.count_query([len(t) for t in rows], [r.cached_tokens for r in stats.per_row])
         snapshots.count_kv_hits(sum(cached))
-    return Start(claims, reused, choose.offset, stats, cuts)
+    return Start(claims, reused, choose.offset, stats, _cuts(snapshots, planned, choose.offset))
+
+
+def _in_forward(store: StoreParts, pads: list[int], plan: vision.ImagePlan | None) -> bool:
+    """Whether the call's own forward takes its row's snapshots, with no runner: one unpadded row, no image, not an
+    invariant store, a model whose forward can hand its states inside it. Does not mutate."""
+    if len(pads) != 1 or pads[0] or plan is not None or store.settings.chunk_size is not None:
+        return False
+    return states.records_inside(store.hf_model)
+
+
+def _cuts(snapshots: Snapshots, planned: tuple[list[int], list[int]] | None, offset: int) -> Cuts | None:
+    """Where the call's own forwards take snapshots after resuming at ``offset``: the ``planned`` stops and
+    junctions, and the grid's positions on the way (``None``: none planned). Does not mutate."""
+    if planned is None:
+        return None
+    at, junctions = planned
+    positions = states.grid_positions(offset, [s for s in at if s > offset], snapshots.step())
+    return Cuts(tuple(positions), frozenset(junctions))
 
 
 def _stats(rows: list[list[int]], reused: list[int], computed: list[int], why: str | None) -> CacheStats:
@@ -349,6 +364,31 @@ def snapshot_row(held: HeldRows, snapshots: Snapshots, *, junction: bool = False
     known = row.published * held.blocks.block_size
     held.blocks.publish(row.claim, row.keys, known=known, end=end, space=held.space)
     snapshots.add(held.space, row.keys, states.take(held.states, 0, end), junction=junction)
+
+
+def begin_cuts(held: HeldRows, start: int, q: int) -> None:
+    """Before a forward of ``q`` columns after ``start``: have it capture the states at the call's cuts inside it
+    (``held.cuts``; :func:`end_cuts` takes the snapshots). Mutates ``held``."""
+    cuts = held.cuts
+    if cuts is None:
+        return
+    inner = [p - start for p in cuts.positions if start < p < start + q]
+    held.recording = (start, states.start_recording(inner)) if inner else None
+
+
+def end_cuts(held: HeldRows, ok: bool) -> None:
+    """After a forward (``ok``: it returned, and the cache is open): the snapshots at the cuts it reached
+    (:func:`take_cuts`); the cuts past it wait for the next forward. Mutates ``held`` and the store."""
+    cuts, recording = held.cuts, held.recording
+    if cuts is None:
+        return
+    held.recording = None
+    if recording is not None:
+        states.stop_recording()
+    later = tuple(p for p in cuts.positions if p > held.length)
+    held.cuts = Cuts(later, cuts.junctions) if later and ok else None
+    if ok:
+        take_cuts(held, cuts, *(recording or (held.length, None)))
 
 
 def take_cuts(held: HeldRows, cuts: Cuts, start: int, recorded: Recorded | None) -> None:

@@ -191,10 +191,8 @@ class RowSet:
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
         self.images: vision.ImagePlan | None = None  # the prompt's images, keyed by what they are
-        # a model with recurrent layers: where this call's own forwards take snapshots, and what the one running
-        # captures for them (prefixkv.hf.states.recording)
-        self.cuts: Cuts | None = None
-        self._recording: tuple[int, Recorded] | None = None
+        self.cuts: Cuts | None = None  # where this call's own forwards take snapshots (resume.begin_cuts)
+        self.recording: tuple[int, Recorded] | None = None
 
     # -- a prompt --------------------------------------------------------------------------------
 
@@ -233,29 +231,6 @@ class RowSet:
         self.length = start.offset
         self.seen = [start.offset] * len(self.seen)
         self.stats = start.stats
-
-    def begin_cuts(self, start: int, q: int) -> None:
-        """Before a forward of ``q`` columns after ``start``: have it capture the states at the call's cuts inside it
-        (:attr:`cuts`; :meth:`end_cuts` takes the snapshots). Mutates."""
-        cuts = self.cuts
-        if cuts is None:
-            return
-        inner = [p - start for p in cuts.positions if start < p < start + q]
-        self._recording = (start, states.start_recording(inner)) if inner else None
-
-    def end_cuts(self, ok: bool) -> None:
-        """After a forward (``ok``: it returned, and the cache is open): the snapshots at the cuts it reached
-        (:func:`prefixkv.hf.resume.take_cuts`); the cuts past it wait for the next forward. Mutates the store."""
-        cuts, recording = self.cuts, self._recording
-        if cuts is None:
-            return
-        self._recording = None
-        if recording is not None:
-            states.stop_recording()
-        later = tuple(p for p in cuts.positions if p > self.length)
-        self.cuts = Cuts(later, cuts.junctions) if later and ok else None
-        if ok:
-            resume.take_cuts(self, cuts, *(recording or (self.length, None)))
 
     def note_silent(self, ok: bool) -> None:
         """At a forward's end: the layers that write no K/V count its columns too (``ok``: it returned);
