@@ -812,7 +812,11 @@ MUTATIONS = [
         "hf/runner.py",
         "    with PagedPrefixCache(store, namespace=namespace) as cache:\n        rows = cache.forward.rows",
         "    with PagedPrefixCache(store) as cache:\n        rows = cache.forward.rows",
-        ("tests/test_differential.py::test_a_private_prefix_of_a_hybrid_is_never_reused_outside_its_namespace",),
+        (
+            "tests/test_differential.py::test_a_private_prefix_of_a_hybrid_is_never_reused_outside_its_namespace",
+            # one row of LFM2 takes its snapshots inside generate's forward: this test runs the runner's too
+            "tests/test_recurrent.py::test_a_private_namespaces_split_prefill_stays_private",
+        ),
         "the prefill that splits a recurrent model's prompt at its snapshot points publishes in the shared namespace",
     ),
     Mutation(
