@@ -13,7 +13,8 @@ With ``--parting SIZE`` (``tiny``, ``10M``, ``100M``: the Qwen3-Next-shaped mode
 size), issue 56's measures instead (docs/benchmarks.md, "Where prompts part"):
 
 - A = S shared tokens + its own, then B and C the same S + others, on a fresh store: the tokens B and C reuse (and
-  B on the attention model), and B's and A's time to the first token over stock ``generate``'s on the same prompt.
+  B on the attention model), and A's, B's and C's time to the first token over stock ``generate``'s on the same
+  prompt, by the wall clock and by the process's CPU time (``--shapes`` picks the prompts).
 - The agent-like trace (4 documents of 600 tokens, 40 prompts each of a document's first 100-600 tokens and 30 of
   their own, in random order): the hybrid's hit rate against the attention model's, the most any cache reuses, and
   256- and 528-token grids computed from the same prompts; then under snapshot budgets of 0.5, 1, 2 and 4 times the
@@ -21,7 +22,7 @@ size), issue 56's measures instead (docs/benchmarks.md, "Where prompts part"):
 - A 6-turn chat: the warm call's time to the first token over stock's, per turn.
 
 A model ``PrefixStore`` refuses is reported with the reason. Run: ``python benchmarks/hybrid.py [--smoke]`` or
-``python benchmarks/hybrid.py --parting 10M``.
+``python benchmarks/hybrid.py --parting 10M`` (several sizes: one run, ``--parting tiny 10M 100M --parts abc``).
 """
 
 from __future__ import annotations
@@ -234,15 +235,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--documents", type=int, default=4)
     ap.add_argument("--lengths", type=int, nargs=2, default=[100, 1500], metavar=("LO", "HI"))
     ap.add_argument("--grid", type=int, default=528, help="the block-grid policy's state interval in tokens")
-    ap.add_argument("--parting", choices=sorted(PARTING_SIZES), help="issue 56's measures at this size instead")
+    ap.add_argument(
+        "--parting", nargs="+", choices=sorted(PARTING_SIZES), help="issue 56's measures at these sizes instead"
+    )
+    ap.add_argument(
+        "--shapes", nargs="+", metavar="S+OWN", help="the A/B/C prompts (shared + own tokens; default: the issue's)"
+    )
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 1, 2, 4], help="x the K/V pool's bytes")
     ap.add_argument("--per-document", type=int, default=40, help="the trace's prompts per document")
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="the parting measures to run")
     args = ap.parse_args(argv)
     if args.parting:
-        parted = run_parting(args.parting, args.repeat, args.budgets, args.per_document, tuple(args.parts))
-        save(f"hybrid_parting_{args.parting}_{'_'.join(args.parts)}", parted)
-        print(report_parting(parted))
+        shapes = [tuple(int(n) for n in s.split("+")) for s in args.shapes] if args.shapes else ABC
+        for size in args.parting:  # one run: the same machine and load for every size
+            parted = run_parting(size, args.repeat, args.budgets, args.per_document, tuple(args.parts), shapes)
+            save(f"hybrid_parting_{size}_{'_'.join(args.parts)}", parted)
+            print(report_parting(parted), flush=True)
         return
     if args.smoke:
         args.prefix, args.repeat, args.prompts, args.lengths = 48, 1, 6, [20, 60]
@@ -287,23 +295,30 @@ def timed(model: Any, ids: torch.Tensor, store: Any = None) -> tuple[float, Any]
     """Milliseconds to ``ids``'s first token: with a ``PagedPrefixCache`` of ``store``, built inside the time (it
     reuses and computes the prompt up to its last token then), or stock ``generate`` with a fresh ``DynamicCache``
     (``store=None``); and the cache's stats (``None`` for stock)."""
-    start = time.perf_counter()
+    wall, _, stats = timed_both(model, ids, store)
+    return wall, stats
+
+
+def timed_both(model: Any, ids: torch.Tensor, store: Any = None) -> tuple[float, float, Any]:
+    """:func:`timed`, with the milliseconds of this process's CPU time beside the wall clock's (one thread: what other
+    jobs on a shared machine take of it counts in the wall clock only)."""
+    start, cpu = time.perf_counter(), time.process_time()
     if store is None:
         first_token(model, ids, DynamicCache(config=model.config))
-        return 1000 * (time.perf_counter() - start), None
+        return 1000 * (time.perf_counter() - start), 1000 * (time.process_time() - cpu), None
     with prefixkv.PagedPrefixCache(store, ids) as cache:
         first_token(model, ids, cache)
-    return 1000 * (time.perf_counter() - start), cache.stats
+    return 1000 * (time.perf_counter() - start), 1000 * (time.process_time() - cpu), cache.stats
 
 
 def abc(model: Any, shared: int, own: int, repeat: int) -> dict[str, Any]:
     """A, B, C over ``shared`` tokens on a fresh store per repeat (each repeat its own prefix): the tokens each
-    reused, and B's and A's time to the first token over stock ``generate``'s on the same prompt (medians of the
-    ratios, stock timed right after each)."""
+    reused, and each one's time to the first token over stock ``generate``'s on the same prompt, by the wall clock
+    and by this process's CPU time (medians of the ratios and of the milliseconds, stock timed right after each)."""
     vocab = model.config.vocab_size
     reused: dict[str, int] = {}
-    ratios: dict[str, list[float]] = {"A": [], "B": []}
-    ms: dict[str, list[float]] = {"A": [], "B": [], "stock A": [], "stock B": []}
+    ratios: dict[str, list[float]] = {k: [] for k in ("A", "B", "C", "cpu A", "cpu B", "cpu C")}
+    ms: dict[str, list[float]] = {f"{w}{k}": [] for w in ("", "stock ") for k in "ABC"}
     for r in range(repeat):
         prefix = tokens(shared, vocab, seed=7000 + r)
         store, _ = open_store(model)
@@ -311,13 +326,13 @@ def abc(model: Any, shared: int, own: int, repeat: int) -> dict[str, Any]:
         try:
             for name, seed in (("A", 1), ("B", 2), ("C", 3)):
                 ids = torch.cat([prefix, tokens(own, vocab, seed=8000 + 10 * r + seed)])[None]
-                took, stats = timed(model, ids, store)
+                took, cpu, stats = timed_both(model, ids, store)
                 reused[name] = stats.cached_tokens
-                if name in ratios:
-                    stock, _ = timed(model, ids)
-                    ms[name].append(took)
-                    ms[f"stock {name}"].append(stock)
-                    ratios[name].append(took / stock)
+                stock, stock_cpu, _ = timed_both(model, ids)
+                ms[name].append(took)
+                ms[f"stock {name}"].append(stock)
+                ratios[name].append(took / stock)
+                ratios[f"cpu {name}"].append(cpu / stock_cpu)
         finally:
             store.close()
     median = statistics.median
@@ -425,10 +440,15 @@ PARTS = ("abc", "trace", "chat")
 
 
 def run_parting(
-    size: str, repeat: int, budgets: list[float], per_document: int, parts: tuple[str, ...] = PARTS
+    size: str,
+    repeat: int,
+    budgets: list[float],
+    per_document: int,
+    parts: tuple[str, ...] = PARTS,
+    shapes: list[tuple[int, int]] = ABC,
 ) -> dict[str, Any]:
-    """Issue 56's measures (those of ``parts``) on the Qwen3-Next-shaped model of ``size`` and the attention model
-    of its size."""
+    """Issue 56's measures (those of ``parts``; A, B, C at each of ``shapes``) on the Qwen3-Next-shaped model of
+    ``size`` and the attention model of its size."""
     hybrid_model = prefixkv.models.bench_model("hybrid", **PARTING_SIZES[size])
     attention = prefixkv.models.bench_model("attention", **_ATTENTION_OF[size])
     vocab = hybrid_model.config.vocab_size
@@ -445,8 +465,8 @@ def run_parting(
     with torch.no_grad():
         first_token(hybrid_model, tokens(64, vocab, seed=1)[None], DynamicCache(config=hybrid_model.config))  # warm-up
         if "abc" in parts:
-            result["abc"] = [abc(hybrid_model, s, o, repeat) for s, o in ABC]
-            result["abc_attention"] = [abc(attention, s, o, 1)["reused"] for s, o in ABC]
+            result["abc"] = [abc(hybrid_model, s, o, repeat) for s, o in shapes]
+            result["abc_attention"] = [abc(attention, s, o, 1)["reused"] for s, o in shapes]
         if "chat" in parts:
             result["chat"] = chat(hybrid_model)
         if "trace" not in parts:
@@ -483,22 +503,23 @@ def report_parting(r: dict[str, Any]) -> str:
                     re_["B"],
                     att["B"],
                     re_["C"],
-                    f"{ratio['B']:.2f}x",
-                    f"{ms['B']:.0f} / {ms['stock B']:.0f}",
-                    f"{ratio['A']:.2f}x",
+                    *(f"{ratio[k]:.2f}x ({ratio.get('cpu ' + k, float('nan')):.2f}x)" for k in "ABC"),
+                    " / ".join(f"{ms[k]:.0f}" for k in ("A", "stock A", "B", "stock B")),
                 ]
             )
         parts += [
-            f"A = S shared + own tokens, then B and C the same S + others; time ratios: median of {r['repeat']}:",
+            f"A = S shared + own tokens, then B and C the same S + others; time to the first token over stock's, by "
+            f"the wall clock (by CPU time), median of {r['repeat']}:",
             table(
                 [
                     "S + own",
                     "B reuses (hybrid)",
                     "B reuses (attention)",
                     "C reuses (hybrid)",
-                    "B / stock",
-                    "B ms / stock ms",
                     "A / stock",
+                    "B / stock",
+                    "C / stock",
+                    "ms: A / stock, B / stock",
                 ],
                 rows,
             ),

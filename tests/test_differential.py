@@ -615,13 +615,11 @@ def test_a_hybrids_blocks_and_snapshots_stay_within_max_memory() -> None:
     probe.close()
     bound = 12 * per_block
     store = prefixkv.PrefixStore(model, block_size=4, max_memory=bound)
-    full = False
     for i in range(8):
         generate_both(model, store, ids(random_tokens(14, seed=50 + i).tolist()), {"max_new_tokens": 3})
         stats = store.stats
         assert stats.bytes_used + stats.snapshot_bytes <= bound, stats
-        full |= stats.blocks_used == store.max_blocks
-    assert full and store.stats.snapshots > 0  # the bound was pressed
+    assert store.stats.evictions > 0 and store.stats.snapshots > 0  # the bound was pressed: the pool was full
 
 
 def test_the_estimate_sizes_v_at_its_own_head_size() -> None:

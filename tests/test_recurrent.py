@@ -107,7 +107,8 @@ def test_a_chat_resumes_at_the_end_of_its_last_turn(lfm2: Any) -> None:
     assert second.max_diff <= TOL and second.same_tokens
     # the last call fed every token of the history but the last one it generated
     assert second.cache.stats.cached_tokens == history.shape[1] - 1, second.cache.stats
-    assert second.cache.stats.split_tokens == 3  # the new tokens, up to the last one
+    # the new tokens, snapshotted before the last one inside generate's own forward: no forward of their own
+    assert second.cache.stats.split_tokens == 0 and second.fed_tokens == 4
 
 
 def test_a_prefix_shared_inside_a_block_is_reused_by_the_third_prompt(lfm2: Any) -> None:
@@ -118,7 +119,8 @@ def test_a_prefix_shared_inside_a_block_is_reused_by_the_third_prompt(lfm2: Any)
     second = compare(lfm2, store, prompt(shared, [70, 71]))
     assert second.max_diff <= TOL and second.same_tokens
     stats = second.cache.stats
-    assert stats.cached_tokens == 0 and stats.split_tokens == 11  # split at the junction: 10, then 11
+    # snapshotted at the junction (10) and before the last token (11) inside generate's one forward
+    assert stats.cached_tokens == 0 and stats.split_tokens == 0 and second.fed_tokens == 12
     assert "ends at token 10" in (stats.not_cached or "")
     third = compare(lfm2, store, prompt(shared, [80, 81, 82]))
     assert third.max_diff <= TOL and third.same_tokens
@@ -275,7 +277,12 @@ def test_snapshots_go_with_their_paths_in_every_namespace_and_weight_version() -
     assert later.max_diff <= TOL and later.same_tokens and later.cache.stats.cached_tokens == 13
 
 
-def test_adding_a_snapshot_costs_the_same_however_many_are_held(lfm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("runner", [False, True], ids=["inside", "runner"])
+def test_adding_a_snapshot_costs_the_same_however_many_are_held(
+    lfm2: Any, monkeypatch: pytest.MonkeyPatch, runner: bool
+) -> None:
+    if runner:  # the runner's forwards take the snapshots, as for a model whose scan runs inside the layer (Mamba-2)
+        monkeypatch.setattr(prefixkv.hf.states, "records_inside", lambda model: False)
     store = prefixkv.PrefixStore(lfm2, block_size=4)
     trie = store.blocks.holdings.trie
     walked = [0]  # tokens of path the trie's lookups walked
@@ -338,11 +345,16 @@ def test_snapshot_bytes_are_counted_in_bytes(dtype: torch.dtype) -> None:
     assert store.stats.snapshot_bytes == store.snapshots.bytes_used == sum(t.nbytes for t in tensors)
 
 
-def test_a_private_namespaces_split_prefill_stays_private(lfm2: Any) -> None:
+@pytest.mark.parametrize("runner", [False, True], ids=["inside", "runner"])
+def test_a_private_namespaces_split_prefill_stays_private(
+    lfm2: Any, monkeypatch: pytest.MonkeyPatch, runner: bool
+) -> None:
+    if runner:  # the runner's forwards take the snapshots, as for a model whose scan runs inside the layer (Mamba-2)
+        monkeypatch.setattr(prefixkv.hf.states, "records_inside", lambda model: False)
     store = prefixkv.PrefixStore(lfm2, block_size=4)
     ids = prompt(random_tokens(12, seed=500), [130, 131])
-    alice = compare(lfm2, store, ids, namespace="alice")  # the runner computes it up to its last token, snapshotted
-    assert alice.max_diff <= TOL and alice.cache.stats.split_tokens == 13
+    alice = compare(lfm2, store, ids, namespace="alice")  # snapshotted before its last token
+    assert alice.max_diff <= TOL and alice.cache.stats.split_tokens == (13 if runner else 0)
     assert store.cached_length(ids[0].tolist()) == 0  # nothing of it in the shared namespace
     shared = compare(lfm2, store, ids)
     assert shared.max_diff <= TOL and shared.same_tokens and shared.cache.stats.cached_tokens == 0

@@ -221,3 +221,92 @@ def test_an_agent_like_trace_reuses_nine_tenths_of_what_attention_would() -> Non
     assert store.stats.hit_tokens >= 0.9 * ceiling, (store.stats.hit_tokens, ceiling)
     later = exact(compare(model, store, torch.tensor([prompts[0]])))  # an ordinary request after them
     assert later.cached_tokens == len(prompts[0]) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_the_first_prompt_takes_its_grid_inside_one_forward(family: str) -> None:
+    model = tiny(family)
+    store = prefixkv.PrefixStore(model)
+    forwards: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        prefix = tokens(260, seed=40)
+        a = joined(prefix, tokens(40, seed=41))
+        exact(compare(model, store, a, max_new_tokens=1))
+        prefilled = list(forwards)
+        # B parts 4 tokens past the grid position it resumes at, and its logits come 3 tokens later: a state taken
+        # at the wrong place inside A's forward shows (Qwen3.5's tiny states fade within some tens of tokens)
+        b = exact(compare(model, store, joined(prefix, tokens(3, seed=42)), max_new_tokens=1))
+    finally:
+        hook.remove()
+    # the grid's four snapshots and the last-but-one token's, from the one forward stock runs too
+    assert prefilled == [300], prefilled
+    assert {64, 128, 192, 256, 299} <= {len(path) for _, path in store.snapshots._held}
+    assert b.cached_tokens == below(260) and b.split_tokens == 0
+    later = exact(compare(model, store, tokens(50, seed=43)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_5"])
+def test_a_message_end_is_a_snapshot_the_next_prompt_resumes(family: str) -> None:
+    model = tiny(family)
+    store = prefixkv.PrefixStore(model)
+    end_of_turn = 201  # a token id no random prompt here holds (they are under 200)
+    store.snapshots.marks = frozenset({end_of_turn})
+    system = torch.cat([tokens(99, seed=50), torch.tensor([end_of_turn])])  # a 100-token message, its marker last
+    a = exact(compare(model, store, joined(system, tokens(20, seed=51)), max_new_tokens=2))
+    assert a.split_tokens == 0  # taken inside the call's own forward
+    # B shares A's message and 5 more tokens: it resumes after the message's end, not at the grid's 64
+    b = exact(compare(model, store, joined(system, tokens(5, seed=51), tokens(20, seed=52)), max_new_tokens=2))
+    assert b.cached_tokens == 100, b
+    store.snapshots.marks = frozenset()  # without marks: the grid position before the message's end
+    other = torch.cat([tokens(99, seed=53), torch.tensor([end_of_turn])])
+    exact(compare(model, store, joined(other, tokens(20, seed=54)), max_new_tokens=2))
+    c = exact(compare(model, store, joined(other, tokens(5, seed=54), tokens(20, seed=55)), max_new_tokens=2))
+    assert c.cached_tokens == below(100)
+    later = exact(compare(model, store, tokens(50, seed=56)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0
+
+
+def test_under_a_tight_budget_every_miss_says_what_was_dropped() -> None:
+    model = tiny("lfm2")
+    store = prefixkv.PrefixStore(model)
+    snapshots = store.snapshots
+    taken: set[tuple[Any, tuple[int, ...]]] = set()  # every snapshot ever taken, by key space and path
+    add = snapshots.add
+
+    def noting(space: Any, keys: Any, snapshot: Any, **kw: Any) -> None:
+        taken.add((space, tuple(keys[: snapshot.position])))
+        add(space, keys, snapshot, **kw)
+
+    snapshots.add = noting  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(57)
+    documents = [tokens(200, seed=70 + d).tolist() for d in range(2)]
+    budget = None
+    misses = dropped = 0
+    for k in range(24):
+        x = int(torch.randint(40, 201, (1,), generator=generator))
+        p = documents[k % 2][:x] + tokens(10, seed=700 + k).tolist()
+        held = store.cached_length(p[:-1])
+        was_taken = (store.blocks.space(), tuple(p[:held])) in taken  # before this call takes one there
+        with prefixkv.PagedPrefixCache(store, torch.tensor([p])) as cache:
+            model.generate(torch.tensor([p]), cache=cache, max_new_tokens=1, do_sample=False)
+        if budget is None:  # the tightest budget: three snapshots
+            budget = snapshots.max_bytes = 3 * next(iter(snapshots._held.values())).nbytes
+        if cache.stats.cached_tokens < held:
+            misses += 1
+            why = cache.stats.not_cached or ""
+            if was_taken:
+                dropped += 1
+                assert "taken and then dropped for the snapshots' budget" in why, why
+            else:
+                assert "no recurrent-state snapshot was taken yet" in why, why
+        assert snapshots.bytes_used <= budget
+    stats = store.stats
+    assert misses > dropped > 0 and stats.snapshots_dropped_budget > 0 and stats.snapshots_dropped_path == 0
+    assert stats.snapshots_taken - stats.snapshots_dropped_budget == stats.snapshots == len(snapshots)
+    later = exact(compare(model, store, tokens(30, seed=71)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0
+    store.check_invariants()

@@ -142,6 +142,8 @@ class Forward:
         if held.space is not self._space:  # the key space's autocast, read again only where the space changed
             self._space, self._autocast = held.space, autocast_in(held.space)
         self._reads.autocast = self._autocast  # checked at the forward's first layer (check_autocast)
+        if held.cuts is not None:  # last: a begin that raised leaves no recording running
+            resume.begin_cuts(held, start, q)
 
     def _own(self) -> None:
         me = threading.get_ident()
@@ -227,6 +229,8 @@ class Forward:
         if step is not None:
             end_step(self.rows, self.store.blocks, step, ok)
         self.rows.note_silent(ok)
+        if self.rows.cuts is not None:
+            resume.end_cuts(self.rows, ok and not self.closed)
         if ok and plan is not None and plan.probe and plan.every_layer_served():
             interface.mark_verified(self.store.hf_model)
         try:

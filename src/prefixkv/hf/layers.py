@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..base.errors import CacheMisuseError
 from ..compat import releases
+from . import states
 
 
 @releases.adapt_cache
@@ -101,6 +102,17 @@ class StateLayer(_StateBase):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         return None  # the cache's rows select the states with the blocks (RowSet.select)
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        # a recording forward takes the states at its cuts too (prefixkv.hf.states.recording)
+        states.note_conv(self, self._layer_idx, conv_states, state_idx, conv_kernel_size)
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size=conv_kernel_size, **kwargs)  # type: ignore[no-any-return]
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        states.note_recurrent(self._layer_idx, state_idx)
+        return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)  # type: ignore[no-any-return]
 
     def crop(self, tokens_to_remove: int) -> None:
         raise CacheMisuseError(

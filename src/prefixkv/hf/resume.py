@@ -6,10 +6,12 @@ For K/V alone (:func:`attach_kv`) a row reuses its match less its last token (:c
 its canonical chunks (:func:`chunk_end`). For a model with recurrent layers these are the snapshot rules, beside the
 snapshots (:mod:`prefixkv.hf.states`; docs/how-it-works.md, "Layer kinds"): a row reuses a prefix only up to a
 position where the store holds a snapshot of its states (:class:`SnapshotOffset`, :func:`attach_states`); before
-that the runner computes each prompt up to its last token, stopping where a later prompt may resume (:func:`stops`:
-where the store's match ends, a junction; where two rows of the batch part) and snapshotting each stop
-(:func:`snapshot_row`); a call's end keeps a snapshot after its rows' tokens (:func:`keep_ends`), where the next turn
-of a chat resumes. A pin publishes its one row whole (:func:`publish_all`), so that later prompts resume after it."""
+that a prompt is snapshotted where a later prompt may resume (:func:`stops`: where the store's match ends, a
+junction; where two rows of the batch part; the grid on the way), by the call's own forward where it can take them
+inside it (:attr:`Start.cuts`, :func:`take_cuts`), else by the runner, computing each prompt up to its last token
+first (:func:`snapshot_row`); a call's end keeps a snapshot after its rows' tokens (:func:`keep_ends`), where the
+next turn of a chat resumes. A pin publishes its one row whole (:func:`publish_all`), so that later prompts resume
+after it."""
 
 from __future__ import annotations
 
@@ -24,17 +26,19 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from . import shapes, states, vision
 from .parts import StoreParts
-from .states import Snapshot, Snapshots, StateLayers
+from .states import Cuts, Recorded, Snapshot, Snapshots, StateLayers
 
 
 class Start(NamedTuple):
     """How a batch of prompt rows starts: each row's claim in the store and how many of its tokens it reuses, the
-    column every row starts at (one offset per batch), and what the prompt reused (its stats)."""
+    column every row starts at (one offset per batch), what the prompt reused (its stats), and where the call's own
+    forwards take snapshots (:func:`take_cuts`; ``None``: nowhere)."""
 
     claims: list[Claim]
     reused: list[int]
     offset: int
     stats: CacheStats
+    cuts: Cuts | None = None
 
 
 class HeldRow(Protocol):
@@ -82,6 +86,10 @@ class HeldRows(Protocol):
 
     @property
     def length(self) -> int: ...
+
+    # where the call's own forwards take snapshots, and what the one running captures for them (:func:`begin_cuts`)
+    cuts: Cuts | None
+    recording: tuple[int, Recorded] | None
 
 
 def chunk_end(keys: list[int], chunk: int) -> int:
@@ -230,8 +238,11 @@ def attach_states(
     offset per batch; a left-padded row at that column less its pads, where the store measured that the model keeps
     pads out of its state, else a padded batch reuses nothing and its stats say why). With ``split``, first each row's
     prompt up to its last token is computed by the runner, stopping at every position a later prompt may resume from
-    (:func:`stops`), each stop snapshotted: the call then resumes at its last token. Mutates ``held``'s states (restored
-    from the snapshots chosen) and the store; the caller starts its rows from what it returns."""
+    (:func:`stops`), each stop snapshotted: the call then resumes at its last token. One unpadded row of a model whose
+    forward can hand the states inside it (:func:`prefixkv.hf.states.records_inside`) is not computed first: the
+    call's own forward takes the same snapshots on its way (:attr:`Start.cuts`), so the prompt costs one forward, as
+    without a cache. Mutates ``held``'s states (restored from the snapshots chosen) and the store; the caller starts
+    its rows from what it returns."""
     snapshots, n = store.snapshots, len(rows)
     # a left-padded row resumes its unpadded prefix's snapshot only where the model keeps pads out of its state
     refusal = shapes.padded_refusal(store.hf_model) if any(pads) else None
@@ -244,12 +255,16 @@ def attach_states(
     computed = [0] * n
     missed: str | None = None  # why the first row that resumes short of the K/V held does
     choose = SnapshotOffset(snapshots, held.space, rows, pads, caps, plan)
+    inside = split and refusal is None and _in_forward(store, pads, plan)
+    planned: tuple[list[int], list[int]] | None = None
     with contextlib.ExitStack() as prefills:
         if split and refusal is None:
             for i, prompt in enumerate(rows):
                 at, junctions, why = stops(snapshots, held.space, rows, i, caps[i], cached[i], chunk)
                 missed = missed or (why if n == 1 or not why else f"row {i}: {why}")
-                if at:
+                if at and inside:
+                    planned = (at, junctions)
+                elif at:
                     run = store.runner.prefill_states(prompt[: at[-1]], at, namespace, junctions)
                     computed[i] = prefills.enter_context(run)
         claims, reused = held.blocks.claim(rows, held.space, choose)
@@ -264,7 +279,25 @@ def attach_states(
     if count:
         held.blocks.ledger.count_query([len(t) for t in rows], [r.cached_tokens for r in stats.per_row])
         snapshots.count_kv_hits(sum(cached))
-    return Start(claims, reused, choose.offset, stats)
+    return Start(claims, reused, choose.offset, stats, _cuts(snapshots, planned, choose.offset))
+
+
+def _in_forward(store: StoreParts, pads: list[int], plan: vision.ImagePlan | None) -> bool:
+    """Whether the call's own forward takes its row's snapshots, with no runner: one unpadded row, no image, not an
+    invariant store, a model whose forward can hand its states inside it. Does not mutate."""
+    if len(pads) != 1 or pads[0] or plan is not None or store.settings.chunk_size is not None:
+        return False
+    return states.records_inside(store.hf_model)
+
+
+def _cuts(snapshots: Snapshots, planned: tuple[list[int], list[int]] | None, offset: int) -> Cuts | None:
+    """Where the call's own forwards take snapshots after resuming at ``offset``: the ``planned`` stops and
+    junctions, and the grid's positions on the way (``None``: none planned). Does not mutate."""
+    if planned is None:
+        return None
+    at, junctions = planned
+    positions = states.grid_positions(offset, [s for s in at if s > offset], snapshots.step())
+    return Cuts(tuple(positions), frozenset(junctions))
 
 
 def _stats(rows: list[list[int]], reused: list[int], computed: list[int], why: str | None) -> CacheStats:
@@ -294,12 +327,12 @@ def stops(
     """Where the runner stops and snapshots row ``i`` (up to ``cap``, its last token excluded), which of those
     stops are junctions (where prompts part: kept longest, :class:`prefixkv.hf.states.Snapshots`), and why the
     row resumes short of the ``held`` tokens whose K/V the store holds (``None``: it does not). It stops at the
-    store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, and at
-    ``cap`` (or the row's first image placeholder, which the runner cannot compute); only past the deepest snapshot
-    the store holds, and nowhere if one is at ``cap`` already or the row has tokens its mask hides (the runner
-    computes without the row's mask). The runner adds the grid's stops on the way
-    (:func:`prefixkv.hf.runner.prefill_states`); in an invariant store (a ``chunk`` size) the stops are the ends of
-    its chunks past the deepest snapshot. Does not mutate."""
+    store's match if no snapshot is there yet (a junction), where it parts from another row of the batch, after each
+    token of :attr:`~prefixkv.hf.states.Snapshots.marks` (a message's end), and at ``cap`` (or the row's first image
+    placeholder, which the runner cannot compute); only past the deepest snapshot the store holds, and nowhere if one
+    is at ``cap`` already or the row has tokens its mask hides (the runner computes without the row's mask). The
+    grid's stops on the way are added to them (:func:`prefixkv.hf.states.grid_positions`); in an invariant store (a
+    ``chunk`` size) the stops are the ends of its chunks past the deepest snapshot. Does not mutate."""
     row = rows[i]
     # the runner computes ids alone: never an image (hf/vision.py), so it stops before the first one
     cap = min(cap, next((t for t, k in enumerate(row) if is_image_key(k)), cap))
@@ -319,14 +352,16 @@ def stops(
         }[dropped]
         why = (
             f"the prefix the store holds ends at token {match}, where {what}: resumed at token {deepest} (the "
-            f"deepest snapshot on the path) and computed up to {match} by a forward of its own, snapshotted "
-            "there, so the next prompt with that prefix resumes there"
+            f"deepest snapshot on the path) and took one at {match} on the way, so the next prompt with that "
+            "prefix resumes there"
         )
     if deepest == cap:
         return [], [], why
     if chunk is not None:  # the canonical schedule: a snapshot at every chunk's end
         return list(range(deepest + chunk, cap + 1, chunk)), [], why
     junctions = {match} | {common_length(row, other) for j, other in enumerate(rows) if j != i}
+    if snapshots.marks:  # after each message's end (Snapshots.marks), where the next prompt likely parts
+        junctions |= {t + 1 for t in range(deepest, cap) if row[t] in snapshots.marks}
     kept = sorted(j for j in junctions if deepest < j < cap)
     return sorted({*kept, cap}), kept, why
 
@@ -350,6 +385,55 @@ def snapshot_row(held: HeldRows, snapshots: Snapshots, *, junction: bool = False
     known = row.published * held.blocks.block_size
     held.blocks.publish(row.claim, row.keys, known=known, end=end, space=held.space)
     snapshots.add(held.space, row.keys, states.take(held.states, 0, end), junction=junction)
+
+
+def begin_cuts(held: HeldRows, start: int, q: int) -> None:
+    """Before a forward of ``q`` columns after ``start``: have it capture the states at the call's cuts inside it
+    (``held.cuts``; :func:`end_cuts` takes the snapshots). Mutates ``held``."""
+    cuts = held.cuts
+    if cuts is None:
+        return
+    inner = [p - start for p in cuts.positions if start < p < start + q]
+    held.recording = (start, states.start_recording(inner)) if inner else None
+
+
+def end_cuts(held: HeldRows, ok: bool) -> None:
+    """After a forward (``ok``: it returned, and the cache is open): the snapshots at the cuts it reached
+    (:func:`take_cuts`); the cuts past it wait for the next forward. Mutates ``held`` and the store."""
+    cuts, recording = held.cuts, held.recording
+    if cuts is None:
+        return
+    held.recording = None
+    if recording is not None:
+        states.stop_recording()
+    later = tuple(p for p in cuts.positions if p > held.length)
+    held.cuts = Cuts(later, cuts.junctions) if later and ok else None
+    if ok:
+        take_cuts(held, cuts, *(recording or (held.length, None)))
+
+
+def take_cuts(held: HeldRows, cuts: Cuts, start: int, recorded: Recorded | None) -> None:
+    """After a forward from column ``start`` to ``held.length`` that ``recorded`` the states inside it (``None``: none):
+    publish the first row's tokens up to each of ``cuts`` it reached, a last part-filled block included, and a
+    snapshot of its states there (a junction is kept longest). Nothing for a row whose K/V are not proven. Mutates the
+    store."""
+    end, snapshots = held.length, held.snapshots
+    row = held.rows[0] if held.rows else None
+    if held.broken or row is None or not row.proven or snapshots is None:
+        return
+    for p in cuts.positions:
+        if not start < p <= end:
+            continue
+        if p == end:
+            snapshot: Snapshot | None = states.take(held.states, 0, p)
+        else:
+            assert recorded is not None  # begin_cuts recorded every cut inside the forward
+            snapshot = states.snapshot_at(held.states, recorded, 0, recorded.cuts.index(p - start), p)
+        if snapshot is None:
+            continue
+        known = row.published * held.blocks.block_size
+        held.blocks.publish(row.claim, row.keys, known=known, end=p, space=held.space)
+        snapshots.add(held.space, row.keys, snapshot, junction=p in cuts.junctions)
 
 
 def keep_ends(held: HeldRows) -> None:

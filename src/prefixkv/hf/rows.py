@@ -32,6 +32,7 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from . import proof, resume, states, vision
 from .parts import StoreParts
+from .states import Cuts, Recorded
 
 
 class Row:
@@ -190,6 +191,8 @@ class RowSet:
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
         self.images: vision.ImagePlan | None = None  # the prompt's images, keyed by what they are
+        self.cuts: Cuts | None = None  # where this call's own forwards take snapshots (resume.begin_cuts)
+        self.recording: tuple[int, Recorded] | None = None
 
     # -- a prompt --------------------------------------------------------------------------------
 
@@ -216,6 +219,7 @@ class RowSet:
         if self.states:
             states.clear(self.states)
             start = resume.attach_states(self, store, pads, rows, plan, self.namespace, count=count, split=not chunks)
+            self.cuts = start.cuts
         else:
             start = resume.attach_kv(
                 self.blocks, store, self.space, self.namespace, plan, pads, rows, count=count, chunks=chunks

@@ -19,10 +19,9 @@ from ..base.stats import CacheStats, RowStats
 from ..base.tokens import common_length, is_image_key
 from ..compat.releases import forward_cache_kwarg
 from ..kv.key_space import user_space
-from . import kinds, resume
+from . import kinds, resume, states
 from .cache import PagedPrefixCache
 from .parts import StoreParts
-from .states import MIN_STEP
 
 
 @contextlib.contextmanager
@@ -91,40 +90,41 @@ def prefill_states(
     store: StoreParts, tokens: list[int], stops: list[int], namespace: str | None, junctions: Collection[int] = ()
 ) -> Iterator[int]:
     """For a model with recurrent layers (docs/how-it-works.md, "Layer kinds"): compute ``tokens`` with a one-row
-    cache from the deepest snapshot the store holds on their path, one forward up to each of ``stops`` in turn
-    (ascending, the last ``len(tokens)``) and to each grid position on the way (multiples of
-    ``store.snapshots.step()``: docs/memory.md, "Recurrent state"), and after each publish the K/V (a last
-    part-filled block included) and a snapshot of the states there, so that a later prompt with that prefix resumes
-    there, or at most one grid step (and 16 tokens) before the point where it parts from these tokens; the
-    ``junctions`` among the stops are kept longest. In an invariant store the stops are chunk ends, and each forward
-    computes one chunk (its canonical schedule: docs/correctness.md, "Outputs that never depend on the cache").
-    Yields how many tokens it computed; what it published stays locked until the block exits. In user ``namespace``.
-    Mutates the store."""
+    cache from the deepest snapshot the store holds on their path, up to the last of ``stops`` (ascending, the last
+    ``len(tokens)``), and take a snapshot of the states at each stop and each grid position on the way (multiples of
+    ``store.snapshots.step()``: docs/memory.md, "Recurrent state"), their K/V published (a last part-filled block
+    included), so that a later prompt with that prefix resumes there, or at most one grid step (and 16 tokens) before
+    the point where it parts from these tokens; the ``junctions`` among the stops are kept longest. One forward takes
+    them all where the model's recurrent kernel can hand the states inside it (:func:`prefixkv.hf.states.recording`),
+    else a forward per position; in an invariant store the stops are chunk ends, and each forward computes one
+    chunk (its canonical schedule: docs/correctness.md, "Outputs that never depend on the cache"). Yields how many
+    tokens it computed; what it published stays locked until the block exits. In user ``namespace``. Mutates the
+    store."""
     snapshots = store.snapshots
     with PagedPrefixCache(store, namespace=namespace) as cache:
         rows = cache.forward.rows
         rows.attach(store, [0], [tokens], count=False, chunks=True)  # reuse only: no stops of its own
-        start = done = cache.get_seq_length()
-        last = len(tokens)
-        pending = sorted(s for s in set(stops) if s > done)
-        chunk = store.settings.chunk_size
-        while pending:
-            # the grid's next position: known once a snapshot's size is (a first stop after MIN_STEP measures it)
-            step = snapshots.step()
-            grid = (done // (step or MIN_STEP) + 1) * (step or MIN_STEP) if step != 0 else last
-            # a grid position just before a stop is left to it: a forward of a few tokens costs about what one of a
-            # whole kernel chunk does, and the later prompts that part in between recompute those few tokens
-            stop = pending[0] if pending[0] - grid < _NEAR else grid
-            if chunk is not None:  # an invariant store's canonical schedule: one forward a chunk (stops are its ends)
-                stop = done + chunk
+        start = cache.get_seq_length()
+        pending = sorted(s for s in set(stops) if s > start)
+        chunk = store.settings.chunk_size  # an invariant store's canonical schedule: one forward a chunk, to its end
+        positions = pending if chunk is not None else states.grid_positions(start, pending, snapshots.step())
+        if positions and chunk is None and states.records_inside(store.hf_model):
+            # one forward, its states taken at every position on the way
+            *cuts, end = positions
+            with states.recording([c - start for c in cuts]) as recorded:
+                _forward(cache, tokens[start:end])
+            for j, c in enumerate(cuts):  # in order, the last newest (kept longest among its like)
+                snapshot = states.snapshot_at(rows.states, recorded, 0, j, c)
+                if snapshot is not None:
+                    snapshots.add(rows.space, tokens, snapshot, junction=c in junctions)
+            resume.snapshot_row(rows, snapshots, junction=end in junctions)  # publishes up to end: every cut's path
+            positions = []
+        done = start
+        for stop in positions:  # a model whose recurrent kernel cannot hand inner states: a forward per position
             _forward(cache, tokens[done:stop])
             resume.snapshot_row(rows, snapshots, junction=stop in junctions)
             done = stop
-            pending = [s for s in pending if s > done]
-        yield done - start
-
-
-_NEAR = MIN_STEP // 4  # tokens: a grid position closer than this to the next stop is not one
+        yield cache.get_seq_length() - start
 
 
 def _kept(tokens: list[int], chunk_size: int | None) -> list[int]:

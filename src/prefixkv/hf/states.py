@@ -11,14 +11,24 @@ evicts, in any key space (:meth:`Snapshots.evicted`), and the snapshots on that 
 at a cost of that stretch, never of how many snapshots are held. Past their budget the least useful go first
 (docs/memory.md, "Recurrent state"): those taken once and never used (grid positions, call ends), oldest first,
 before the ones used or taken where prompts part (junctions), and the newest last.
+
+A prefill that wants snapshots at several positions takes them from inside one forward where the model's code allows
+(:func:`recording`): the conv states are the inputs the layer hands ``update_conv_state``, and a recurrent kernel
+that takes an initial state and hands back the final one (the gated delta rule of Qwen3-Next and Qwen3.5) is run
+segment by segment between the positions; elsewhere the prefill is split into a forward per position
+(docs/memory.md, "Recurrent state").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +45,36 @@ MIN_STEP = 64
 """The finest grid (tokens between grid snapshots) and the grid without a snapshot budget: a prompt that parts from
 an earlier one recomputes at most this many tokens of their shared prefix (docs/memory.md, "Recurrent state")."""
 
+_NEAR = MIN_STEP // 4  # tokens: a grid position closer than this to the next stop is not one
 _REMEMBERED = 4096  # dropped snapshots remembered, to tell a miss "dropped" from "never taken"
+
+
+def grid_positions(done: int, stops: list[int], step: int | None) -> list[int]:
+    """Where a prefill that has ``done`` tokens takes snapshots: each of ``stops`` (ascending, past ``done``) and each
+    multiple of the grid's ``step`` on the way (``None``: not known yet, :data:`MIN_STEP`; ``0``: none), except a grid
+    position just before a stop, left to it (a later prompt that parts in between recomputes those few tokens, where
+    a forward or a kernel segment of them would cost about a whole kernel chunk). Does not mutate."""
+    unit = MIN_STEP if step is None else step
+    positions = []
+    for stop in stops:
+        while unit:
+            grid = (done // unit + 1) * unit
+            if stop - grid < _NEAR:
+                break
+            positions.append(grid)
+            done = grid
+        positions.append(stop)
+        done = stop
+    return positions
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Where a call's own forwards take snapshots (ascending ``positions``), and which of them are ``junctions``
+    (kept longest)."""
+
+    positions: tuple[int, ...]
+    junctions: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -66,6 +105,9 @@ class Snapshots:
         """Tokens between the snapshots a long prefill takes on its way (``None``: :meth:`step` derives it; ``0``:
         none)."""
         self.block_size = 1
+        self.marks: frozenset[int] = frozenset()
+        """Token ids that end a message (a chat template's turn markers): a prefill takes a snapshot after each one,
+        kept as long as a junction's (docs/memory.md, "Recurrent state"). None by default."""
         self.kv_bytes_per_token = kv_bytes_per_token
         self.pool_bytes = pool_bytes
         self._held: dict[Key, Snapshot] = {}
@@ -348,3 +390,176 @@ def clear(layers: StateLayers) -> None:
         layer.conv_states[idx] = layer.recurrent_states[idx] = None
         layer.is_conv_states_initialized[idx] = layer.is_recurrent_states_initialized[idx] = False
         layer.has_previous_state[idx] = False
+
+
+# -- states inside one forward --------------------------------------------------------------------------------------
+
+# recurrent kernels that take ``initial_state`` and hand back the final state, by their name in a modeling module:
+# run segment by segment, they hand the state at each boundary (:func:`_segmented`); each with the kernel of one
+# token that the same code runs for a forward of one token after a state (what a forward split there would run)
+_KERNELS = {"torch_chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule"}
+_inside = threading.local()  # the recording forward running in this thread: its cuts, what it captured
+
+
+class Recorded:
+    """What a recording forward captured: per :data:`StateKey`, the layer's state after each cut (batch axis kept),
+    and each conv state's kernel size."""
+
+    def __init__(self, cuts: list[int]) -> None:
+        self.cuts = cuts
+        self.tensors: dict[StateKey, list[torch.Tensor]] = {}
+        self.kernels: dict[tuple[int, int], int] = {}
+        self.pending: list[torch.Tensor] | None = None  # a segmented kernel's states, until the layer's update
+
+
+@contextlib.contextmanager
+def recording(cuts: list[int]) -> Iterator[Recorded]:
+    """Inside: a forward of this thread (over more tokens than the last of ``cuts``, ascending, each ``>= 1``) also
+    captures every state layer's states after each cut's count of its tokens (:func:`snapshot_at`)."""
+    recorded = start_recording(cuts)
+    try:
+        yield recorded
+    finally:
+        stop_recording()
+
+
+def start_recording(cuts: list[int]) -> Recorded:
+    """:func:`recording` from here to :func:`stop_recording` (a forward's begin and end hooks), in this thread."""
+    recorded = Recorded(cuts)
+    _inside.recorded = recorded
+    return recorded
+
+
+def stop_recording() -> None:
+    """End this thread's recording (:func:`start_recording`)."""
+    _inside.recorded = None
+
+
+def _recorded() -> Recorded | None:
+    found = getattr(_inside, "recorded", None)
+    return found if found is not None and found.cuts else None
+
+
+@torch.no_grad()
+def note_conv(layer: Any, index: int, conv_states: torch.Tensor, state_idx: int, kernel: int | None) -> None:
+    """A state layer (``index``) is handed ``conv_states`` ``[B, C, q]`` (the conv's inputs of a forward's ``q``
+    tokens): while :func:`recording`, capture its conv state after each cut, the last ``kernel`` inputs before it
+    (zeros before the first token), as ``update_conv_state`` keeps them after the whole forward. Does not mutate the
+    layer."""
+    recorded = _recorded()
+    if recorded is None or getattr(layer, "record_past", False):
+        return
+    if kernel is None and layer.is_conv_states_initialized[state_idx]:
+        kernel = int(layer.conv_kernel_size[state_idx])
+    if kernel is None:
+        return  # a layer that sizes its conv state by what it is handed: no snapshot inside this forward
+    if layer.has_previous_state[state_idx]:
+        before = layer.conv_states[state_idx]
+    else:
+        before = conv_states.new_zeros((*conv_states.shape[:-1], kernel))
+    with torch.inference_mode(False):
+        full = torch.cat([before, conv_states], dim=-1)  # [B, C, kernel + q]
+        recorded.tensors[(index, state_idx, "conv")] = [full[..., c : c + kernel].clone() for c in recorded.cuts]
+    recorded.kernels[(index, state_idx)] = kernel
+
+
+def note_recurrent(index: int, state_idx: int) -> None:
+    """A state layer (``index``) is handed its recurrent state after a forward: while :func:`recording`, keep the
+    states a segmented kernel handed at the cuts as this layer's. Does not mutate the layer."""
+    recorded = _recorded()
+    if recorded is None:
+        return
+    pending, recorded.pending = recorded.pending, None
+    if pending is not None and len(pending) == len(recorded.cuts):
+        recorded.tensors[(index, state_idx, "recurrent")] = pending
+
+
+def snapshot_at(layers: StateLayers, recorded: Recorded, row: int, cut: int, position: int) -> Snapshot | None:
+    """Row ``row``'s states after ``recorded.cuts[cut]`` tokens of the recording forward, as the snapshot at
+    ``position``; ``None`` where a state the layers hold was not captured (a model whose recurrent kernel cannot be
+    segmented). Does not mutate."""
+    tensors: dict[StateKey, torch.Tensor] = {}
+    kernels: dict[tuple[int, int], int] = {}
+    for layer, i, idx in _each(layers):
+        for kind, ready in (
+            ("conv", layer.is_conv_states_initialized),
+            ("recurrent", layer.is_recurrent_states_initialized),
+        ):
+            if ready[idx]:
+                captured = recorded.tensors.get((i, idx, kind))
+                if captured is None:
+                    return None
+                tensors[(i, idx, kind)] = captured[cut][row]
+        if layer.is_conv_states_initialized[idx]:
+            kernels[(i, idx)] = recorded.kernels[(i, idx)]
+    return Snapshot(position, tensors, kernels)
+
+
+def _segmented(kernel: Callable[..., Any], one: Callable[..., Any] | None) -> Callable[..., Any]:
+    """``kernel`` (``(query, key, value, g=, beta=, initial_state=, output_final_state=)`` over ``[B, L, ...]``),
+    run segment by segment between the cuts while :func:`recording`, each resuming the state the one before handed
+    (the same calls a forward split at the cuts makes: a segment of one token after a state by ``one``, where the
+    layer's code runs that, not a whole chunk of ``kernel``); the states at the cuts go to the layer's
+    ``update_recurrent_state`` (:func:`note_recurrent`). Otherwise ``kernel`` itself."""
+
+    @functools.wraps(kernel)
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        recorded = _recorded()
+        if recorded is None or args or not {"g", "beta"} <= kwargs.keys() or recorded.cuts[-1] >= query.shape[1]:
+            return kernel(query, key, value, *args, **kwargs)
+        final = kwargs.pop("output_final_state", False)
+        state = kwargs.pop("initial_state", None)
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        outputs, states = [], []
+        for a, b in itertools.pairwise([0, *recorded.cuts, query.shape[1]]):
+            run_segment = one if one is not None and b - a == 1 and state is not None else kernel
+            out, state = run_segment(
+                query[:, a:b], key[:, a:b], value[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
+                output_final_state=True, **kwargs,
+            )  # fmt: skip
+            outputs.append(out)
+            states.append(state)
+        recorded.pending = states[:-1]
+        return torch.cat(outputs, dim=1), state if final else None
+
+    run.prefixkv_segmented = True  # type: ignore[attr-defined]
+    return run
+
+
+def records_inside(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` can hand its states at positions inside it (:func:`recording`): every layer
+    class whose code hands its cache a recurrent state runs it with a kernel :func:`_segmented` wraps (wrapped here, in
+    the globals its code reads, once; it runs as before outside a recording). Read from the names the classes' code
+    uses, not their source. Mutates those globals."""
+    return _records_inside(frozenset(type(m) for m in model.modules()))
+
+
+def _names(code: Any) -> set[str]:
+    """The global and attribute names ``code`` and the functions defined inside it use."""
+    names = set(code.co_names)
+    for inner in code.co_consts:
+        if hasattr(inner, "co_names"):
+            names |= _names(inner)
+    return names
+
+
+def _all(functions: list[tuple[dict[str, Any], set[str]]]) -> set[str]:
+    return set().union(*(names for _, names in functions))
+
+
+@functools.lru_cache(maxsize=64)
+def _records_inside(classes: frozenset[type]) -> bool:
+    for cls in classes:
+        # each method itself, under the hooks a decorator wraps it in
+        methods = [inspect.unwrap(f) for c in cls.__mro__ for f in vars(c).values() if callable(f)]
+        functions = [(f.__globals__, _names(f.__code__)) for f in methods if hasattr(f, "__code__")]
+        if not any("update_recurrent_state" in names for _, names in functions):
+            continue
+        calls = [(scope, n) for scope, names in functions for n in _KERNELS if n in names]
+        if not calls or not all(callable(scope.get(n)) for scope, n in calls):
+            return False
+        for scope, n in calls:
+            if not getattr(scope[n], "prefixkv_segmented", False):
+                one = scope.get(_KERNELS[n])
+                scope[n] = _segmented(scope[n], one if callable(one) and _KERNELS[n] in _all(functions) else None)
+    return True
