@@ -530,7 +530,9 @@ def records_inside(model: torch.nn.Module) -> bool:
     """Whether a forward of ``model`` can hand its states at positions inside it (:func:`recording`): every layer
     class whose code hands its cache a recurrent state runs it with a kernel :func:`_segmented` wraps (wrapped here, in
     the globals its code reads, once; it runs as before outside a recording). Read from the names the classes' code
-    uses, not their source. Mutates those globals."""
+    uses, not their source; never where no layer's own code hands the cache a state (RecurrentGemma's blocks and
+    MiniMax's lightning layers, whose states prefixkv bridges: :mod:`prefixkv.hf.stepwise`,
+    :mod:`prefixkv.hf.linear_cache`). Mutates those globals."""
     return _records_inside(frozenset(type(m) for m in model.modules()))
 
 
@@ -549,12 +551,15 @@ def _all(functions: list[tuple[dict[str, Any], set[str]]]) -> set[str]:
 
 @functools.lru_cache(maxsize=64)
 def _records_inside(classes: frozenset[type]) -> bool:
+    handed = False  # a layer's own code hands its cache a state (a model whose states prefixkv bridges does not)
     for cls in classes:
         # each method itself, under the hooks a decorator wraps it in
         methods = [inspect.unwrap(f) for c in cls.__mro__ for f in vars(c).values() if callable(f)]
         functions = [(f.__globals__, _names(f.__code__)) for f in methods if hasattr(f, "__code__")]
+        handed = handed or any("update_conv_state" in names for _, names in functions)
         if not any("update_recurrent_state" in names for _, names in functions):
             continue
+        handed = True
         calls = [(scope, n) for scope, names in functions for n in _KERNELS if n in names]
         if not calls or not all(callable(scope.get(n)) for scope, n in calls):
             return False
@@ -562,4 +567,4 @@ def _records_inside(classes: frozenset[type]) -> bool:
             if not getattr(scope[n], "prefixkv_segmented", False):
                 one = scope.get(_KERNELS[n])
                 scope[n] = _segmented(scope[n], one if callable(one) and _KERNELS[n] in _all(functions) else None)
-    return True
+    return handed
