@@ -26,6 +26,7 @@ from ..kv.holdings import Claim
 from ..kv.manager import BlockManager
 from . import shapes, states, vision
 from .parts import StoreParts
+from .proof import RowFacts
 from .states import Cuts, Recorded, Snapshot, Snapshots, StateLayers
 
 
@@ -41,17 +42,9 @@ class Start(NamedTuple):
     cuts: Cuts | None = None
 
 
-class HeldRow(Protocol):
-    """What the snapshot rules read of a row (:class:`prefixkv.hf.rows.Row`)."""
-
-    @property
-    def pad(self) -> int: ...
-
-    @property
-    def keys(self) -> list[int]: ...
-
-    @property
-    def proven(self) -> bool: ...
+class HeldRow(RowFacts, Protocol):
+    """What the snapshot rules read of a row (:class:`prefixkv.hf.rows.Row`): what the proof reads, and how many of
+    its blocks are published."""
 
     @property
     def published(self) -> int: ...
