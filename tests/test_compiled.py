@@ -821,7 +821,7 @@ def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(mon
         with prefixkv.PagedPrefixCache(store, prompt) as cache:
             eager = generate(model, prompt, None, cache, max_new_tokens=new)
         torch._dynamo.reset()
-        outs, held = [], []
+        outs, held, old = [], [], []
         for turn in range(2):
             store.warm([random_tokens(64, seed=10 * turn + s) for s in (42, 43, 44)], progress=False)  # grows it
             HeldStep.held = []
@@ -831,6 +831,8 @@ def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(mon
                 outs.append(generate(model, prompt, None, cache, max_new_tokens=new,
                                      compile_config=compile_config("eager")))  # fmt: skip
             assert len(HeldStep.held) >= new - 1 and all(held == before for held in HeldStep.held)
+            # kept alive here, so that the allocator cannot hand the same addresses to the next growth
+            old.extend((*store.blocks.pool.keys, *store.blocks.pool.values))
             store.clear()  # no live cache: the grown storage goes back
             assert store.blocks.pool.moves == moves + 1 and not set(before) & set(pool_storage(store))
         assert not held[0] & held[1]  # the second call's steps held none of the first's storage
