@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch._dynamo
-from conftest import STOCK_TAKES_NEW_TOKENS, cache_kw, left_pad, random_tokens, stock_twin
+from conftest import STOCK_TAKES_NEW_TOKENS, cache_kw, left_pad, random_tokens, reference_cache, stock_twin
 from test_families import FAMILIES, NAN_WHEN_PADDED_IN_FLOAT64, SHARED, documented_paths
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsProcessorList
@@ -847,18 +847,20 @@ def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(mon
         later_request_matches_stock(model, store, prompt)
 
 
-def test_an_eager_write_that_a_growth_overtook_is_written_again() -> None:
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_an_eager_write_that_a_growth_overtook_is_written_again(kv_dtype: str | None) -> None:
     """The eager step writes a layer without the store's lock, into the slot views its plan took when the step began
-    (hf/forward.py, ``write_layer``): where another thread's growth copied the tensors just before the write landed
-    in them (simulated when the write asks whether a growth runs: the growth's copy is made, the write goes to the
-    old tensors, then the growth's new ones are set), the write is done again under the lock, into the new tensors,
-    and the step's later layers write and read those, so the call and a later request that reuses its tokens equal
-    stock (float64)."""
+    (hf/forward.py, ``write_layer``; an 8-bit pool's write goes through the pool's ``write_unlocked``): where
+    another thread's growth copied the tensors just before the write landed in them (simulated when the write asks
+    whether a growth runs: the growth's copy is made, the write goes to the old tensors, then the growth's new ones
+    are set), the write is done again under the lock, into the new tensors, and the step's later layers write and
+    read those, so the call and a later request that reuses its tokens equal stock (float64; for int8, a stock
+    cache that quantizes as the pool does)."""
     model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
     twin = stock_twin(model)
     prompt = random_tokens(13, seed=31)[None]
-    ref = generate(twin, prompt, None, DynamicCache(config=twin.config), max_new_tokens=8)
-    with prefixkv.PrefixStore(model, block_size=4) as store:
+    ref = generate(twin, prompt, None, reference_cache(twin, kv_dtype), max_new_tokens=8)
+    with prefixkv.PrefixStore(model, block_size=4, kv_dtype=kv_dtype) as store:
         blocks, pool = store.blocks, store.blocks.pool
         raced: list[int] = []
 
@@ -902,4 +904,12 @@ def test_an_eager_write_that_a_growth_overtook_is_written_again() -> None:
         assert len(raced) == 2 and raced[1] == raced[0] + 1
         assert torch.equal(out.sequences, ref.sequences) and max_diff(out, ref) <= 1e-10
         store.check_invariants()
-        later_request_matches_stock(model, store, out.sequences[:, :-1])
+        if kv_dtype is None:
+            later_request_matches_stock(model, store, out.sequences[:, :-1])
+            return
+        longer = torch.cat([out.sequences[:, :-1], random_tokens(5, seed=77)[None]], 1)
+        ref = generate(twin, longer, None, reference_cache(twin, kv_dtype), max_new_tokens=4)
+        with prefixkv.PagedPrefixCache(store, longer) as cache:
+            later = generate(model, longer, None, cache, max_new_tokens=4)
+            assert cache.stats.cached_tokens >= 8
+        assert torch.equal(later.sequences, ref.sequences) and max_diff(later, ref) <= 1e-10
