@@ -199,3 +199,13 @@ def test_demo_prints_a_line_per_call_as_it_runs(capsys: Any) -> None:
     lines = re.findall(r"call (\d+) of 9: stock [\d.]+ s, prefixkv [\d.]+ s \((\d+) of \d+ prompt tokens reused\)", err)
     assert [int(n) for n, _ in lines] == list(range(1, 10)), err
     assert int(lines[0][1]) == 0 and all(int(r) >= 1536 for _, r in lines[1:]), lines
+
+
+def test_bench_finds_the_checkouts_benchmarks(monkeypatch: Any) -> None:
+    """``prefixkv bench`` runs benchmarks/run_all.py of the source checkout it is installed from: the script it
+    looks for is that one (the path counts the folders from src/prefixkv/tools/cli.py up)."""
+    ran: list[str] = []
+    monkeypatch.setattr(cli.runpy, "run_path", lambda path, run_name: ran.append(path))
+    monkeypatch.setattr(cli.sys, "argv", ["prefixkv"])
+    assert cli._bench_main(cli.argparse.Namespace(quick=True)) == 0
+    assert [Path(p).resolve() for p in ran] == [Path(__file__).resolve().parent.parent / "benchmarks" / "run_all.py"]

@@ -145,7 +145,8 @@ def test_a_kernel_that_refuses_float64_is_reported_as_the_models_with_the_dtype_
         twin.generate(ids, max_new_tokens=2, do_sample=False)
     store = prefixkv.PrefixStore(model, block_size=4)
     with pytest.raises(prefixkv.ModelCodeError) as ours:
-        prefixkv.PagedPrefixCache(store, ids)
+        # two rows: the runner computes their prompts first (one row's is computed by generate's own forward)
+        prefixkv.PagedPrefixCache(store, ids.repeat(2, 1))
     message = str(ours.value)
     assert "qwen3_next's own code raised RuntimeError in float64" in message, message
     assert "moe.py" in message and "dtype=torch.float32" in message and "families qwen3_next" in message, message
@@ -184,7 +185,7 @@ def test_an_error_of_prefixkvs_own_code_is_not_called_the_models(monkeypatch: py
 
     handle = model.model.layers[0].register_forward_pre_hook(shape_error)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as raised:
-        prefixkv.PagedPrefixCache(store, ids)
+        prefixkv.PagedPrefixCache(store, ids.repeat(2, 1))  # two rows: computed by the runner first
     assert not isinstance(raised.value, prefixkv.ModelCodeError)
     handle.remove()
     result = compare(model, store, ids)

@@ -14,7 +14,7 @@ import torch
 
 from .errors import ModelCodeError, refuses_float64
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # prefixkv/, above this base/ folder
 
 
 def family(model: Any) -> str:

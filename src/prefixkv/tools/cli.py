@@ -17,7 +17,7 @@ def _demo_main(args: argparse.Namespace) -> int:
 
 
 def _bench_main(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "run_all.py"
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "run_all.py"  # src/prefixkv/tools/cli.py
     if not script.exists():
         print(
             "prefixkv bench runs benchmarks/run_all.py from a source checkout of prefixkv "
