@@ -145,6 +145,12 @@ def reachable(prompts: list[torch.Tensor], grid: int = 1) -> list[int]:
     return best
 
 
+def grid_states(prompts: list[torch.Tensor], grid: int) -> int:
+    """The states a policy keeping one at every multiple of ``grid`` tokens of every prompt (before its last token,
+    as :func:`reachable` counts) holds after ``prompts``: one per distinct prefix of such a length."""
+    return len({tuple(ids[:k].tolist()) for ids in prompts for k in range(grid, len(ids), grid)})
+
+
 def hit_rate(model: Any, prompts: list[torch.Tensor]) -> dict[str, Any]:
     """The prompt tokens prefixkv reused over ``prompts`` in order, on one store (``None`` and the reason when
     refused)."""
@@ -479,6 +485,8 @@ def run_parting(
             "ceiling": sum(reachable([torch.tensor(p) for p in prompts])),
             "grid_256": sum(reachable([torch.tensor(p) for p in prompts], 256)),
             "grid_528": sum(reachable([torch.tensor(p) for p in prompts], 528)),
+            "grid_256_states": grid_states([torch.tensor(p) for p in prompts], 256),
+            "grid_528_states": grid_states([torch.tensor(p) for p in prompts], 528),
             "attention": run_trace(attention, prompts),
             "hybrid": unbounded,
             "budgets": {str(f): run_trace(hybrid_model, prompts, int(f * pool), pool) for f in budgets},
@@ -529,14 +537,22 @@ def report_parting(r: dict[str, Any]) -> str:
         total = t["prompt_tokens"]
         pct = lambda n: f"{100 * n / total:.1f}%"  # noqa: E731
         of = lambda n: f"{n / t['ceiling']:.2f}"  # noqa: E731
-        hits = [
-            ["attention model, prefixkv", pct(t["attention"]["hit_tokens"]), of(t["attention"]["hit_tokens"])],
-            ["at most (token-granular)", pct(t["ceiling"]), "1.00"],
-            ["hybrid, prefixkv (default grid)", pct(t["hybrid"]["hit_tokens"]), of(t["hybrid"]["hit_tokens"])],
-            ["256-token grid (SGLang's interval)", pct(t["grid_256"]), of(t["grid_256"])],
-            ["528-token grid (vLLM's align mode)", pct(t["grid_528"]), of(t["grid_528"])],
-        ]
         mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+        h = t["hybrid"]
+        one = h["snapshot_bytes"] / max(h["snapshots"], 1)  # one snapshot's bytes
+        grid = lambda g: mib(t[f"grid_{g}_states"] * one) if f"grid_{g}_states" in t else "-"  # noqa: E731
+        hits = [
+            ["attention model, prefixkv", pct(t["attention"]["hit_tokens"]), of(t["attention"]["hit_tokens"]), "-"],
+            ["at most (token-granular)", pct(t["ceiling"]), "1.00", "-"],
+            [
+                "hybrid, prefixkv (default grid)",
+                pct(h["hit_tokens"]),
+                of(h["hit_tokens"]),
+                mib(h["peak_snapshot_bytes"]),
+            ],
+            ["256-token grid (SGLang's interval)", pct(t["grid_256"]), of(t["grid_256"]), grid(256)],
+            ["528-token grid (vLLM's align mode)", pct(t["grid_528"]), of(t["grid_528"]), grid(528)],
+        ]
         memory = []
         for name, h in [("none (unbounded)", t["hybrid"]), *((f"{f}x pool", h) for f, h in t["budgets"].items())]:
             memory.append(
@@ -555,7 +571,8 @@ def report_parting(r: dict[str, Any]) -> str:
         parts += [
             f"Trace: {t['prompts']} prompts ({total} tokens), 4 documents of 600 tokens, each prompt a document's "
             "first 100-600 tokens + 30 of its own, in random order:",
-            table(["policy", "hit rate", "of the ceiling"], hits),
+            f"(a grid's states: one snapshot, {mib(one)} MiB, at every multiple of the grid of every prompt, all kept)",
+            table(["policy", "hit rate", "of the ceiling", "states MiB"], hits),
             "The hybrid on the trace with its snapshots' budget a multiple of the K/V pool's bytes after the trace:",
             table(
                 [

@@ -92,6 +92,7 @@ def test_hybrid_parting_smoke() -> None:
     t = r["trace"]
     assert t["attention"]["hit_tokens"] == t["ceiling"] >= t["hybrid"]["hit_tokens"] > 0
     assert t["ceiling"] >= t["grid_256"] >= t["grid_528"]
+    assert t["grid_256_states"] > 0 and t["grid_528_states"] >= 0  # a 256-grid state in every prompt over 256 tokens
     for h in (t["hybrid"], *t["budgets"].values()):
         assert h["reasons_right"] == h["misses"]
     assert t["budgets"]["0.5"]["dropped_budget"] > 0
