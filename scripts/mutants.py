@@ -1097,6 +1097,14 @@ MUTATIONS = [
         ("tests/test_snapshots.py::test_the_first_prompt_takes_its_grid_inside_one_forward",),
         "the gated delta rule's state at every position inside a forward is the forward's last",
     ),
+    Mutation(
+        "clear-keeps-the-leaving-snapshots",
+        "hf/state_files.py",
+        'go too. Mutates."""\n        self._leaving = None',
+        'go too. Mutates."""\n        return',
+        ("tests/test_hybrid_files.py::test_a_clear_leaves_no_snapshot_behind_in_a_store_with_a_tier",),
+        "a store with a tier keeps the last evicted node's snapshots after clear()",
+    ),
 ]
 
 

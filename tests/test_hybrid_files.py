@@ -7,7 +7,9 @@ missing or malformed is refused (or not reused) with its reason, never a wrong a
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +117,30 @@ def test_the_tiers_carry_the_snapshots_with_their_blocks(model: Any, offload: st
         assert again.cache.stats.cached_tokens == A.shape[1] - 1, again.cache.stats
         assert store.stats.offload.restored > 0
         exact(model, store, LATER)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_a_clear_leaves_no_snapshot_behind_in_a_store_with_a_tier(lfm2: Any, offload: str, tmp_path: Path) -> None:
+    """``clear()`` in a store with a second tier drops every snapshot it took, the one of the node evicted last
+    too, which the tier's carrier holds until a room offloads it (docs/memory.md, "Recurrent state": the snapshots
+    go with the prefixes ``clear`` drops); a later request is still exact."""
+    where = {"offload_dir": tmp_path} if offload == "disk" else {"offload": "cpu"}
+    with prefixkv.PrefixStore(lfm2, block_size=BS, num_blocks=8, **where) as store:
+        taken: list[weakref.ref[Any]] = []
+        add = store.snapshots.add
+
+        def noting(space: Any, keys: Any, snapshot: Any, **kw: Any) -> None:
+            taken.extend(weakref.ref(t) for t in snapshot.tensors.values())
+            add(space, keys, snapshot, **kw)
+
+        store.snapshots.add = noting  # type: ignore[method-assign]
+        fill(lfm2, store)
+        assert taken and len(store.snapshots) > 0
+        store.clear()
+        gc.collect()
+        assert len(store.snapshots) == 0 and store.snapshots.bytes_used == 0
+        assert [r for r in taken if r() is not None] == []
+        exact(lfm2, store, LATER)
 
 
 # -- a snapshot missing or malformed --------------------------------------------------------------------------

@@ -178,6 +178,10 @@ class Carrier:
         gone = self.snapshots.leave(space, node)
         self._leaving = (node, gone) if gone else None
 
+    def cleared(self) -> None:
+        """The tier was cleared (``store.clear()``): the snapshots of the node evicted last go too. Mutates."""
+        self._leaving = None
+
     def leaving(self, space: Hashable, node: Node, block_size: int) -> dict[int, dict[str, torch.Tensor]]:
         """Per whole chunk of the evicted ``node`` (those its tier entries hold), the section of the snapshots inside
         that chunk: those evicted with it, and copies of those its ancestors hold inside its first chunk (they stay in

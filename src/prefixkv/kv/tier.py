@@ -73,6 +73,10 @@ class Payload(Protocol):
         Mutates."""
         ...
 
+    def cleared(self) -> None:
+        """The tier was cleared: forget whatever was handed over for an offload not made. Mutates."""
+        ...
+
 
 def chunk_keys(tokens: Sequence[int], block_size: int, chunks: int, space: Hashable = None) -> list[str]:
     """The keys of the first ``chunks`` whole blocks of ``tokens`` in the store's key space ``space`` (active
@@ -271,10 +275,13 @@ class OffloadTier:
         self._hit_tokens += tokens
 
     def clear(self) -> int:
-        """Drop every entry (and its file). Returns how many. Mutates."""
+        """Drop every entry (and its file), and what the payload kept for an offload (:meth:`Payload.cleared`).
+        Returns how many. Mutates."""
         n = len(self._sizes)
         for key in list(self._sizes):
             self._drop(key)
+        if self.payload is not None:
+            self.payload.cleared()
         return n
 
     # -- internals -------------------------------------------------------------------------------
