@@ -187,6 +187,9 @@ class RowSet:
         self.keep: torch.Tensor | None = None
         self.space_now = space_now
         self.space: Hashable = space_now()
+        # the key space the first step of a generate call read (space_for_step), for the proof of the forward that
+        # follows it at once: the weights are walked once per call, not twice
+        self._step_space: list[Hashable] = []
         # in an invariant store only the runner's chunk forwards publish
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
@@ -292,12 +295,22 @@ class RowSet:
         self.length = start + q
         return start
 
+    def space_for_step(self) -> Hashable:
+        """The key space now (``space_now``), read at the first step of a ``generate`` call, and kept for the proof
+        of the forward that follows it (nothing runs in between that could change the weights). Mutates the
+        kept space."""
+        space = self.space_now()
+        self._step_space = [space]
+        return space
+
     def prove(self, forward: proof.ForwardInputs, start: int, *, training: bool, reused: bool) -> None:
         """Apply the proof's verdicts (docs/correctness.md, "Publish only what is proven") to every row: record
         the new keys of a proven row, forget an unproven one, raise where the forward contradicts the prompt or
-        what construction ``reused``. Mutates."""
+        what construction ``reused``. Takes the space :meth:`space_for_step` kept. Mutates."""
         rows = self.rows
-        why = proof.unproven(forward, training=training, space=self.space_now, held_space=self.space)
+        kept, self._step_space = self._step_space, []
+        space_now = (lambda: kept[0]) if kept else self.space_now
+        why = proof.unproven(forward, training=training, space=space_now, held_space=self.space)
         verdicts = None if why else proof.prove_rows(forward, rows, start, reused=reused)
         if verdicts is None:
             self.not_cached(why or "positions or a mask that do not follow the ids")
