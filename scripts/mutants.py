@@ -1100,9 +1100,9 @@ MUTATIONS = [
     # -- issue 56: the weights walked once per generate call, at its first step, for the forward that follows only
     Mutation(
         "step-space-kept-past-its-forward",
-        "hf/rows.py",
-        "kept, self._step_space = self._step_space, []",
-        "kept = self._step_space",
+        "kv/key_space.py",
+        "            return self._kept.pop()",
+        "            return self._kept[0]",
         ("tests/test_edges.py::test_the_space_read_at_a_calls_first_step_serves_its_first_forward_only",),
         "a later call's forward takes the space read at the first call's first step: weights written in between "
         "are not seen, and K/V of the new weights are published under the old weights' key",
@@ -1110,7 +1110,7 @@ MUTATIONS = [
     Mutation(
         "step-space-from-construction",
         "hf/call.py",
-        "            space=held.space_for_step(),\n",
+        "            space=held.space_now.for_step(),\n",
         "            space=held.space,\n",
         ("tests/test_edges.py::test_a_weight_written_between_building_the_cache_and_generate_is_seen",),
         "the first step of a call takes the space its cache's construction read: a write through .data in between "

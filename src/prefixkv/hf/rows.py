@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..base.slots import slot_table
 from ..base.stats import CacheStats, RowStats
 from ..base.tokens import key, relabel
 from ..kv.holdings import Claim
+from ..kv.key_space import SpaceNow
 from ..kv.manager import BlockManager
 from . import proof, resume, states, vision
 from .parts import StoreParts
@@ -157,14 +158,13 @@ class RowSet:
     many of them each layer stored (``seen``), the pool slots of the forward's new columns and which of them to
     store (``new``, ``keep``: ``None`` for all), the namespace the reused and published K/V belong to (``space``;
     ``space_now`` says the store's namespace now, within user ``namespace``: the runner's prefills for these rows
-    run in it too), whether forwards publish the blocks they fill, and what the
-    prompt reused (``stats``)."""
+    run in it too), whether forwards publish the blocks they fill, and what the prompt reused (``stats``)."""
 
     def __init__(
         self,
         blocks: BlockManager,
         num_layers: int,
-        space_now: Callable[[], Hashable],
+        space_now: SpaceNow,
         namespace: str | None = None,
         *,
         states: states.StateLayers = (),
@@ -187,9 +187,6 @@ class RowSet:
         self.keep: torch.Tensor | None = None
         self.space_now = space_now
         self.space: Hashable = space_now()
-        # the key space the first step of a generate call read (space_for_step), for the proof of the forward that
-        # follows it at once: the weights are walked once per call, not twice
-        self._step_space: list[Hashable] = []
         # in an invariant store only the runner's chunk forwards publish
         self.publishes = blocks.chunk_size is None
         self.stats = CacheStats(0, 0, 0, ())
@@ -295,22 +292,12 @@ class RowSet:
         self.length = start + q
         return start
 
-    def space_for_step(self) -> Hashable:
-        """The key space now (``space_now``), read at the first step of a ``generate`` call, and kept for the proof
-        of the forward that follows it (nothing runs in between that could change the weights). Mutates the
-        kept space."""
-        space = self.space_now()
-        self._step_space = [space]
-        return space
-
     def prove(self, forward: proof.ForwardInputs, start: int, *, training: bool, reused: bool) -> None:
         """Apply the proof's verdicts (docs/correctness.md, "Publish only what is proven") to every row: record
         the new keys of a proven row, forget an unproven one, raise where the forward contradicts the prompt or
-        what construction ``reused``. Takes the space :meth:`space_for_step` kept. Mutates."""
+        what construction ``reused``. Mutates."""
         rows = self.rows
-        kept, self._step_space = self._step_space, []
-        space_now = (lambda: kept[0]) if kept else self.space_now
-        why = proof.unproven(forward, training=training, space=space_now, held_space=self.space)
+        why = proof.unproven(forward, training=training, space=self.space_now, held_space=self.space)
         verdicts = None if why else proof.prove_rows(forward, rows, start, reused=reused)
         if verdicts is None:
             self.not_cached(why or "positions or a mask that do not follow the ids")

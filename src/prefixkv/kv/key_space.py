@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,30 @@ def user_space(name: str | None, space: Hashable) -> Hashable:
     if isinstance(space, WeightsChanged):
         return WeightsChanged(UserSpace(name, space.adapters), space.state)
     return UserSpace(name, space)
+
+
+class SpaceNow:
+    """What one cache reads as the key space now: ``read()`` (the store's, within a user's namespace), anew at each
+    call, but for the space :meth:`for_step` read, which the next call takes: the first step of a ``generate`` call
+    reads it, and the forward that follows at once (nothing runs in between that could write the weights) proves
+    its rows with it, so a call walks the weights once there, not twice (docs/correctness.md, "Adapters and changed
+    weights"). One cache's, used by the thread that owns it."""
+
+    def __init__(self, read: Callable[[], Hashable]) -> None:
+        self._read = read
+        self._kept: list[Hashable] = []
+
+    def __call__(self) -> Hashable:
+        """The key space now, or the one :meth:`for_step` kept, taken. Mutates what it keeps."""
+        if self._kept:
+            return self._kept.pop()
+        return self._read()
+
+    def for_step(self) -> Hashable:
+        """The key space now, kept for the next call. Mutates what it keeps."""
+        space = self._read()
+        self._kept = [space]
+        return space
 
 
 def autocast_in(space: Hashable) -> torch.dtype | None:
