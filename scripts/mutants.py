@@ -1084,8 +1084,8 @@ MUTATIONS = [
     Mutation(
         "snapshots-inside-conv-one-token-late",
         "hf/states.py",
-        "[full[..., c : c + kernel].clone() for c in recorded.cuts]",
-        "[full[..., c + 1 : c + 1 + kernel].clone() for c in recorded.cuts]",
+        "            for c in recorded.cuts\n",
+        "            for c in [c + 1 for c in recorded.cuts]\n",
         ("tests/test_snapshots.py::test_where_the_prefix_parts",),
         "a conv state taken inside a forward holds the inputs up to one token past its position",
     ),

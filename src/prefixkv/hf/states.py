@@ -459,8 +459,13 @@ def note_conv(layer: Any, index: int, conv_states: torch.Tensor, state_idx: int,
     else:
         before = conv_states.new_zeros((*conv_states.shape[:-1], kernel))
     with torch.inference_mode(False):
-        full = torch.cat([before, conv_states], dim=-1)  # [B, C, kernel + q]
-        recorded.tensors[(index, state_idx, "conv")] = [full[..., c : c + kernel].clone() for c in recorded.cuts]
+        # columns c to c + kernel of [before, conv_states] (the last `kernel` inputs before cut c), each copied
+        # alone: never the whole forward's inputs
+        held = before.shape[-1]
+        recorded.tensors[(index, state_idx, "conv")] = [
+            torch.cat([before[..., c : c + kernel], conv_states[..., max(0, c - held) : max(0, c + kernel - held)]], -1)
+            for c in recorded.cuts
+        ]
     recorded.kernels[(index, state_idx)] = kernel
 
 
