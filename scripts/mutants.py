@@ -556,7 +556,7 @@ MUTATIONS = [
     Mutation(
         "tp-weights-state-of-the-whole-dtensor",
         "kv/key_space.py",
-        "        t = local_part(t)\n",
+        "                t = local_part(t)\n",
         "",
         ("tests/test_tensor_parallel.py",),
         "the key space samples a split weight as a DTensor: 'as_strided not supported with DTensor'",
