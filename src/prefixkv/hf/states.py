@@ -463,7 +463,9 @@ def note_conv(layer: Any, index: int, conv_states: torch.Tensor, state_idx: int,
         # alone: never the whole forward's inputs
         held = before.shape[-1]
         recorded.tensors[(index, state_idx, "conv")] = [
-            torch.cat([before[..., c : c + kernel], conv_states[..., max(0, c - held) : max(0, c + kernel - held)]], -1)
+            conv_states[..., c - held : c - held + kernel].clone()
+            if c >= held
+            else torch.cat([before[..., c : c + kernel], conv_states[..., : max(0, c + kernel - held)]], dim=-1)
             for c in recorded.cuts
         ]
     recorded.kernels[(index, state_idx)] = kernel
