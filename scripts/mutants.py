@@ -556,7 +556,7 @@ MUTATIONS = [
     Mutation(
         "tp-weights-state-of-the-whole-dtensor",
         "kv/key_space.py",
-        "        t = local_part(t)\n",
+        "                t = local_part(t)\n",
         "",
         ("tests/test_tensor_parallel.py",),
         "the key space samples a split weight as a DTensor: 'as_strided not supported with DTensor'",
@@ -1084,8 +1084,8 @@ MUTATIONS = [
     Mutation(
         "snapshots-inside-conv-one-token-late",
         "hf/states.py",
-        "[full[..., c : c + kernel].clone() for c in recorded.cuts]",
-        "[full[..., c + 1 : c + 1 + kernel].clone() for c in recorded.cuts]",
+        "            for c in recorded.cuts\n",
+        "            for c in [c + 1 for c in recorded.cuts]\n",
         ("tests/test_snapshots.py::test_where_the_prefix_parts",),
         "a conv state taken inside a forward holds the inputs up to one token past its position",
     ),
@@ -1104,6 +1104,25 @@ MUTATIONS = [
         'go too. Mutates."""\n        return',
         ("tests/test_hybrid_files.py::test_a_clear_leaves_no_snapshot_behind_in_a_store_with_a_tier",),
         "a store with a tier keeps the last evicted node's snapshots after clear()",
+    ),
+    # -- issue 56: the weights walked once per generate call, at its first step, for the forward that follows only
+    Mutation(
+        "step-space-kept-past-its-forward",
+        "kv/key_space.py",
+        "            return self._kept.pop()",
+        "            return self._kept[0]",
+        ("tests/test_edges.py::test_the_space_read_at_a_calls_first_step_serves_its_first_forward_only",),
+        "a later call's forward takes the space read at the first call's first step: weights written in between "
+        "are not seen, and K/V of the new weights are published under the old weights' key",
+    ),
+    Mutation(
+        "step-space-from-construction",
+        "hf/call.py",
+        "            space=held.space_now.for_step(),\n",
+        "            space=held.space,\n",
+        ("tests/test_edges.py::test_a_weight_written_between_building_the_cache_and_generate_is_seen",),
+        "the first step of a call takes the space its cache's construction read: a write through .data in between "
+        "reuses the old weights' K/V",
     ),
 ]
 

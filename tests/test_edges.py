@@ -332,6 +332,79 @@ def test_a_weight_edited_in_part_in_place_starts_a_new_namespace() -> None:
     assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
 
 
+def _load_scaled(model: Any, name: str) -> None:
+    state = model.state_dict()
+    model.load_state_dict({**state, name: state[name] * 1.5})  # copied into the same tensors
+
+
+def _copy_scaled(p: torch.Tensor) -> None:
+    with torch.no_grad():
+        p.copy_(p * 1.5)
+
+
+# every way a weight is written that the key space must see, whether or not it walked the weights earlier in the call
+WRITES = {
+    "data.add_": lambda model, attn: attn.k_proj.weight.data.add_(0.25),
+    "load_state_dict": lambda model, attn: _load_scaled(model, "model.layers.0.self_attn.k_proj.weight"),
+    "copy_ under no_grad": lambda model, attn: _copy_scaled(attn.k_proj.weight),
+    "a new Parameter": lambda model, attn: setattr(
+        attn.k_proj, "weight", torch.nn.Parameter(attn.k_proj.weight.detach() * 1.5)
+    ),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_every_way_of_writing_a_weight_starts_a_new_namespace(write: str) -> None:
+    """The weights are walked once per cache's construction and once at the first step of its generate call (the
+    step's forward takes the space read then): a write between two calls is seen by the next one."""
+    model, ref, store, ids = warmed()
+    for target in (model, ref):
+        WRITES[write](target, target.model.layers[0].self_attn)
+    out, reused = run(model, store, ids)
+    assert reused == 0
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
+
+
+def test_a_weight_written_between_building_the_cache_and_generate_is_seen() -> None:
+    """The cache's construction reused K/V of the weights then; a write through ``.data`` (no version) before its
+    generate call is seen at the call's first step, which looks the prompt up again under the new weights' key."""
+    model, ref, store, ids = warmed()
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        assert cache.stats.cached_tokens == 39
+        for target in (model, ref):
+            target.model.layers[0].self_attn.k_proj.weight.data.mul_(1.5)
+        out = model.generate(ids, cache=cache, **RUN)
+    assert cache.stats.cached_tokens == 0
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6
+
+
+def test_the_space_read_at_a_calls_first_step_serves_its_first_forward_only() -> None:
+    """A second generate call on one cache after a write through ``.data`` walks the weights again: its K/V (the new
+    weights' over the old ones') are not published under the old weights' key, which the weights get back after
+    (``.data`` writes bump no version). Had its forward taken the first call's space, the later request reused them:
+    1.2e-3 off stock."""
+    model, ref, store, ids = warmed()
+    weights = [m.model.layers[0].self_attn.k_proj.weight for m in (model, ref)]
+    own = DynamicCache(config=ref.config)
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        first = model.generate(ids, cache=cache, **RUN)
+        expected = ref.generate(ids, cache=own, **RUN)
+        assert diff(first, expected) <= 1e-6
+        for w in weights:
+            w.data.mul_(2.0)
+        longer = torch.cat([first.sequences, torch.arange(60, 70)[None]], dim=1)
+        second = model.generate(longer, cache=cache, **RUN)
+    assert diff(second, ref.generate(longer, cache=own, **RUN)) <= 1e-6
+    for w in weights:
+        w.data.div_(2.0)  # exactly the first weights again, under their key
+    reused, distance = later_request(model, ref, store, torch.cat([second.sequences, torch.arange(80, 84)[None]], 1))
+    assert reused >= first.sequences.shape[1] - 1 and distance <= 1e-6
+
+
 @pytest.mark.parametrize(
     ("family", "field", "before", "after"),
     [

@@ -13,7 +13,7 @@ import torch
 from conftest import compare, random_tokens
 
 import prefixkv
-from prefixkv.base.tokens import common_length
+from prefixkv.base.tokens import common_length, message_ends
 from prefixkv.hf.states import MIN_STEP
 from prefixkv.tools import census
 
@@ -267,6 +267,94 @@ def test_a_message_end_is_a_snapshot_the_next_prompt_resumes(family: str) -> Non
     c = exact(compare(model, store, joined(other, tokens(5, seed=54), tokens(20, seed=55)), max_new_tokens=2))
     assert c.cached_tokens == below(100)
     later = exact(compare(model, store, tokens(50, seed=56)[None]))  # an ordinary request after them
+    assert later.cached_tokens == 0
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer() -> Any:
+    """A ChatML tokenizer built here, no hub: ids 0-199 the words ``w0``-``w199``, then the roles, then its special
+    tokens (ids 203-206, under the tiny vocabularies' 256)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(200)] + ["system", "user", "assistant"]
+    specials = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(words + specials)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tok.chat_template = CHATML
+    return tok
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_enable_with_a_tokenizer_resumes_the_next_prompt_at_a_message_end(family: str) -> None:
+    """``enable(model, tokenizer=...)``: the chat template's end of a message (``<|im_end|>``) and the end-of-sequence
+    token become the store's marks, with nothing spelled by hand; a second conversation with the same system message
+    resumes right after it, not at the grid position before it."""
+    model = tiny(family)
+    tok = chat_tokenizer()
+    im_end, eos = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    store = prefixkv.enable(model, tokenizer=tok)
+    try:
+        assert store.snapshots.marks == {im_end, eos}
+        system = " ".join(f"w{t}" for t in tokens(99, seed=60).tolist())
+
+        def chat(seed: int) -> torch.Tensor:
+            question = " ".join(f"w{t}" for t in tokens(20, seed=seed).tolist())
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            ids: torch.Tensor = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")[
+                "input_ids"
+            ]
+            return ids
+
+        a, b = chat(61), chat(62)
+        end = a[0].tolist().index(im_end) + 1  # <|im_start|> system, 99 words, <|im_end|>: 102 tokens
+        assert end == 102 and common_length(a[0].tolist(), b[0].tolist()) == end + 2  # then <|im_start|> user
+        exact(compare(model, store, a, max_new_tokens=2))
+        resumed = exact(compare(model, store, b, max_new_tokens=2))
+        assert resumed.cached_tokens == end > below(end), resumed
+        later = exact(compare(model, store, tokens(50, seed=63)[None]))  # an ordinary request after them
+        assert later.cached_tokens == 0
+    finally:
+        prefixkv.disable(model)
+
+
+def test_message_ends_of_templates_with_and_without_end_tokens() -> None:
+    """The token a template writes right after a message's content ends it; a start token that follows only after
+    other text does not, and a tokenizer without a template has its end-of-sequence token alone."""
+    tok = chat_tokenizer()
+    im_start, im_end, eos = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+    assert message_ends(tok) == {im_end, eos}
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }} said\n{% endfor %}"
+    assert message_ends(tok) == {eos}  # <|im_start|> comes after " said": it starts the next message
+    tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}\n{% endfor %}"
+    assert message_ends(tok) == {im_start, eos}  # right after the content: the next message's start ends this one
+    tok.chat_template = None
+    assert message_ends(tok) == {eos}
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_pin_and_warm_leave_a_snapshot_where_they_end(family: str) -> None:
+    """A pinned or warmed prefix off the grid: the next prompt that starts with it resumes at its end."""
+    model = tiny(family)
+    store = prefixkv.PrefixStore(model)
+    pinned, warmed = tokens(90, seed=64), tokens(150, seed=65)
+    assert store.pin(pinned) == 90
+    store.warm([warmed], progress=False)
+    for prefix, seed in ((pinned, 66), (warmed, 67)):
+        stats = exact(compare(model, store, joined(prefix, tokens(20, seed=seed)), max_new_tokens=2))
+        assert stats.cached_tokens == len(prefix) > below(len(prefix)), stats
+    later = exact(compare(model, store, tokens(50, seed=68)[None]))  # an ordinary request after them
     assert later.cached_tokens == 0
 
 

@@ -126,3 +126,56 @@ def inferred_mask(ids: torch.Tensor, setting: Callable[[str], Any]) -> torch.Ten
     eos = setting("eos_token_id")
     eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
     return None if int(pad) in eos_ids else ids != pad
+
+
+# what a chat template is asked to write, to find the token it ends each message with (message_ends)
+_PROBES = ("prefixkv probe of a system message", "prefixkv probe of a question", "prefixkv probe of an answer")
+
+
+def message_ends(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokens that end a message for ``tokenizer`` (or a processor holding one): its end-of-sequence
+    token, and each special token its chat template writes right after a message's content, with nothing but white
+    space before it (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, Mistral's ``[/INST]``). Read from the
+    template's output for a probe conversation (system, user, assistant; user and assistant where the template
+    refuses a system message), never from names. Empty for a tokenizer with neither. Does not mutate.
+
+    >>> message_ends(object())
+    frozenset()
+    """
+    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
+    ends: set[int] = set()
+    eos = getattr(text_tokenizer, "eos_token_id", None)
+    ends.update(e for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if isinstance(e, int))
+    special: dict[str, int] = {}
+    for id_, added in (getattr(text_tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special[str(added)] = int(id_)
+    names, ids = getattr(text_tokenizer, "all_special_tokens", ()), getattr(text_tokenizer, "all_special_ids", ())
+    special.update((name, int(id_)) for name, id_ in zip(names, ids) if name)
+    text = _probe_conversation(tokenizer)
+    for probe in _PROBES:
+        at = text.find(probe)
+        if at < 0:
+            continue
+        rest = text[at + len(probe) :]
+        found = [(rest.find(name), -len(name), name) for name in special if name in rest]
+        if found:
+            where, _, name = min(found)  # the earliest, the longest of those there
+            if not rest[:where].strip():
+                ends.add(special[name])
+    return frozenset(ends)
+
+
+def _probe_conversation(tokenizer: Any) -> str:
+    """The text ``tokenizer``'s chat template writes for a conversation of :data:`_PROBES` (``""``: it has none)."""
+    if not callable(getattr(tokenizer, "apply_chat_template", None)) or not getattr(tokenizer, "chat_template", None):
+        return ""
+    messages = [{"role": r, "content": c} for r, c in zip(("system", "user", "assistant"), _PROBES)]
+    for conversation in (messages, messages[1:]):
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        except Exception:  # a template that refuses this conversation (raise_exception: no system role)
+            continue
+        if isinstance(text, str):
+            return text
+    return ""

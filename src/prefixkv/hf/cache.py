@@ -32,7 +32,7 @@ from ..base.errors import CacheMisuseError
 from ..base.family import model_errors
 from ..base.stats import CacheStats
 from ..compat import releases
-from ..kv.key_space import user_space
+from ..kv.key_space import SpaceNow, user_space
 from . import kinds, linear_cache, vision
 from .call import GenerateCall
 from .forward import Forward
@@ -106,7 +106,7 @@ class PagedPrefixCache(linear_cache.LinearCacheNames, Cache):
         # the store's, within the user's `namespace` (docs/generate.md, "Isolation between users")
         user_space(namespace, None)  # a wrong name fails here, before any block is claimed
         self.namespace = namespace
-        space_now = blocks.space if namespace is None else lambda: user_space(namespace, blocks.space())
+        space_now = SpaceNow(blocks.space if namespace is None else lambda: user_space(namespace, blocks.space()))
         blocks.ensure_open()
         # the construction, the runner's prefills for its rows included, walks the model's weights once; a kernel of
         # the model that refuses its dtype is reported as the model's (docs/faq.md)

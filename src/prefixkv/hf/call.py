@@ -103,7 +103,7 @@ class GenerateCall:
             input_ids,
             kwargs,
             training=training,
-            space=held.space_now(),
+            space=held.space_now.for_step(),
             held_space=held.space,
             padded=shapes.padded_refusal(store.hf_model),
             # transformers 4.x feeds no images to a forward past position 0: there a call with images is unproven

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from ..base.slots import slot_table
 from ..base.stats import CacheStats, RowStats
 from ..base.tokens import key, relabel
 from ..kv.holdings import Claim
+from ..kv.key_space import SpaceNow
 from ..kv.manager import BlockManager
 from . import proof, resume, states, vision
 from .parts import StoreParts
@@ -157,14 +158,13 @@ class RowSet:
     many of them each layer stored (``seen``), the pool slots of the forward's new columns and which of them to
     store (``new``, ``keep``: ``None`` for all), the namespace the reused and published K/V belong to (``space``;
     ``space_now`` says the store's namespace now, within user ``namespace``: the runner's prefills for these rows
-    run in it too), whether forwards publish the blocks they fill, and what the
-    prompt reused (``stats``)."""
+    run in it too), whether forwards publish the blocks they fill, and what the prompt reused (``stats``)."""
 
     def __init__(
         self,
         blocks: BlockManager,
         num_layers: int,
-        space_now: Callable[[], Hashable],
+        space_now: SpaceNow,
         namespace: str | None = None,
         *,
         states: states.StateLayers = (),

@@ -27,6 +27,7 @@ import inspect
 import itertools
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -458,8 +459,15 @@ def note_conv(layer: Any, index: int, conv_states: torch.Tensor, state_idx: int,
     else:
         before = conv_states.new_zeros((*conv_states.shape[:-1], kernel))
     with torch.inference_mode(False):
-        full = torch.cat([before, conv_states], dim=-1)  # [B, C, kernel + q]
-        recorded.tensors[(index, state_idx, "conv")] = [full[..., c : c + kernel].clone() for c in recorded.cuts]
+        # columns c to c + kernel of [before, conv_states] (the last `kernel` inputs before cut c), each copied
+        # alone: never the whole forward's inputs
+        held = before.shape[-1]
+        recorded.tensors[(index, state_idx, "conv")] = [
+            conv_states[..., c - held : c - held + kernel].clone()
+            if c >= held
+            else torch.cat([before[..., c : c + kernel], conv_states[..., : max(0, c + kernel - held)]], dim=-1)
+            for c in recorded.cuts
+        ]
     recorded.kernels[(index, state_idx)] = kernel
 
 
@@ -532,8 +540,15 @@ def records_inside(model: torch.nn.Module) -> bool:
     the globals its code reads, once; it runs as before outside a recording). Read from the names the classes' code
     uses, not their source; never where no layer's own code hands the cache a state (RecurrentGemma's blocks and
     MiniMax's lightning layers, whose states prefixkv bridges: :mod:`prefixkv.hf.stepwise`,
-    :mod:`prefixkv.hf.linear_cache`). Mutates those globals."""
-    return _records_inside(frozenset(type(m) for m in model.modules()))
+    :mod:`prefixkv.hf.linear_cache`). Read once per model (its layers' classes do not change under a store, which
+    read its layer kinds once too). Mutates those globals."""
+    known = _RECORDS_INSIDE.get(model)
+    if known is None:
+        known = _RECORDS_INSIDE[model] = _records_inside(frozenset(type(m) for m in model.modules()))
+    return known
+
+
+_RECORDS_INSIDE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _names(code: Any) -> set[str]:

@@ -8,9 +8,8 @@ per call, under which key K/V computed now are cached. This module knows the mod
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,31 +36,45 @@ def _weights_state(model: Any) -> int:
     every parameter's storage address and version counter (inference tensors have none: 0), of every buffer's shape
     and version counter, of ``_SAMPLED`` of each tensor's values (``.data`` writes bump no version; a buffer's as
     float64, so that a copy of it in another dtype with the same values is the same buffer), and of
-    :func:`prefixkv.kv.fingerprint.config_state`."""
+    :func:`prefixkv.kv.fingerprint.config_state`. One walk of the model's modules, each tensor read once."""
     state = []
     samples: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    buffers = {id(b) for b in model.buffers()}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        t = local_part(t)
-        version = 0
-        with contextlib.suppress(RuntimeError):
-            version = t._version
-        # a buffer is known by its values alone: CTRL's forward replaces its float32 positions with a float64 copy
-        # (the same values) at its first call, which must not hide what that call cached
-        state.append((tuple(t.shape), version) if id(t) in buffers else (t.data_ptr(), version))
-        if t.device.type != "meta" and t.numel():
-            if id(t) in buffers and t.is_floating_point():
-                t = _few_values(t.detach()).to(torch.float64)
-            samples.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for module in model.modules():
+            # the module's own tensors, as ``parameters()`` and ``buffers()`` read them, without their second walk
+            # (a tensor two modules share is read twice)
+            for buffer, t in _own_tensors(module):
+                t = local_part(t)
+                try:
+                    version = t._version
+                except RuntimeError:  # an inference tensor keeps no version
+                    version = 0
+                # a buffer is known by its values alone: CTRL's forward replaces its float32 positions with a
+                # float64 copy (the same values) at its first call, which must not hide what that call cached
+                state.append((tuple(t.shape), version) if buffer else (t.data_ptr(), version))
+                if t.device.type != "meta" and t.numel():
+                    t = _few_values(t)
+                    if buffer and t.is_floating_point():
+                        t = t.to(torch.float64)
+                    samples.setdefault((t.dtype, t.device), []).append(t)
     values = tuple(_sampled_bytes(device, group) for (_, device), group in samples.items())
     return hash((tuple(state), values, config_state(model.config)))
 
 
+def _own_tensors(module: torch.nn.Module) -> Iterator[tuple[bool, torch.Tensor]]:
+    """The parameters and buffers ``module`` itself holds (not its submodules'), each with whether it is a buffer.
+    Does not mutate."""
+    for buffer, tensors in ((False, module._parameters), (True, module._buffers)):
+        for t in tensors.values():
+            if t is not None:
+                yield buffer, t
+
+
 def _sampled_bytes(device: torch.device, tensors: list[torch.Tensor]) -> bytes:
-    """The bytes of :func:`_few_values` of every one of ``tensors`` (one dtype, on ``device``): one copy, whatever
+    """The bytes of every one of ``tensors`` (:func:`_few_values` of one dtype, on ``device``): one copy, whatever
     their number, and none of autocast's casts (its ``cat`` refuses some mixes of dtypes). Does not mutate."""
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        return torch.cat([_few_values(t) for t in tensors]).cpu().view(torch.uint8).numpy().tobytes()
+        return torch.cat(tensors).cpu().view(torch.uint8).numpy().tobytes()
 
 
 def _few_values(t: torch.Tensor) -> torch.Tensor:
@@ -127,6 +140,30 @@ def user_space(name: str | None, space: Hashable) -> Hashable:
     if isinstance(space, WeightsChanged):
         return WeightsChanged(UserSpace(name, space.adapters), space.state)
     return UserSpace(name, space)
+
+
+class SpaceNow:
+    """What one cache reads as the key space now: ``read()`` (the store's, within a user's namespace), anew at each
+    call, but for the space :meth:`for_step` read, which the next call takes: the first step of a ``generate`` call
+    reads it, and the forward that follows at once (nothing runs in between that could write the weights) proves
+    its rows with it, so a call walks the weights once there, not twice (docs/correctness.md, "Adapters and changed
+    weights"). One cache's, used by the thread that owns it."""
+
+    def __init__(self, read: Callable[[], Hashable]) -> None:
+        self._read = read
+        self._kept: list[Hashable] = []
+
+    def __call__(self) -> Hashable:
+        """The key space now, or the one :meth:`for_step` kept, taken. Mutates what it keeps."""
+        if self._kept:
+            return self._kept.pop()
+        return self._read()
+
+    def for_step(self) -> Hashable:
+        """The key space now, kept for the next call. Mutates what it keeps."""
+        space = self._read()
+        self._kept = [space]
+        return space
 
 
 def autocast_in(space: Hashable) -> torch.dtype | None:

@@ -22,7 +22,7 @@ from ..base.errors import CacheMisuseError
 from ..base.family import model_errors
 from ..base.memory import attention_shape, format_bytes, layer_shapes, parse_bytes, snapshot_budget
 from ..base.stats import CacheStats, StoreStats
-from ..base.tokens import as_token_list
+from ..base.tokens import as_token_list, message_ends
 from ..hf import kinds, shapes
 from ..hf.hooks import attach_hooks, install_generation_wrappers
 from ..hf.runner import ModelRunner
@@ -70,6 +70,11 @@ class PrefixStore:
     does not compile). It changes no K/V: files and keys leave it out (docs/generate.md, "Choosing the attention
     backend").
 
+    ``tokenizer`` (the model's tokenizer or processor) tells a model with recurrent layers where a conversation's
+    messages end: the ids its chat template ends a message with and its end-of-sequence token
+    (:func:`prefixkv.base.tokens.message_ends`) become ``store.snapshots.marks``, after each of which a prefill takes
+    a snapshot the next prompt resumes at (docs/memory.md, "Recurrent state"). It changes no K/V.
+
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
     >>> store = prefixkv.PrefixStore(model, block_size=4)
@@ -95,6 +100,7 @@ class PrefixStore:
         invariant: bool = False,
         chunk_size: int | None = None,
         attention: str = "auto",
+        tokenizer: Any = None,
     ) -> None:
         # what the layers below read of the store (``store.settings``, frozen), every option checked first, and the
         # same values as a user reads them: ``store.block_size``, ``store.chunk_size``, ``store.dtype``, ...
@@ -139,6 +145,8 @@ class PrefixStore:
         """The recurrent layers' state snapshots (docs/memory.md, "Recurrent state"): empty for other models. The pool
         and they share ``max_memory``: the pool gets what the snapshots' budget (``snapshots.max_bytes``) leaves."""
         self.snapshots.block_size = block_size
+        if tokenizer is not None:  # where a conversation's messages end: the prompts part there (Snapshots.marks)
+            self.snapshots.marks = message_ends(tokenizer)
         # the snapshots as they go to files and the second tier and come back, checked against the model's own states
         stateful = kinds.stateful(self.layer_kinds)
         self._carrier = Carrier(self.snapshots, shapes.state_reference(self.hf_model), devices) if stateful else None
