@@ -222,6 +222,7 @@ class BlocksBackend:
     def __init__(self) -> None:
         self._runs: planner.RunsMemo = {}
         self._fold: planner.FoldMemo = {}
+        self._step: planner.StepMemo = {}
 
     def plan(self, layout: Layout, *, probe: bool) -> BlocksForward:
         """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
@@ -230,7 +231,9 @@ class BlocksBackend:
         planned, new_from = (
             ([], None)
             if probe
-            else planner.plan_reads(pads, tables, start, q, block_size, self._runs, fold_memo=self._fold)
+            else planner.plan_reads(
+                pads, tables, start, q, block_size, self._runs, fold_memo=self._fold, step_memo=self._step
+            )
         )
         return BlocksForward(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 
