@@ -499,8 +499,7 @@ def test_eight_rows_on_one_warm_prefix_read_it_once_a_step_and_decode_as_stock(m
 
 def _described(reads: list) -> list[tuple]:
     return [
-        (r.rows, r.columns, r.length, r.first_slot, r.row_stride)
-        + tuple(None if t is None else t.tolist() for t in (r.slots, r.offsets, r.valid))
+        (r.rows, r.columns, r.length, r.first_slot, r.row_stride, *(None if t is None else t.tolist() for t in r[5:]))
         for r in reads
     ]
 

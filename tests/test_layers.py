@@ -473,7 +473,7 @@ def test_the_public_methods_of_pagedprefixcache_are_what_a_user_calls_and_the_ca
     assert public - CACHE_USER_FACING <= interface, f"not the Cache interface: {public - CACHE_USER_FACING - interface}"
 
 
-def decode_step_modules() -> tuple[set[str], set[str]]:
+def decode_step_modules(step: int = 2) -> tuple[set[str], set[str]]:
     """The prefixkv modules whose code runs in one eager decode step of a warm ``generate`` call on a tiny llama with
     a ``PagedPrefixCache`` (from one step's logits processor to the next one's: the rest of ``generate``'s step, the
     next step's ``prepare_inputs_for_generation``, its forward and hooks), and those within layer 0's attention call.
@@ -513,9 +513,9 @@ def decode_step_modules() -> tuple[set[str], set[str]]:
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
             self.calls += 1
-            if self.calls == 2:  # after the call's first decode step: the next one is a steady step
+            if self.calls == step:  # after decode step ``step - 1``: the next one is measured
                 sys.setprofile(profile)
-            elif self.calls == 3:
+            elif self.calls == step + 1:
                 sys.setprofile(None)
             return scores
 

@@ -257,7 +257,7 @@ def plan_reads(
     spans = [max(0, end - pad) for pad in pads]
     fold = _FOLD_TOKENS if fold_tokens is None else fold_tokens
     steady = None if step_memo is None or q != 1 else steady_reads(step_memo, pads, tables, start, bs, fold)
-    if steady is not None:
+    if step_memo is not None and steady is not None:
         shared, folded = steady
         step_memo[None] = folded
         return [*shared, _fold_read(folded.rows, pads, tables, folded.first, spans, bs, fold_memo)], None

@@ -165,8 +165,9 @@ class Forward:
         slots and return what the forward's attention reads (a compiled step's: in the graph,
         ``StaticStep.update``). Mutates the pool and the rows."""
         step = self.step
-        if step is None:
-            return self._paged_update(key_states, value_states, layer_idx)
+        if step is None:  # eagerly, the call itself: torch.compiler.disable's wrapper costs a microsecond a layer
+            paged = self._paged_update if torch.compiler.is_compiling() else self._paged_update_eagerly
+            return paged(key_states, value_states, layer_idx)
         if not torch.compiler.is_compiling():
             self._check_step(key_states, layer_idx)
         return step.update(layer_idx, key_states, value_states)
@@ -178,11 +179,11 @@ class Forward:
             raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
         check_layer(self.store, self._shapes, key_states, layer_idx, self.rows.length - 1, self.rows.length)
 
-    @interface.outside_compile
-    def _paged_update(
+    def _paged_update_eagerly(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`update` of a forward that is not a compiled step, outside any graph."""
+        """:meth:`update` of a forward that is not a compiled step (:meth:`_paged_update` inside a compiled
+        model's call)."""
         plan = self._reads
         if self._owner != threading.get_ident() or plan is None:
             raise CacheMisuseError(
@@ -195,6 +196,8 @@ class Forward:
                 "generate call using it); its blocks are given back when the forward ends"
             )
         return write_layer(plan, self.rows, self.store, self._shapes, key_states, value_states, layer_idx)
+
+    _paged_update = interface.outside_compile(_paged_update_eagerly)
 
     @interface.outside_compile
     def update_tensor(self, name: str, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
