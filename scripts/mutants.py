@@ -1097,6 +1097,14 @@ MUTATIONS = [
         ("tests/test_snapshots.py::test_the_first_prompt_takes_its_grid_inside_one_forward",),
         "the gated delta rule's state at every position inside a forward is the forward's last",
     ),
+    Mutation(
+        "steady-step-reuses-a-copied-block",
+        "attention/planner.py",
+        "if t <= 0 or (t + 1) % bs == 0 or table[: len(held)] != held:",
+        "if t <= 0 or (t + 1) % bs == 0:",
+        ("tests/test_blocks_attention.py::test_a_steady_decode_step_reuses_the_last_plan_and_gets_the_fresh_one",),
+        "a steady decode step reuses the last step's reads after a copy-on-write replaced a block they read",
+    ),
 ]
 
 
