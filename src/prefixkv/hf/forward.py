@@ -56,6 +56,7 @@ class Forward:
         self.refusal = "it was built with compileable=False" if compileable is False else compile_refusal(store)
         self.asked = compileable
         self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
+        self._takes: bool | None = None  # takes_steps, read once a forward (None: to be read)
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self._tables = static.StepTables(blocks.block_size)
         self._bs = blocks.block_size
@@ -84,15 +85,20 @@ class Forward:
     def takes_steps(self) -> bool:
         """Whether a one-token forward now is a compiled step (:mod:`prefixkv.attention.static`): every one of a
         cache built with ``compileable=True`` or on a model whose forward ``torch.compile`` returned, else those of
-        a call that ``generate`` compiles. Does not mutate."""
+        a call that ``generate`` compiles. Read once a forward (mutates only that memo)."""
         if self.refusal is not None:
             return False
-        return self.asked is True or self._compiled_call is True or patching.compiled_forward(self.store.hf_model)
+        # asked several times a step (generate's prepare and masks, the begin, the mask sizes): read once, until the
+        # forward ends or generate chooses again
+        if self._takes is None:
+            model = self.store.hf_model
+            self._takes = self.asked is True or self._compiled_call is True or patching.compiled_forward(model)
+        return self._takes
 
     def note_compile(self, compiled: bool | None) -> None:
         """``generate`` chose whether to compile the forwards of the call it runs with this cache (``None``: it is
         about to choose): its one-token forwards are compiled steps if so (:meth:`takes_steps`). Mutates."""
-        self._compiled_call, self._compile_noted = compiled, True
+        self._compiled_call, self._compile_noted, self._takes = compiled, True, None
 
     # -- a generate call ------------------------------------------------------------------------------------------
 
@@ -107,7 +113,7 @@ class Forward:
         # loop that never compiles: beams), and then the call is eager whatever an earlier call on the cache chose
         if not self._compile_noted:
             self._compiled_call = False
-        self._compile_noted = False
+        self._compile_noted, self._takes = False, None
         return self.call.fit(self.rows, self.store, input_ids, length, kwargs)
 
     def fit_prompt(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -225,6 +231,7 @@ class Forward:
     def end(self, ok: bool) -> None:
         """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
         filled, and carry out a ``close()`` that another thread asked for meanwhile. Mutates."""
+        self._takes = None  # a model compiled between forwards takes steps from its next one
         if self._owner != threading.get_ident():
             return  # begin refused this forward (the cache is another thread's): nothing of ours ran
         plan, self._reads = self._reads, None
