@@ -171,10 +171,11 @@ def blocks_attention(
         read = forward.lone
         if part_mask_of(forward, mask, 0, q, batch, query.dtype, group) is NO_MASK:
             # a decode step's one read of every row, every column seen: no part to merge by its log-sum-exp, so
-            # torch's own attention, which reads the grouped heads as they are
+            # torch's own attention, the query heads of a K/V head packed as its rows as attend_masked packs them
             k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
-            out = torch.nn.functional.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=group > 1)
-            return out.transpose(1, 2).contiguous()
+            packed = query.reshape(batch, k.shape[1], heads // k.shape[1] * q, dim)
+            out = torch.nn.functional.scaled_dot_product_attention(packed, k, v, scale=scale)
+            return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
