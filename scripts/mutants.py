@@ -1105,6 +1105,17 @@ MUTATIONS = [
         ("tests/test_blocks_attention.py::test_a_steady_decode_step_reuses_the_last_plan_and_gets_the_fresh_one",),
         "a steady decode step reuses the last step's reads after a copy-on-write replaced a block they read",
     ),
+    Mutation(
+        "compile-verdict-kept-past-its-forward",
+        "hf/forward.py",
+        "self._takes = None  # a model compiled between forwards takes steps from its next one",
+        "pass",
+        (
+            "tests/test_compiled.py::"
+            "test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next",
+        ),
+        "the once-a-forward compile verdict outlives the forward: a model compiled since keeps running eagerly",
+    ),
 ]
 
 
