@@ -1110,10 +1110,7 @@ MUTATIONS = [
         "hf/forward.py",
         "self._takes = None  # a model compiled between forwards takes steps from its next one",
         "pass",
-        (
-            "tests/test_compiled.py::"
-            "test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next",
-        ),
+        ("tests/test_compiled.py::test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next",),
         "the once-a-forward compile verdict outlives the forward: a model compiled since keeps running eagerly",
     ),
 ]
