@@ -1113,6 +1113,14 @@ MUTATIONS = [
         ("tests/test_compiled.py::test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next",),
         "the once-a-forward compile verdict outlives the forward: a model compiled since keeps running eagerly",
     ),
+    Mutation(
+        "one-read-attention-unscaled",
+        "attention/blocks.py",
+        "scaled_dot_product_attention(packed, k, v, scale=scale)",
+        "scaled_dot_product_attention(packed, k, v)",
+        ("tests/test_blocks_attention.py::test_reading_the_blocks_is_sdpa_over_the_whole_rows",),
+        "a decode step's one read of every row attends with the default scale, not the model's",
+    ),
 ]
 
 
