@@ -1124,6 +1124,30 @@ MUTATIONS = [
         "the first step of a call takes the space its cache's construction read: a write through .data in between "
         "reuses the old weights' K/V",
     ),
+    Mutation(
+        "steady-step-reuses-a-copied-block",
+        "attention/planner.py",
+        "if t <= 0 or (t + 1) % bs == 0 or table[: len(held)] != held:",
+        "if t <= 0 or (t + 1) % bs == 0:",
+        ("tests/test_blocks_attention.py::test_a_steady_decode_step_reuses_the_last_plan_and_gets_the_fresh_one",),
+        "a steady decode step reuses the last step's reads after a copy-on-write replaced a block they read",
+    ),
+    Mutation(
+        "compile-verdict-kept-past-its-forward",
+        "hf/forward.py",
+        "self._takes = None  # a model compiled between forwards takes steps from its next one",
+        "pass",
+        ("tests/test_compiled.py::test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next",),
+        "the once-a-forward compile verdict outlives the forward: a model compiled since keeps running eagerly",
+    ),
+    Mutation(
+        "one-read-attention-unscaled",
+        "attention/blocks.py",
+        "scaled_dot_product_attention(packed, k, v, scale=scale)",
+        "scaled_dot_product_attention(packed, k, v)",
+        ("tests/test_blocks_attention.py::test_reading_the_blocks_is_sdpa_over_the_whole_rows",),
+        "a decode step's one read of every row attends with the default scale, not the model's",
+    ),
 ]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from typing import Any
 
 import pytest
@@ -494,3 +495,60 @@ def test_eight_rows_on_one_warm_prefix_read_it_once_a_step_and_decode_as_stock(m
     later = compare(model, store, torch.cat([prefix, random_tokens(9, seed=60)])[None], max_new_tokens=6)
     assert later.same_tokens and later.max_diff <= 1e-10
     store.close()
+
+
+def _described(reads: list) -> list[tuple]:
+    return [
+        (r.rows, r.columns, r.length, r.first_slot, r.row_stride, *(None if t is None else t.tolist() for t in r[5:]))
+        for r in reads
+    ]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_steady_decode_step_reuses_the_last_plan_and_gets_the_fresh_one(seed: int) -> None:
+    # decode steps of a few rows on a shared prefix, blocks taken as rows enter them, some copied (copy-on-write)
+    # or replaced (the trie) meanwhile, a row forked from another (their part-block shared), steps skipped, the
+    # rows moved, the fold threshold crossed on the way: the plan a steady step reuses from the last one
+    # (planner.steady_reads) is what planning from scratch gives, and steady steps do occur
+    rng = random.Random(seed)
+    bs = rng.choice([4, 8])
+    batch = rng.randint(1, 4)
+    # pads a whole number of blocks apart: a step is steady only where every row's new token is inside its block
+    base = rng.randrange(bs)
+    pads = [base + bs * rng.randint(0, 1) for _ in range(batch)]
+    prefix = list(range(1, 1 + rng.randint(0, 3)))
+    tables = [list(prefix) for _ in range(batch)]
+    fold = rng.choice([60, 90, 1024])
+    fresh_id = 100
+    start = max(pads) + len(prefix) * bs + 1
+    for r in range(batch):  # each row's blocks up to column start - 1
+        while len(tables[r]) * bs < start - pads[r]:
+            tables[r].append(fresh_id)
+            fresh_id += 2  # apart: each block a run of its own, so the rows fold
+    memo: dict = {}
+    runs: dict = {}
+    steady = 0
+    for _ in range(60):
+        for r in range(batch):  # the step's allocation: a row entering a new block takes one
+            if (start - pads[r]) % bs == 0:
+                tables[r].append(fresh_id)
+                fresh_id += 2
+        if rng.random() < 0.05:  # a step planned elsewhere (a compiled one): the next is not the one after the last
+            start += 1
+            continue
+        if rng.random() < 0.03:  # another layout of the same blocks: every row a block later
+            pads = [p + bs for p in pads]
+        if batch > 1 and pads[0] == pads[1] and rng.random() < 0.1:  # row 1 a fork of row 0: every block shared
+            tables[1] = list(tables[0])
+        if rng.random() < 0.1:  # copy-on-write of a row's last block, or the trie's replacement of an earlier one
+            r = rng.randrange(batch)
+            tables[r][rng.choice([-1, 0])] = fresh_id
+            fresh_id += 2
+        last = memo.get(None)
+        kept = plan_reads(pads, tables, start, 1, bs, runs, fold_tokens=fold, fold_memo={}, step_memo=memo)
+        steady += last is not None and memo.get(None) is not None and memo[None].blocks is last.blocks
+        fresh = plan_reads(pads, tables, start, 1, bs, fold_tokens=fold)
+        assert _described(kept[0]) == _described(fresh[0]), start
+        assert kept[1] == fresh[1]
+        start += 1
+    assert steady > 0

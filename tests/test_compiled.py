@@ -913,3 +913,31 @@ def test_an_eager_write_that_a_growth_overtook_is_written_again(kv_dtype: str | 
             later = generate(model, longer, None, cache, max_new_tokens=4)
             assert cache.stats.cached_tokens >= 8
         assert torch.equal(later.sequences, ref.sequences) and max_diff(later, ref) <= 1e-10
+
+
+def test_a_forward_compiled_between_two_forwards_of_a_cache_takes_steps_from_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compile verdict is read once a forward (``Forward.takes_steps``, asked by the masks, the begin and the mask
+    sizes): a model whose user compiles its forward between two forwards of one cache runs the next one-token
+    forward as a compiled step, and its logits equal stock's (float64)."""
+    monkeypatch.setattr(static, "StaticStep", CountedStep)
+    model = prefixkv.models.tiny_model("llama", dtype=torch.float64)
+    twin = stock_twin(model)
+    ids = random_tokens(14, seed=21)[None]
+    torch._dynamo.reset()
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        with prefixkv.PagedPrefixCache(store) as cache, torch.no_grad():
+            model(ids[:, :-2], **cache_kw(cache))
+            begun = CountedStep.begun
+            model(ids[:, -2:-1], **cache_kw(cache))  # eager: no step
+            assert CountedStep.begun == begun
+            model.forward = torch.compile(model.forward, backend="eager")
+            try:
+                got = model(ids[:, -1:], **cache_kw(cache)).logits[:, -1]
+            finally:
+                del model.forward
+            want = twin(ids).logits[:, -1]
+        assert CountedStep.begun == begun + 1
+        assert (got - want).abs().max().item() <= 1e-10
+        later_request_matches_stock(model, store, ids)

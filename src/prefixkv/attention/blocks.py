@@ -14,7 +14,7 @@ import torch
 
 from . import planner
 from .interface import sdpa_servable
-from .kernels import KernelMask, attend_masked, kernel_mask, merge_by_lse
+from .kernels import NO_MASK, KernelMask, attend_masked, kernel_mask, merge_by_lse
 from .planner import Read
 from .reads import AttentionBackend, AttentionCall, ForwardReads, Layout, PoolView
 
@@ -42,6 +42,11 @@ class BlocksForward(ForwardReads):
         self.new_from = new_from
         self.masks: dict[tuple[int, int], tuple[torch.Tensor | None, Any]] = {}
         self.rows_index: dict[tuple[int, ...], torch.Tensor] = {}
+        # the forward's only read, where it reads each row's own K/V (not K/V shared by several rows' queries) and
+        # nothing is attended from the arguments: a decode step's one fold, view or strided view
+        lone = reads[0] if len(reads) == 1 and new_from is None else None
+        shared = lone is not None and len(lone.rows) > 1 and lone.row_stride is None and lone.valid is None
+        self.lone = None if shared else lone
 
 
 # -- reading the blocks ------------------------------------------------------------------------------------------
@@ -162,6 +167,15 @@ def blocks_attention(
     pool_k, pool_v = forward.views[layer]
     group = max(1, heads // pool_k.shape[0])
     everyone = tuple(range(batch))
+    if forward.lone is not None and forward.lone.rows == everyone:
+        read = forward.lone
+        if part_mask_of(forward, mask, 0, q, batch, query.dtype, group) is NO_MASK:
+            # a decode step's one read of every row, every column seen: no part to merge by its log-sum-exp, so
+            # torch's own attention, the query heads of a K/V head packed as its rows as attend_masked packs them
+            k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
+            packed = query.reshape(batch, k.shape[1], heads // k.shape[1] * q, dim)
+            out = torch.nn.functional.scaled_dot_product_attention(packed, k, v, scale=scale)
+            return out.reshape(batch, heads, q, dim).transpose(1, 2).contiguous()
     parts: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = []
     for number, read in enumerate(forward.reads):
         k, v = _pool_columns(pool_k, read), _pool_columns(pool_v, read)
@@ -222,6 +236,7 @@ class BlocksBackend:
     def __init__(self) -> None:
         self._runs: planner.RunsMemo = {}
         self._fold: planner.FoldMemo = {}
+        self._step: planner.StepMemo = {}
 
     def plan(self, layout: Layout, *, probe: bool) -> BlocksForward:
         """The forward's reads; with ``probe`` none (``update`` hands out whole rows, and the forward only checks
@@ -230,7 +245,9 @@ class BlocksBackend:
         planned, new_from = (
             ([], None)
             if probe
-            else planner.plan_reads(pads, tables, start, q, block_size, self._runs, fold_memo=self._fold)
+            else planner.plan_reads(
+                pads, tables, start, q, block_size, self._runs, fold_memo=self._fold, step_memo=self._step
+            )
         )
         return BlocksForward(pool, planned, start + q, new_from, gather, probe=probe, backend=self)
 

@@ -187,6 +187,49 @@ def _shared_reads(
     return reads, first
 
 
+class Folded(NamedTuple):
+    """A decode step's plan that ended in one folded read (:func:`plan_reads`), what the next step reuses of it
+    (:func:`steady_reads`): the step's column ``start``, the rows' ``pads``, the blocks each row's tokens lay in
+    (copies), the shared reads, the folded rows, where each row's folded tokens begin and how many were folded."""
+
+    start: int
+    pads: list[int]
+    blocks: list[list[int]]
+    shared: list[Read]
+    rows: list[int]
+    first: list[int]
+    tokens: int
+
+
+# the last decode step's :class:`Folded` plan, under the key ``None``: one entry, the next step's
+StepMemo = dict[None, Folded]
+
+
+def steady_reads(
+    memo: StepMemo, pads: list[int], tables: list[list[int]], start: int, block_size: int, fold_tokens: int
+) -> tuple[list[Read], Folded] | None:
+    """The reads of a steady decode step, the one after the step ``memo`` holds: the same rows and pads, each row one
+    token longer (its new token does not fill a block: the shared blocks stay those of the last step), the tables of
+    the blocks they held unchanged, still few enough tokens to fold. Such a step reads the same shared blocks and one
+    folded read one column wider, as :func:`plan_reads` plans it from scratch, so only the fold is made again (from
+    the tables, through its memo's index tensors); ``None`` for any other step. Does not mutate."""
+    last = memo.get(None)
+    # every row folded: a row that shared blocks held all of would join the fold as it enters a block of its own
+    if last is None or start != last.start + 1 or pads != last.pads or len(last.rows) != len(pads):
+        return None
+    bs = block_size
+    for pad, table, held in zip(pads, tables, last.blocks):
+        t = start - pad  # the new token's index in its row
+        # a token that fills its block may make it a shared block's last (rows of one fork); one that enters a
+        # new block only adds to the fold, which is made again from the tables
+        if t <= 0 or (t + 1) % bs == 0 or table[: len(held)] != held:
+            return None
+    tokens = last.tokens + len(last.rows)
+    if tokens > fold_tokens:
+        return None
+    return last.shared, last._replace(start=start, tokens=tokens)
+
+
 def plan_reads(
     pads: list[int],
     tables: list[list[int]],
@@ -197,6 +240,7 @@ def plan_reads(
     *,
     fold_tokens: int | None = None,
     fold_memo: FoldMemo | None = None,
+    step_memo: StepMemo | None = None,
 ) -> tuple[list[Read], int | None]:
     """Where each row's held K/V sit, for a forward feeding ``q`` columns after ``start``, as few reads as
     possible. Leading blocks that several rows hold are read once for all of them (cascade). Each row's first run
@@ -206,16 +250,27 @@ def plan_reads(
     one gather for the whole batch. Rows that hold at most ``fold_tokens`` (:data:`_FOLD_TOKENS`) tokens in all,
     besides shared blocks, are one gather whenever they would be more than one read. A one-token forward reads its
     own new column from the pool too; a longer one attends its new K/V from the arguments, from column ``start``
-    (the second value). Mutates ``memo`` and ``fold_memo`` only."""
+    (the second value). With ``step_memo``, a decode step that ends in one folded read is kept, and the steady step
+    after it reuses it (:func:`steady_reads`). Mutates ``memo``, ``fold_memo`` and ``step_memo`` only."""
     bs = block_size
     end = start + q if q == 1 else start
     spans = [max(0, end - pad) for pad in pads]
+    fold = _FOLD_TOKENS if fold_tokens is None else fold_tokens
+    steady = None if step_memo is None or q != 1 else steady_reads(step_memo, pads, tables, start, bs, fold)
+    if step_memo is not None and steady is not None:
+        shared, folded = steady
+        step_memo[None] = folded
+        return [*shared, _fold_read(folded.rows, pads, tables, folded.first, spans, bs, fold_memo)], None
+    if step_memo is not None:
+        step_memo.clear()
     reads, first = _shared_reads(pads, tables, spans, bs, memo)
     rows = [i for i in range(len(pads)) if spans[i] > first[i]]
     runs_of = {i: _runs(tables[i], first[i], spans[i], bs, memo) for i in rows}
-    if sum(len(runs_of[i]) for i in rows) > 1 and sum(spans[i] - first[i] for i in rows) <= (
-        _FOLD_TOKENS if fold_tokens is None else fold_tokens
-    ):
+    tokens = sum(spans[i] - first[i] for i in rows)
+    if sum(len(runs_of[i]) for i in rows) > 1 and tokens <= fold:
+        if step_memo is not None and q == 1:
+            blocks = [table[: -(-span // bs)] for table, span in zip(tables, spans)]
+            step_memo[None] = Folded(start, list(pads), blocks, list(reads), rows, first, tokens)
         reads.append(_fold_read(rows, pads, tables, first, spans, bs, fold_memo))
         return reads, None if q == 1 else start
     # every row's first run: one strided view when they start at evenly spaced slots

@@ -56,6 +56,7 @@ class Forward:
         self.refusal = "it was built with compileable=False" if compileable is False else compile_refusal(store)
         self.asked = compileable
         self._compiled_call: bool | None = None  # generate's choice for the call now, None before it chose
+        self._takes: bool | None = None  # takes_steps, read once a forward (None: to be read)
         self._compile_noted = False  # the choice was made for the call whose first step comes next
         self._tables = static.StepTables(blocks.block_size)
         self._bs = blocks.block_size
@@ -84,15 +85,20 @@ class Forward:
     def takes_steps(self) -> bool:
         """Whether a one-token forward now is a compiled step (:mod:`prefixkv.attention.static`): every one of a
         cache built with ``compileable=True`` or on a model whose forward ``torch.compile`` returned, else those of
-        a call that ``generate`` compiles. Does not mutate."""
+        a call that ``generate`` compiles. Read once a forward (mutates only that memo)."""
         if self.refusal is not None:
             return False
-        return self.asked is True or self._compiled_call is True or patching.compiled_forward(self.store.hf_model)
+        # asked several times a step (generate's prepare and masks, the begin, the mask sizes): read once, until the
+        # forward ends or generate chooses again
+        if self._takes is None:
+            model = self.store.hf_model
+            self._takes = self.asked is True or self._compiled_call is True or patching.compiled_forward(model)
+        return self._takes
 
     def note_compile(self, compiled: bool | None) -> None:
         """``generate`` chose whether to compile the forwards of the call it runs with this cache (``None``: it is
         about to choose): its one-token forwards are compiled steps if so (:meth:`takes_steps`). Mutates."""
-        self._compiled_call, self._compile_noted = compiled, True
+        self._compiled_call, self._compile_noted, self._takes = compiled, True, None
 
     # -- a generate call ------------------------------------------------------------------------------------------
 
@@ -107,7 +113,7 @@ class Forward:
         # loop that never compiles: beams), and then the call is eager whatever an earlier call on the cache chose
         if not self._compile_noted:
             self._compiled_call = False
-        self._compile_noted = False
+        self._compile_noted, self._takes = False, None
         return self.call.fit(self.rows, self.store, input_ids, length, kwargs)
 
     def fit_prompt(self, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -165,8 +171,9 @@ class Forward:
         slots and return what the forward's attention reads (a compiled step's: in the graph,
         ``StaticStep.update``). Mutates the pool and the rows."""
         step = self.step
-        if step is None:
-            return self._paged_update(key_states, value_states, layer_idx)
+        if step is None:  # eagerly, the call itself: torch.compiler.disable's wrapper costs a microsecond a layer
+            paged = self._paged_update if torch.compiler.is_compiling() else self._paged_update_eagerly
+            return paged(key_states, value_states, layer_idx)
         if not torch.compiler.is_compiling():
             self._check_step(key_states, layer_idx)
         return step.update(layer_idx, key_states, value_states)
@@ -178,11 +185,11 @@ class Forward:
             raise CacheMisuseError("PagedPrefixCache.update was called outside a forward of its store's model")
         check_layer(self.store, self._shapes, key_states, layer_idx, self.rows.length - 1, self.rows.length)
 
-    @interface.outside_compile
-    def _paged_update(
+    def _paged_update_eagerly(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`update` of a forward that is not a compiled step, outside any graph."""
+        """:meth:`update` of a forward that is not a compiled step (:meth:`_paged_update` inside a compiled
+        model's call)."""
         plan = self._reads
         if self._owner != threading.get_ident() or plan is None:
             raise CacheMisuseError(
@@ -195,6 +202,8 @@ class Forward:
                 "generate call using it); its blocks are given back when the forward ends"
             )
         return write_layer(plan, self.rows, self.store, self._shapes, key_states, value_states, layer_idx)
+
+    _paged_update = interface.outside_compile(_paged_update_eagerly)
 
     @interface.outside_compile
     def update_tensor(self, name: str, states: torch.Tensor, layer_idx: int) -> torch.Tensor:
@@ -222,6 +231,7 @@ class Forward:
     def end(self, ok: bool) -> None:
         """After a forward (``ok``: it returned; a forward that raised publishes nothing): publish the blocks it
         filled, and carry out a ``close()`` that another thread asked for meanwhile. Mutates."""
+        self._takes = None  # a model compiled between forwards takes steps from its next one
         if self._owner != threading.get_ident():
             return  # begin refused this forward (the cache is another thread's): nothing of ours ran
         plan, self._reads = self._reads, None

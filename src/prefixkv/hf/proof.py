@@ -200,7 +200,8 @@ def position_rows(position_ids: Any, rows: int, q: int) -> list[list[int]] | Lit
     position_ids = text_positions(position_ids)
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] not in (1, rows):
         return False
-    values: list[list[int]] = position_ids[:, -q:].cpu().tolist()
+    last = position_ids if position_ids.shape[1] <= q else position_ids[:, -q:]  # a decode step's, as it is
+    values: list[list[int]] = last.cpu().tolist()
     return values * rows if len(values) == 1 and rows > 1 else values
 
 
