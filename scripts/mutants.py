@@ -268,8 +268,8 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-in-eager-calls",
         "hf/forward.py",
-        "        return self.asked is True or self._compiled_call is True or patching.compiled_forward(",
-        "        return True or (",
+        "self._takes = self.asked is True or self._compiled_call is True or patching.compiled_forward(model)",
+        "self._takes = True",
         ("tests/test_compiled.py::test_by_default_generate_compiles_the_steps_and_an_eager_call_reads_as_before",),
         "every eager decode step gathers a bucket of columns per row: the blocks reader's shared-prefix read is lost",
     ),
@@ -284,8 +284,8 @@ MUTATIONS = [
     Mutation(
         "compiled-steps-not-in-a-users-compiled-forward",
         "hf/forward.py",
-        " or patching.compiled_forward(self.store.hf_model)",
-        "",
+        " or patching.compiled_forward(model)\n",
+        "\n",
         ("tests/test_compiled.py::test_a_forward_compiled_by_its_user_takes_compiled_steps_with_a_default_cache",),
         "torch.compile(model.forward) with a default cache runs the eager read in pieces: graph breaks at every layer",
     ),
