@@ -87,6 +87,10 @@ def test_only_inputs_outside_the_neutral_list_change_kv() -> None:
     # a generate step's arguments hold generate's own settings too; only tensors among them reach the forward
     assert changing_inputs({**inputs, "tokenizer": object()}) == ("pixel_values", "token_type_ids", "tokenizer")
     assert changing_inputs({**inputs, "tokenizer": object()}, tensors_only=True) == ("pixel_values", "token_type_ids")
+    # a prompt's images that the keys carry do not count, nor an empty mapping; a decode step's neutral names give none
+    assert changing_inputs(inputs, keyed=frozenset({"pixel_values"})) == ("token_type_ids",)
+    assert changing_inputs({**inputs, "mm_encoder_outputs": {}}) == ("pixel_values", "token_type_ids")
+    assert changing_inputs({"input_ids": ids([1]), "use_cache": True, "position_ids": ids([3])}) == ()
     record = ForwardInputs.of(inputs, positions_matter=True, decode_step=False)
     assert record.others == ("pixel_values", "token_type_ids") and record.input_ids is inputs["input_ids"]
 

@@ -176,12 +176,12 @@ def _checking_prepare(original: Callable[..., Any], input_ids: Any, *args: Any, 
     cache.forward.next_decode_step = step.first is False or (step.first is None and step.columns == 1)
     # for a compileable cache generate replaces the 2-D mask by the 4-D masks it builds from it (one per kind of
     # layer); those show the same columns, and the proof reads the 2-D one
-    built = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-    two_d = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
-    if cache.is_compileable and built is not mask and two_d and _four_d(built):
-        cache.forward.built_masks = (mask, built)
-    else:
-        cache.forward.built_masks = None
+    cache.forward.built_masks = None
+    if cache.is_compileable:  # an eager call's step builds none: asked first
+        built = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+        two_d = mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2)
+        if built is not mask and two_d and _four_d(built):
+            cache.forward.built_masks = (mask, built)
     return inputs
 
 

@@ -45,14 +45,16 @@ def changing_inputs(
     tensors count: the arguments of a generate step also hold generate's own settings (the tokenizer of
     ``stop_strings``), which never reach the forward. ``keyed``: inputs whose effect the rows' keys carry (a
     prompt's images, keyed by their digests: prefixkv/hf/vision.py)."""
+    # the names first, as sets: a decode step passes only neutral ones, and its values need not be looked at
+    rest = inputs.keys() - NEUTRAL_INPUTS - keyed
+    if not rest:
+        return ()
     return tuple(
         sorted(
             k
-            for k, v in inputs.items()
-            if v is not None
+            for k in rest
+            if (v := inputs[k]) is not None
             and not (isinstance(v, Mapping) and not v)  # an empty one (generate's mm_encoder_outputs of no image)
-            and k not in NEUTRAL_INPUTS
-            and k not in keyed
             and (not tensors_only or isinstance(v, torch.Tensor))
         )
     )
@@ -265,7 +267,9 @@ def prove_rows(
         first = max(0, start - row.pad)  # token index of the first new real column
         shown = [True] * (q - skip) if mask is None else mask[i][new + skip : new + q]
         known = row.keys[first : first + q - skip]
-        keys = relabel([key(t, v) for t, v in zip(ids[i][skip:], shown)], known)
+        keys = [key(t, v) for t, v in zip(ids[i][skip:], shown)]
+        if known:  # a decode step's new token has no key yet: nothing to relabel
+            keys = relabel(keys, known)
         verdicts.append(_prove_row(i, row, keys, known, shown, first, mask, new, skip, positions, forward, reused))
     return verdicts
 
