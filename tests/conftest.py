@@ -128,6 +128,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _LEFT_OUT = pytest.StashKey[int]()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker (``-n``), which collects and leaves tests out in place of the process that prints the
+    summary: hand that process the count."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["prefixkv_left_out"] = session.config.stash.get(_LEFT_OUT, 0)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The count a worker left out (each collects the whole run, so each leaves out the same tests)."""
+    left = getattr(node, "workeroutput", {}).get("prefixkv_left_out", 0)
+    node.config.stash[_LEFT_OUT] = max(left, node.config.stash.get(_LEFT_OUT, 0))
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     left = config.stash.get(_LEFT_OUT, 0)
     if left:

@@ -37,6 +37,20 @@ def test_the_switch_runs_what_the_quick_run_leaves_out() -> None:
     assert left and all(full_only(t) for t in left) and not any(full_only(t) for t in quick), (quick, full)
 
 
+def test_the_quick_run_says_what_it_left_out_under_xdist_too() -> None:
+    """Under pytest-xdist (``-n``, the README's test command) the workers collect and leave tests out, not the
+    process that prints the summary: the count they left out must still reach it, as without xdist."""
+    pytest.importorskip("xdist")
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXKV_FULL"}
+    said = []
+    for workers in ([], ["-n", "1"]):
+        command = [sys.executable, "-m", "pytest", *workers, "-p", "no:cacheprovider", "tests/test_notebooks.py"]
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+        said.append([line for line in run.stdout.splitlines() if line.startswith("prefixkv: the quick suite; ")])
+    assert said[0] and said[1] == said[0], said
+
+
 def test_every_full_only_entry_names_a_test_that_exists() -> None:
     for start in FULL_ONLY:
         path, _, test = start.partition("::")
