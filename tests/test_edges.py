@@ -293,6 +293,16 @@ def test_a_tier_that_cannot_write_drops_blocks_and_the_request_goes_on(tmp_path:
 # -- items 3 and 4: what the namespace and the fingerprint cover -----------------------------------------------
 
 
+def seen_as_new_weights(model: Any, ref: Any, store: prefixkv.PrefixStore, ids: torch.Tensor) -> None:
+    """The call after a weight was written reuses nothing and gives stock's logits (float64, 1e-6); a later request
+    reuses the new weights' own K/V."""
+    out, reused = run(model, store, ids)
+    assert reused == 0
+    assert diff(out, stock(ref, ids)) <= 1e-6
+    reused, distance = later_request(model, ref, store, ids)
+    assert reused == 39 and distance <= 1e-6
+
+
 @pytest.mark.parametrize(
     "write",
     [
@@ -307,11 +317,7 @@ def test_weights_written_through_data_start_a_new_namespace(write: Any) -> None:
     for target in (model, ref):
         for p, q in zip(target.model.layers[0].self_attn.k_proj.parameters(), other.model.layers[0].parameters()):
             write(p, q.data[: p.shape[0], : p.shape[1]] if p.dim() == 2 else q.data[: p.shape[0]])
-    out, reused = run(model, store, ids)
-    assert reused == 0
-    assert diff(out, stock(ref, ids)) <= 1e-6
-    reused, distance = later_request(model, ref, store, ids)
-    assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
+    seen_as_new_weights(model, ref, store, ids)
 
 
 def test_a_weight_edited_in_part_in_place_starts_a_new_namespace() -> None:
@@ -360,11 +366,7 @@ def test_every_way_of_writing_a_weight_starts_a_new_namespace(write: str) -> Non
     model, ref, store, ids = warmed()
     for target in (model, ref):
         WRITES[write](target, target.model.layers[0].self_attn)
-    out, reused = run(model, store, ids)
-    assert reused == 0
-    assert diff(out, stock(ref, ids)) <= 1e-6
-    reused, distance = later_request(model, ref, store, ids)
-    assert reused == 39 and distance <= 1e-6  # the new weights' own K/V, reused
+    seen_as_new_weights(model, ref, store, ids)
 
 
 def test_a_weight_written_between_building_the_cache_and_generate_is_seen() -> None:
