@@ -277,12 +277,18 @@ def test_snapshots_go_with_their_paths_in_every_namespace_and_weight_version() -
     assert later.max_diff <= TOL and later.same_tokens and later.cache.stats.cached_tokens == 13
 
 
-@pytest.mark.parametrize("runner", [False, True], ids=["inside", "runner"])
+@pytest.fixture(params=[False, True], ids=["inside", "runner"])
+def runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Who takes the snapshots: the call's own forward (``False``), or the runner's forwards (``True``), as for a
+    model whose scan runs inside the layer (Mamba-2)."""
+    if request.param:
+        monkeypatch.setattr(prefixkv.hf.states, "records_inside", lambda model: False)
+    return bool(request.param)
+
+
 def test_adding_a_snapshot_costs_the_same_however_many_are_held(
     lfm2: Any, monkeypatch: pytest.MonkeyPatch, runner: bool
 ) -> None:
-    if runner:  # the runner's forwards take the snapshots, as for a model whose scan runs inside the layer (Mamba-2)
-        monkeypatch.setattr(prefixkv.hf.states, "records_inside", lambda model: False)
     store = prefixkv.PrefixStore(lfm2, block_size=4)
     trie = store.blocks.holdings.trie
     walked = [0]  # tokens of path the trie's lookups walked
@@ -345,12 +351,7 @@ def test_snapshot_bytes_are_counted_in_bytes(dtype: torch.dtype) -> None:
     assert store.stats.snapshot_bytes == store.snapshots.bytes_used == sum(t.nbytes for t in tensors)
 
 
-@pytest.mark.parametrize("runner", [False, True], ids=["inside", "runner"])
-def test_a_private_namespaces_split_prefill_stays_private(
-    lfm2: Any, monkeypatch: pytest.MonkeyPatch, runner: bool
-) -> None:
-    if runner:  # the runner's forwards take the snapshots, as for a model whose scan runs inside the layer (Mamba-2)
-        monkeypatch.setattr(prefixkv.hf.states, "records_inside", lambda model: False)
+def test_a_private_namespaces_split_prefill_stays_private(lfm2: Any, runner: bool) -> None:
     store = prefixkv.PrefixStore(lfm2, block_size=4)
     ids = prompt(random_tokens(12, seed=500), [130, 131])
     alice = compare(lfm2, store, ids, namespace="alice")  # snapshotted before its last token
