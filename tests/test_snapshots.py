@@ -343,6 +343,18 @@ def test_message_ends_of_templates_with_and_without_end_tokens() -> None:
     assert message_ends(tok) == {eos}
 
 
+def test_a_tokenizer_not_loaded_is_refused_before_the_store_is_built() -> None:
+    """``tokenizer=`` given a path (the checkpoint's, not yet loaded) is refused with what to pass instead."""
+    model = tiny("lfm2")
+    attention = model.config._attn_implementation
+    with pytest.raises(TypeError, match=r"got a str: load it first"):
+        prefixkv.PrefixStore(model, tokenizer="path/to/checkpoint")
+    with pytest.raises(TypeError, match=r"got a str: load it first"):
+        prefixkv.enable(model, tokenizer="path/to/checkpoint")
+    # nothing left behind: generate is the class's own, the attention the model's
+    assert "generate" not in vars(model) and model.config._attn_implementation == attention
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
 def test_pin_and_warm_leave_a_snapshot_where_they_end(family: str) -> None:
     """A pinned or warmed prefix off the grid: the next prompt that starts with it resumes at its end."""

@@ -73,7 +73,8 @@ class PrefixStore:
     ``tokenizer`` (the model's tokenizer or processor) tells a model with recurrent layers where a conversation's
     messages end: the ids its chat template ends a message with and its end-of-sequence token
     (:func:`prefixkv.base.tokens.message_ends`) become ``store.snapshots.marks``, after each of which a prefill takes
-    a snapshot the next prompt resumes at (docs/memory.md, "Recurrent state"). It changes no K/V.
+    a snapshot the next prompt resumes at (docs/memory.md, "Recurrent state"). It changes no K/V. Anything that is
+    neither (a checkpoint's path, say) is refused with a ``TypeError``.
 
     >>> import prefixkv, torch
     >>> model = prefixkv.models.tiny_model("llama")
@@ -146,6 +147,12 @@ class PrefixStore:
         and they share ``max_memory``: the pool gets what the snapshots' budget (``snapshots.max_bytes``) leaves."""
         self.snapshots.block_size = block_size
         if tokenizer is not None:  # where a conversation's messages end: the prompts part there (Snapshots.marks)
+            text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
+            if not hasattr(text_tokenizer, "eos_token_id") and not hasattr(tokenizer, "apply_chat_template"):
+                raise TypeError(
+                    f"tokenizer= takes the model's tokenizer or processor (with an eos_token_id or a chat template), "
+                    f"got a {type(tokenizer).__name__}: load it first, e.g. AutoTokenizer.from_pretrained(path)"
+                )
             self.snapshots.marks = message_ends(tokenizer)
         # the snapshots as they go to files and the second tier and come back, checked against the model's own states
         stateful = kinds.stateful(self.layer_kinds)
