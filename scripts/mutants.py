@@ -1148,6 +1148,14 @@ MUTATIONS = [
         ("tests/test_blocks_attention.py::test_reading_the_blocks_is_sdpa_over_the_whole_rows",),
         "a decode step's one read of every row attends with the default scale, not the model's",
     ),
+    Mutation(
+        "flex-bucket-blind-to-grad-mode",
+        "attention/flex_kernel.py",
+        "lse, modes)",
+        "lse)",
+        ("tests/test_flex.py::test_a_graph_compiled_under_no_grad_does_not_use_up_the_limit_of_a_pass_with_grad",),
+        "a pass with grad on a shape compiled under no_grad runs flex_attention eagerly past the recompile limit",
+    ),
 ]
 
 

@@ -189,7 +189,8 @@ def test_compiled_decode_matches_sdpa_and_the_blocks_reader(index: int) -> None:
     assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
     assert (out - blocks_reference(case, pool_k, pool_v)).abs().max().item() <= 1e-5
     # batches of 3 and 4 are padded to one bucket: one compile serves every case here
-    bucket = ("cpu", 4, 1, NUM_BLOCKS, BS, None, torch.float32, 4, KV_HEADS, DIM, False)
+    modes = (True, False, False)  # grad enabled, not inference mode, a query that needs no grad
+    bucket = ("cpu", 4, 1, NUM_BLOCKS, BS, None, torch.float32, 4, KV_HEADS, DIM, False, modes)
     assert bucket in flex_kernel._buckets
 
 
@@ -235,6 +236,30 @@ def test_a_shape_past_dynamos_recompile_limit_still_compiles(monkeypatch: pytest
             out = run(case, pool_k, pool_v, None)
         assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
     assert "flex_attention_performance" not in eager  # torch's warning that it ran the unfused eager version
+
+
+def test_a_graph_compiled_under_no_grad_does_not_use_up_the_limit_of_a_pass_with_grad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """generate compiles under no_grad; a scoring pass with grad on the same shape fails that graph's guard and
+    compiles its own, which must not be past the recompile limit (CI ran this test after such a generate)."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    eager: list[str] = []
+    monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    pool_k, pool_v = pools(6)
+    layout = dict(
+        DECODE_CASES[0], batch=2, lengths=[51, 23], pads=[0, 0], sharers=[True, True],
+        holes=False, window=None, group=2, scale=None, seed=11,
+    )  # fmt: skip
+    case = build(layout)
+    expected = reference(case, pool_k, pool_v, None, None)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+            with mode():
+                out = run(case, pool_k, pool_v, None)
+            assert (out.double() - expected).abs().max().item() <= 1e-5
+    assert "flex_attention_performance" not in eager
 
 
 def test_a_query_that_sees_no_held_column_takes_only_the_new_ones() -> None:

@@ -118,6 +118,15 @@ def can_serve(
     return True, "FlexAttention serves it"
 
 
+def _graphs_on_frame() -> int:
+    """The graphs dynamo holds on flex_attention's frame, which its recompile limit counts whatever guard made
+    each (torch's debug listing; this module's bucket count where a release lacks it)."""
+    listing = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if listing is None:
+        return len(_buckets)
+    return max(len(listing(flex_attention.__code__)), len(_buckets))
+
+
 def compiles() -> int:
     """How many shapes the compiled kernel was specialised for in this process (each cost one compile)."""
     return len(_buckets)
@@ -292,12 +301,16 @@ def _flex(
                 query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
             )
     else:
-        bucket = (*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse)
-        # every shape's graph hangs on flex_attention's one frame, where dynamo compiles at most
-        # config.recompile_limit (8) and runs the rest eagerly: a new shape raises that limit for its compile
-        limit = max(torch._dynamo.config.recompile_limit, len(_buckets) + 1)
+        # grad and inference mode are guards too: a graph compiled under generate's no_grad does not serve a
+        # scoring pass with grad, so each mode is its own bucket
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), query.requires_grad)
+        bucket = (*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse, modes)
+        # every bucket's graph hangs on flex_attention's one frame, where dynamo compiles at most
+        # config.recompile_limit (8) and runs the rest eagerly: a new bucket raises that limit for its compile
+        new = bucket not in _buckets
+        limit = max(torch._dynamo.config.recompile_limit, _graphs_on_frame() + 1) if new else 0
         try:
-            with torch._dynamo.config.patch(recompile_limit=limit) if bucket not in _buckets else nullcontext():
+            with torch._dynamo.config.patch(recompile_limit=limit) if new else nullcontext():
                 result = _compiled(
                     query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
                 )
