@@ -1156,6 +1156,14 @@ MUTATIONS = [
         ("tests/test_flex.py::test_a_graph_compiled_under_no_grad_does_not_use_up_the_limit_of_a_pass_with_grad",),
         "a pass with grad on a shape compiled under no_grad runs flex_attention eagerly past the recompile limit",
     ),
+    Mutation(
+        "flex-compiles-on-the-shared-frame",
+        "attention/flex_kernel.py",
+        "_compiled: Any = torch.compile(_flex_frame, dynamic=False)",
+        "_compiled: Any = torch.compile(flex_attention, dynamic=False)",
+        ("tests/test_flex.py::test_another_compile_of_flex_attention_past_its_limit_leaves_prefixkvs_compiled",),
+        "prefixkv's FlexAttention runs eagerly once another compile of flex_attention passed the recompile limit",
+    ),
 ]
 
 

@@ -262,6 +262,33 @@ def test_a_graph_compiled_under_no_grad_does_not_use_up_the_limit_of_a_pass_with
     assert "flex_attention_performance" not in eager
 
 
+def test_another_compile_of_flex_attention_past_its_limit_leaves_prefixkvs_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another compile of ``flex_attention`` in the process (transformers' flex models, a user's) that passes
+    dynamo's recompile limit leaves that function's frame eager for good; prefixkv's kernel compiles on a frame of
+    its own, so its buckets still compile (the full suite ran this file after such a compile and failed so)."""
+    import torch.nn.attention.flex_attention as torch_flex
+
+    others = torch.compile(torch_flex.flex_attention, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (1, 2):  # the second shape passes the limit of 1: the shared frame runs eagerly from now on
+            q = torch.randn(1, 2, 16 * n, DIM)
+            others(q, q, q)
+    eager: list[str] = []
+    monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    pool_k, pool_v = pools(8)
+    layout = dict(
+        DECODE_CASES[0], batch=2, lengths=[44, 61], pads=[0, 0], sharers=[True, True],
+        holes=False, window=None, group=2, scale=None, seed=13,
+    )  # fmt: skip
+    case = build(layout)
+    with torch.no_grad():
+        out = run(case, pool_k, pool_v, None)
+    assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
+    assert "flex_attention_performance" not in eager
+
+
 def test_a_query_that_sees_no_held_column_takes_only_the_new_ones() -> None:
     layout = dict(DECODE_CASES[0], prefill=True, q=3, holes=False, window=None, group=1, scale=None, seed=3)
     case = build(layout)

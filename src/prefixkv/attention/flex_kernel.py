@@ -59,7 +59,16 @@ __all__ = ["FlexPlan", "FlexUnavailable", "attend", "can_serve", "compiles", "pl
 # queries per tile of the BlockMask (FlexAttention's default); decode's single query sits in one tile
 Q_TILE = 128
 
-_compiled: Any = torch.compile(flex_attention, dynamic=False)
+
+def _flex_frame(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Any:
+    """``flex_attention`` called from a frame of prefixkv's own, which is what :data:`_compiled` compiles: dynamo
+    keeps graphs and counts recompiles per code object, and ``flex_attention``'s own frame is shared with every
+    other compile of it in the process (transformers' flex models, a user's): one that passed its recompile limit
+    there would leave that frame to run eagerly from then on, ours included, and ours would count against theirs."""
+    return flex_attention(query, key, value, **kwargs)
+
+
+_compiled: Any = torch.compile(_flex_frame, dynamic=False)
 _lock = threading.Lock()
 _buckets: set[tuple[Any, ...]] = set()  # the shapes compiled so far (one compile each)
 _failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why compiling failed there
@@ -119,12 +128,12 @@ def can_serve(
 
 
 def _graphs_on_frame() -> int:
-    """The graphs dynamo holds on flex_attention's frame, which its recompile limit counts whatever guard made
-    each (torch's debug listing; this module's bucket count where a release lacks it)."""
+    """The graphs dynamo holds on :func:`_flex_frame`, which its recompile limit counts whatever guard made each
+    (torch's debug listing; this module's bucket count where a release lacks it)."""
     listing = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if listing is None:
         return len(_buckets)
-    return max(len(listing(flex_attention.__code__)), len(_buckets))
+    return max(len(listing(_flex_frame.__code__)), len(_buckets))
 
 
 def compiles() -> int:
@@ -305,7 +314,7 @@ def _flex(
         # scoring pass with grad, so each mode is its own bucket
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), query.requires_grad)
         bucket = (*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse, modes)
-        # every bucket's graph hangs on flex_attention's one frame, where dynamo compiles at most
+        # every bucket's graph hangs on _flex_frame's one frame, where dynamo compiles at most
         # config.recompile_limit (8) and runs the rest eagerly: a new bucket raises that limit for its compile
         new = bucket not in _buckets
         limit = max(torch._dynamo.config.recompile_limit, _graphs_on_frame() + 1) if new else 0
