@@ -218,41 +218,47 @@ def test_the_compiled_buckets_stay_few() -> None:
     assert flex.compiles() - before <= 1  # 0 when the test above ran first in this process
 
 
-def test_a_shape_past_dynamos_recompile_limit_still_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every bucket compiles on flex_attention's one frame; past ``recompile_limit`` dynamo would run the next
-    shape eagerly (unfused, materialising the scores of the whole pool) unless the backend raises the limit."""
+def eager_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of torch's FlexAttention warnings from now on: ``"flex_attention_performance"`` says it ran the
+    unfused eager version (materialising the scores of the whole pool)."""
     import torch.nn.attention.flex_attention as torch_flex
 
     eager: list[str] = []
     monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    return eager
+
+
+def sharing_case(lengths: list[int], seed: int) -> dict[str, Any]:
+    """A decode step of ``len(lengths)`` rows that share their first block, no padding, no holes."""
+    batch = len(lengths)
+    layout = dict(
+        DECODE_CASES[0], batch=batch, lengths=lengths, pads=[0] * batch, sharers=[True] * batch,
+        holes=False, window=None, group=2, scale=None, seed=seed,
+    )  # fmt: skip
+    return build(layout)
+
+
+def test_a_shape_past_dynamos_recompile_limit_still_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bucket compiles on the kernel's one frame; past ``recompile_limit`` dynamo would run the next shape
+    eagerly unless the backend raises the limit."""
+    eager = eager_calls(monkeypatch)
     pool_k, pool_v = pools(5)
-    for batch, lengths in ((3, [70, 40, 9]), (1, [33])):  # buckets of 4 rows and of 1: two graphs
-        layout = dict(
-            DECODE_CASES[0], batch=batch, lengths=lengths, pads=[0] * batch, sharers=[True] * batch,
-            holes=False, window=None, group=2, scale=None, seed=batch,
-        )  # fmt: skip
-        case = build(layout)
+    for lengths in ([70, 40, 9], [33]):  # buckets of 4 rows and of 1: two graphs
+        case = sharing_case(lengths, seed=len(lengths))
         with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch's undo would delete the option)
             out = run(case, pool_k, pool_v, None)
         assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
-    assert "flex_attention_performance" not in eager  # torch's warning that it ran the unfused eager version
+    assert "flex_attention_performance" not in eager
 
 
 def test_a_graph_compiled_under_no_grad_does_not_use_up_the_limit_of_a_pass_with_grad(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """generate compiles under no_grad; a scoring pass with grad on the same shape fails that graph's guard and
-    compiles its own, which must not be past the recompile limit (CI ran this test after such a generate)."""
-    import torch.nn.attention.flex_attention as torch_flex
-
-    eager: list[str] = []
-    monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    compiles its own, which must not be past the recompile limit."""
+    eager = eager_calls(monkeypatch)
     pool_k, pool_v = pools(6)
-    layout = dict(
-        DECODE_CASES[0], batch=2, lengths=[51, 23], pads=[0, 0], sharers=[True, True],
-        holes=False, window=None, group=2, scale=None, seed=11,
-    )  # fmt: skip
-    case = build(layout)
+    case = sharing_case([51, 23], seed=11)
     expected = reference(case, pool_k, pool_v, None, None)
     with torch._dynamo.config.patch(recompile_limit=1):
         for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
@@ -275,14 +281,9 @@ def test_another_compile_of_flex_attention_past_its_limit_leaves_prefixkvs_compi
         for n in (1, 2):  # the second shape passes the limit of 1: the shared frame runs eagerly from now on
             q = torch.randn(1, 2, 16 * n, DIM)
             others(q, q, q)
-    eager: list[str] = []
-    monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
+    eager = eager_calls(monkeypatch)
     pool_k, pool_v = pools(8)
-    layout = dict(
-        DECODE_CASES[0], batch=2, lengths=[44, 61], pads=[0, 0], sharers=[True, True],
-        holes=False, window=None, group=2, scale=None, seed=13,
-    )  # fmt: skip
-    case = build(layout)
+    case = sharing_case([44, 61], seed=13)
     with torch.no_grad():
         out = run(case, pool_k, pool_v, None)
     assert (out.double() - reference(case, pool_k, pool_v, None, None)).abs().max().item() <= 1e-5
