@@ -113,6 +113,28 @@ def full_only(nodeid: str) -> str | None:
     return None
 
 
+def worker_threads(environ: dict[str, str] | os._Environ[str], cores: int) -> int | None:
+    """The intra-op threads each pytest-xdist worker takes: the machine's ``cores`` shared among the workers
+    (``PYTEST_XDIST_WORKER_COUNT``), at least 1; ``None`` outside xdist, or where ``OMP_NUM_THREADS`` says already.
+    Without it every worker takes every core, and ``-n 2`` on 2 cores runs four threads at once, slower than one
+    process."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None or environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cores // int(workers))
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = worker_threads(os.environ, available_cores())
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without ``PREFIXKV_FULL=1``, leave out the tests marked ``slow`` and those of :data:`FULL_ONLY`."""
     if FULL:

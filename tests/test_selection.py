@@ -14,6 +14,7 @@ from typing import Any
 
 import conftest
 import pytest
+import torch
 from conftest import FULL_ONLY, full_only
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +100,15 @@ def test_the_quick_run_deselects_the_slow_and_the_full_only(full: bool, monkeypa
     else:
         assert [i.nodeid for i in kept] == [items[0].nodeid, items[4].nodeid]
         assert config.deselected == items[1:4]
+
+
+def test_xdist_workers_share_the_cores_unless_omp_num_threads_says() -> None:
+    worker_threads = conftest.worker_threads
+    assert worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2"}, 2) == 1
+    assert worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2"}, 16) == 8
+    assert worker_threads({"PYTEST_XDIST_WORKER_COUNT": "4"}, 2) == 1  # at least one
+    assert worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2", "OMP_NUM_THREADS": "3"}, 16) is None
+    assert worker_threads({}, 16) is None  # one process: torch's own default
+    expected = worker_threads(os.environ, conftest.available_cores())
+    if expected is not None:  # this run is an xdist worker without OMP_NUM_THREADS: it took its share
+        assert torch.get_num_threads() == expected
