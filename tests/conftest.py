@@ -25,7 +25,7 @@ import gc
 import inspect
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ def full_only(nodeid: str) -> str | None:
     return None
 
 
-def worker_threads(environ: dict[str, str] | os._Environ[str], cores: int) -> int | None:
+def worker_threads(environ: Mapping[str, str], cores: int) -> int | None:
     """The intra-op threads each pytest-xdist worker takes: the machine's ``cores`` shared among the workers
     (``PYTEST_XDIST_WORKER_COUNT``), at least 1; ``None`` outside xdist, or where ``OMP_NUM_THREADS`` says already.
     Without it every worker takes every core, and ``-n 2`` on 2 cores runs four threads at once, slower than one

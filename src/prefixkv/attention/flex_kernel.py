@@ -316,10 +316,14 @@ def _flex(
         bucket = (*reads.key, query.dtype, query.shape[1], key.shape[1], query.shape[3], lse, modes)
         # every bucket's graph hangs on _flex_frame's one frame, where dynamo compiles at most
         # config.recompile_limit (8) and runs the rest eagerly: a new bucket raises that limit for its compile
-        new = bucket not in _buckets
-        limit = max(torch._dynamo.config.recompile_limit, _graphs_on_frame() + 1) if new else 0
+        config = torch._dynamo.config
+        raised = (
+            config.patch(recompile_limit=max(config.recompile_limit, _graphs_on_frame() + 1))
+            if bucket not in _buckets
+            else nullcontext()
+        )
         try:
-            with torch._dynamo.config.patch(recompile_limit=limit) if new else nullcontext():
+            with raised:
                 result = _compiled(
                     query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
                 )
