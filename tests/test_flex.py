@@ -220,9 +220,13 @@ def test_the_compiled_buckets_stay_few() -> None:
 
 def eager_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The ids of torch's FlexAttention warnings from now on: ``"flex_attention_performance"`` says it ran the
-    unfused eager version (materialising the scores of the whole pool)."""
+    unfused eager version (materialising the scores of the whole pool). The kernel's frame starts fresh: no graphs,
+    no buckets, as in a new process. What earlier tests in this worker left on it does not count (under the full
+    suite's ``-n 2`` some worker's history left it running eagerly, not yet explained)."""
     import torch.nn.attention.flex_attention as torch_flex
 
+    torch._dynamo.reset_code(flex_kernel._flex_frame.__code__)
+    monkeypatch.setattr(flex_kernel, "_buckets", set())
     eager: list[str] = []
     monkeypatch.setattr(torch_flex, "_warn_once", lambda warning_id, **_: eager.append(warning_id))
     return eager
