@@ -183,6 +183,22 @@ MUTATIONS = [
         "each cache decides its backend again: an invariant or 8-bit store says 'gather' and reads the blocks in place",
     ),
     Mutation(
+        "whole-rows-index-kept-across-changed-tables",
+        "attention/reader.py",
+        "t[: len(old)] != old for t, old in zip(tables, self._tables)",
+        "len(t) < len(old) for t, old in zip(tables, self._tables)",
+        ("tests/test_generate_core.py::test_the_whole_row_index_is_the_slot_table_of_every_layout_it_is_given",),
+        "a row whose block was replaced (a copy on write) keeps reading the old block's slots",
+    ),
+    Mutation(
+        "whole-rows-index-fills-the-step-one-column-late",
+        "attention/reader.py",
+        "            index[:, filled:columns] = new\n",
+        "            index[:, filled + 1 : columns + 1] = new\n",
+        ("tests/test_generate_core.py",),
+        "a decode step's own slot lands one column past where the read looks: it reads the null block",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

@@ -3,12 +3,15 @@ generate with DynamicCache (within 1e-6) and the same tokens, while the warm pre
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import SPELLINGS, cache_kw, compare, left_pad, random_tokens
 
 import prefixkv
 from prefixkv.attention.reader import WholeRows
+from prefixkv.base.slots import slot_table
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 TOL = 1e-6
@@ -164,25 +167,62 @@ def test_pool_grows_on_demand_from_a_small_start(model: object) -> None:
 
 
 @pytest.mark.parametrize("pads", [(0, 8), (0, 5)], ids=["whole-block-padding", "part-block-padding"])
-def test_both_gather_paths_match_stock_and_padding_is_never_stored(model: object, pads: tuple[int, int]) -> None:
-    store = prefixkv.PrefixStore(model, block_size=4)
+def test_whole_rows_under_padding_match_stock_and_padding_is_never_stored(model: object, pads: tuple[int, int]) -> None:
+    store = prefixkv.PrefixStore(model, block_size=4, attention="gather")
     system = random_tokens(24, seed=15)
     compare(model, store, torch.cat([system, random_tokens(3, seed=16)])[None])
     long = torch.cat([system, random_tokens(10, seed=17)])
     ids, mask = left_pad([long, long[pads[1] :]])
     cache = prefixkv.PagedPrefixCache(store, ids, mask)
+    rows = cache._rowset.rows
     whole = WholeRows(store.blocks.gather, 4)
-    whole.begin(
-        [row.pad for row in cache._rowset.rows], [row.table for row in cache._rowset.rows], cache.get_seq_length()
-    )
-    aligned = whole.by_table
-    assert aligned == (pads[1] % 4 == 0)
+    length = cache.get_seq_length()
+    whole.begin([row.pad for row in rows], [row.table for row in rows], length)
+    index = whole.index(torch.device("cpu"))
+    assert index.shape == (2, length) and [row.pad for row in rows] == [0, pads[1]]
+    assert not index[1, : pads[1]].any(), "a pad column must read the null block"
+    assert index.tolist() == [
+        ([0] * row.pad + [b * 4 + o for b in row.table for o in range(4)])[:length] for row in rows
+    ]
     cache.close()
     result = compare(model, store, ids, mask)
     assert result.same_tokens and result.max_diff <= TOL
     for keys, values in zip(store.pool.keys, store.pool.values):
         assert not keys[:, 0].any() and not values[:, 0].any(), "padding K/V leaked into the null block"
     store.close()
+
+
+def test_the_whole_row_index_is_the_slot_table_of_every_layout_it_is_given() -> None:
+    """The index WholeRows keeps, filled a few columns at a time while the rows grow and built anew when they change,
+    is at every step the slot table of the layout it was given (the rule it caches)."""
+    rng = random.Random(3)
+    whole = WholeRows(lambda *a, **k: (torch.empty(0), torch.empty(0)), 4)
+    pads, tables, length = [0, 3], [[5], [7]], 4
+    for step in range(200):
+        change = rng.random()
+        if change < 0.6:  # a decode step: one more column, a new block where it crosses one
+            length += 1
+            for pad, table in zip(pads, tables):
+                if len(table) * 4 < length - pad:
+                    table.append(rng.randrange(8, 99))
+        elif change < 0.7:  # a block of a row replaced (a copy on write, a truncation and new claim)
+            row = rng.randrange(len(tables))
+            tables[row][rng.randrange(len(tables[row]))] = rng.randrange(8, 99)
+        elif change < 0.8:  # columns dropped
+            length = max(max(pads) + 1, length - rng.randrange(1, 6))
+            tables = [t[: -(-(length - p) // 4)] for p, t in zip(pads, tables)]
+        elif change < 0.9:  # other padding
+            pads = [0] + [rng.randrange(0, 6) for _ in pads[1:]]
+            length = max(length, max(pads) + 1)
+            tables = [
+                t + [rng.randrange(8, 99) for _ in range(-(-(length - p) // 4) - len(t))] for p, t in zip(pads, tables)
+            ]
+        else:  # a row fewer or more
+            pads, tables = (
+                (pads[:1], tables[:1]) if len(pads) == 2 else ([*pads, 1], [*tables, [9] * -(-(length - 1) // 4)])
+            )
+        whole.begin(list(pads), [list(t) for t in tables], length)
+        assert whole.index(torch.device("cpu")).tolist() == slot_table(pads, tables, 0, length, 4).tolist(), step
 
 
 def test_the_last_sharer_of_a_part_block_writes_in_place(model: object) -> None:

@@ -18,61 +18,85 @@ Gather = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class WholeRows:
-    """Reads every row's whole K/V of a layer out of the pool, ``[B, kv_heads, columns, head_dim]``, through the
-    store's ``gather`` (which holds its lock): by a block table when every row's padding is whole blocks, else by
-    slots. :meth:`begin` takes each forward's layout; the index tensor is built on the first read that needs it
-    and kept while the layout stays the same (checked against a copy, so a change needs no notice)."""
+    """Reads every row's whole K/V of a layer out of the pool, ``[B, kv_heads, columns, head_dim]``, by slots: one
+    ``index_select`` a tensor over the layer's slot views (a quantized pool's codes go through the store's ``gather``,
+    which holds its lock and dequantizes). :meth:`begin` takes each forward's layout; the slot index
+    (:func:`prefixkv.base.slots.slot_table`) is kept per device and only its new columns are filled while the rows
+    keep their padding and their tables only grow, as a decode step's do (checked against a copy, so a change needs no
+    notice: anything else builds it anew)."""
 
     def __init__(self, gather: Gather, block_size: int) -> None:
         self._gather_kv = gather
         self._bs = block_size
-        self._layout: tuple[list[int], list[list[int]], int] = ([], [], 0)
-        self._by_table = False
-        self._built: dict[torch.device, torch.Tensor] = {}
+        self._pads: list[int] = []
+        self._tables: list[list[int]] = []  # each row's blocks when the index was last filled
+        self._index: dict[torch.device, torch.Tensor] = {}  # [B, capacity] slots; columns [0, _filled) are set
+        self._filled: dict[torch.device, int] = {}
         self._columns = 0
+        self._new: torch.Tensor | None = None  # the forward's own columns' slots, [B, q], which end at _columns
         self._next: tuple[list[int], list[list[int]], int] | None = None
 
-    def begin(self, pads: list[int], tables: list[list[int]], length: int) -> None:
-        """The layout of the forward about to run, looked at only if the forward reads whole rows. Mutates."""
-        self._next = (pads, tables, length)
+    def begin(self, pads: list[int], tables: list[list[int]], length: int, new: torch.Tensor | None = None) -> None:
+        """The layout of the forward about to run, looked at only if the forward reads whole rows; ``new``: the
+        slots of the columns it feeds (``[B, q]``, the last of its ``length``), where the rows have them already.
+        Mutates."""
+        self._next, self._new = (pads, tables, length), new
 
     def _settle(self) -> None:
-        """Take the layout :meth:`begin` was given, keeping what was built for an equal one. Mutates."""
+        """Take the layout :meth:`begin` was given, keeping the columns already indexed where the rows kept their
+        padding and their tables grew only. Mutates."""
         if self._next is None:
             return
         (pads, tables, length), self._next = self._next, None
-        bs = self._bs
-        by_table = bool(tables) and all(p % bs == 0 for p in pads)
-        # a block table depends on the blocks the columns span, a slot table on the columns themselves
-        extent = -(-length // bs) if by_table else length
-        layout = (list(pads), [list(t) for t in tables], extent)
-        if layout != self._layout or by_table != self._by_table:
-            self._layout, self._by_table, self._built = layout, by_table, {}
+        if (
+            pads != self._pads
+            or len(tables) != len(self._tables)
+            or any(t[: len(old)] != old for t, old in zip(tables, self._tables))
+        ):
+            self._index, self._filled, self._pads = {}, {}, list(pads)
+        self._tables = [list(t) for t in tables]
         self._columns = length
 
-    @property
-    def by_table(self) -> bool:
-        """Whether this forward reads by a block table (every row's padding is whole blocks), else by slots."""
+    def index(self, device: torch.device) -> torch.Tensor:
+        """``[B, columns]`` pool slots of every row's columns of the forward, on ``device`` (pad columns: slot 0).
+        Mutates only what it keeps."""
         self._settle()
-        return self._by_table
+        columns, filled = self._columns, self._filled.get(device, 0)
+        index = self._index.get(device)
+        if index is None or index.shape[1] < columns:
+            width = max(columns, 64, 0 if index is None else 2 * index.shape[1])
+            grown = torch.zeros((len(self._tables), width), dtype=torch.long, device=device)
+            if index is not None and filled:
+                grown[:, :filled] = index[:, :filled]
+            index = self._index[device] = grown
+        new = self._new
+        if new is not None and filled == columns - new.shape[1] and filled < columns:  # a step: its own slots
+            index[:, filled:columns] = new
+            self._filled[device] = columns
+        elif filled < columns:
+            index[:, filled:columns] = slot_table(self._pads, self._tables, filled, columns, self._bs).to(device)
+            # a column past a row's blocks reads slot 0 now, and may lie in blocks the row claims later
+            held = min((p + len(t) * self._bs for p, t in zip(self._pads, self._tables)), default=columns)
+            self._filled[device] = min(columns, held)
+        return index[:, :columns]
 
-    def read(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's K/V of ``layer`` over the forward's columns. Mutates only what it keeps."""
-        self._settle()
-        table = self._built.get(device)
-        if table is None:
-            table = self._built[device] = self._table().to(device)
-        if self._by_table:
-            return self._gather_kv(layer, table=table, length=self._columns)
-        return self._gather_kv(layer, slots=table)
-
-    def _table(self) -> torch.Tensor:
-        bs = self._bs
-        pads, tables, extent = self._layout
-        if self._by_table:
-            lists = [[0] * (p // bs) + t for p, t in zip(pads, tables)]
-            return torch.tensor([t[:extent] + [0] * (extent - len(t)) for t in lists], dtype=torch.long)
-        return slot_table(pads, tables, 0, extent, bs)
+    def read(
+        self, layer: int, views: tuple[torch.Tensor, torch.Tensor], quantized: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V of ``layer`` over the forward's columns, from ``views`` (the layer's K and V by slot,
+        :meth:`prefixkv.kv.pool.BlockPool.slots`, on the device they lie on), or through the store's ``gather``
+        where the pool is ``quantized``. A lone row's are contiguous. Mutates only what it keeps."""
+        k, v = views
+        index = self.index(k.device)
+        if quantized:
+            return self._gather_kv(layer, slots=index)
+        rows, columns = index.shape
+        if rows == 1:
+            return k.index_select(1, index[0])[None], v.index_select(1, index[0])[None]
+        flat = index.reshape(-1)
+        return tuple(  # type: ignore[return-value]
+            t.index_select(1, flat).view(t.shape[0], rows, columns, t.shape[2]).transpose(0, 1) for t in (k, v)
+        )
 
 
 class Reader:
@@ -92,23 +116,31 @@ class Reader:
         self._backend = registry.build(settings.backend, settings.block_size)
         self._run: tuple[int, int, int] | None = None  # a lone row's consecutive blocks: first, count, columns
         self._whole_rows_only = shapes_differ(pool)  # K and V of other shapes: the backends read one head size
+        self._reads: ForwardReads | None = None  # the plan of the forward now: its slot views are what reads read
 
-    def plan(self, pads: list[int], tables: list[list[int]], start: int, q: int) -> ForwardReads:
+    def plan(
+        self, pads: list[int], tables: list[list[int]], start: int, q: int, new: torch.Tensor | None = None
+    ) -> ForwardReads:
         """The read plan of a forward feeding ``q`` columns after ``start`` (docs/how-it-works.md, "Attention reads
-        the blocks"), once per forward. Mutates only what the reader keeps between forwards."""
-        self._whole.begin(pads, tables, start + q)
+        the blocks"), whose slots are ``new`` (``[B, q]``, where the caller has them), once per forward. Mutates
+        only what the reader keeps between forwards."""
+        self._whole.begin(pads, tables, start + q, new)
         gather = self._gather
         if torch.is_autocast_enabled(self._pool.specs[0].device.type):  # torch's own query: once a step, no hop
             # under torch.autocast the model's own attention, on whole rows in the dtypes the layers handed over,
             # computes what it computes without a cache (docs/correctness.md, "Autocast")
             self._run = None
-            return ForwardReads(self._pool, start + q, gather, in_place=False)
+            return self._planned(ForwardReads(self._pool, start + q, gather, in_place=False))
         if self._backend.name == "gather" or not serves(self._model) or self._whole_rows_only:
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
-            return ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical)
+            return self._planned(ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical))
         layout = Layout(self._pool, pads, tables, start, q, self._bs, gather)
-        return self._backend.plan(layout, probe=not verified(self._model))
+        return self._planned(self._backend.plan(layout, probe=not verified(self._model)))
+
+    def _planned(self, reads: ForwardReads) -> ForwardReads:
+        self._reads = reads
+        return reads
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool; in an
@@ -120,7 +152,10 @@ class Reader:
             k, v = (t[:, first : first + count] for t in self._pool.kv(layer))
             k, v = (t.reshape(t.shape[0], -1, t.shape[3]) for t in (k, v))
             return k[None, :, :columns], v[None, :, :columns]
-        return self._whole.read(layer, self._pool.specs[layer].device)
+        reads = self._reads
+        assert reads is not None  # a forward's reads come after its plan
+        # the plan's views: a write that found the pool grown since the step began refreshed them
+        return self._whole.read(layer, reads.views[layer], self._pool.kv_dtype is not None)
 
 
 def _lone_run(

@@ -143,7 +143,8 @@ class Forward:
             self.step = begin_step(held, self.store.blocks, self._tables, forward, start)
             return
         moves = self.store.blocks.pool.moves  # before the plan takes the pool's views: a growth after it is seen
-        self._reads = self._reader.plan([r.pad for r in held.rows], [r.table for r in held.rows], start, q)
+        rows = held.rows
+        self._reads = self._reader.plan([r.pad for r in rows], [r.table for r in rows], start, q, held.new)
         self._reads.moves = moves
         if held.space is not self._space:  # the key space's autocast, read again only where the space changed
             self._space, self._autocast = held.space, autocast_in(held.space)
