@@ -6,10 +6,12 @@ the tokens that request generated after it, so the row's own blocks lie apart fr
 and few-shot case). Run: ``python benchmarks/decode.py [--size 100m]``.
 
 ``--host`` measures the host-side overhead of a decode step instead (docs/benchmarks.md, "Decode host overhead"):
-ms per step of ``DynamicCache`` on a copy of the model without a store, and of prefixkv with the ``"blocks"`` and
-the ``"gather"`` backends (each on its own copy), at batch 1 and 8, on the 2-layer embedded model and the demo's
-4-layer one, where a step is bound by Python and kernel launches as a GPU's is; every prompt is a shared prefix
-(cached after the first call) and tokens of its own, as in ``python -m prefixkv demo --small``."""
+ms per step of ``DynamicCache`` on a copy of the model without a store, of the floor of paged storage
+(:class:`PagedFloor`: a pool written and read as prefixkv's step does, without its bookkeeping), and of prefixkv
+with the ``"blocks"`` and the ``"gather"`` backends (each on its own copy), at batch 1 and 8, on the 2-layer
+embedded model and the demo's 4-layer one, where a step is bound by Python and kernel launches as a GPU's is;
+every prompt is a shared prefix (cached after the first call) and tokens of its own, as in ``python -m prefixkv
+demo --small``."""
 
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def decode_ms(
     cache: Any = None
     if variant == "dynamic":
         kwargs["cache"] = DynamicCache(config=model.config)
+    elif variant == "floor":
+        kwargs["cache"] = PagedFloor(model.config, ids.shape[0], ids.shape[1] + new)
     elif variant == "static":
         kwargs["cache_implementation"] = "static"
     else:
@@ -152,7 +156,42 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
-HOST_VARIANTS = ("dynamic", "blocks", "gather")
+HOST_VARIANTS = ("dynamic", "floor", "blocks", "gather")
+
+
+class PagedFloor(DynamicCache):
+    """The floor of paged storage: each layer's K/V kept by slot in one pool tensor per layer (``[kv_heads, slots,
+    head_dim]``, each row's columns in slots of its own), a step's K/V written with ``index_copy_`` and every row's
+    whole K/V handed out by ``index_select``, as prefixkv's steady decode step writes and reads them, with none of
+    its bookkeeping (no blocks, tables, sharing, proof or plan). What it costs over ``DynamicCache`` is what storing
+    K/V in a pool costs itself; prefixkv's cost over it is its bookkeeping."""
+
+    def __init__(self, config: Any, rows: int, capacity: int = 1024) -> None:
+        super().__init__(config=config)
+        self._pools: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._slots = torch.arange(rows * capacity).view(rows, capacity) + 16  # 16: a null block's room
+        self._length = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, heads, q, dim = key_states.shape
+        if layer_idx == len(self._pools):
+            size = self._slots.numel() + 16
+            self._pools.append((key_states.new_zeros(heads, size, dim), value_states.new_zeros(heads, size, dim)))
+        if layer_idx == 0:
+            self._length += q
+        new = self._slots[:, self._length - q : self._length].reshape(-1)
+        index = self._slots[:, : self._length]
+        out = []
+        for pool, states in zip(self._pools[layer_idx], (key_states, value_states)):
+            pool.index_copy_(1, new, states.transpose(0, 1).reshape(heads, rows * q, dim))
+            taken = pool.index_select(1, index.reshape(-1)).view(heads, rows, self._length, dim)
+            out.append(taken.transpose(0, 1).contiguous())
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self._length
 
 
 def host_overhead(sizes: list[str], batches: list[int], prompt: int, new: int, repeat: int) -> dict[str, Any]:
@@ -163,16 +202,16 @@ def host_overhead(sizes: list[str], batches: list[int], prompt: int, new: int, r
     for size in sizes:
         model = model_for(size)
         copies = {name: copy.deepcopy(model) for name in HOST_VARIANTS}  # before any store: no hooks on them
-        stores = {name: prefixkv.PrefixStore(copies[name], block_size=16, attention=name) for name in HOST_VARIANTS[1:]}
+        stores = {name: prefixkv.PrefixStore(copies[name], block_size=16, attention=name) for name in HOST_VARIANTS[2:]}
         vocab = model.config.vocab_size
         for b in batches:
             prefix = tokens(prompt - 16, vocab, seed=1)
             samples: dict[str, list[float]] = {name: [] for name in HOST_VARIANTS}
             for i in range(repeat + 1):  # the first round warms the stores and the allocator
                 ids = torch.stack([torch.cat([prefix, tokens(16, vocab, seed=1000 * i + r)]) for r in range(b)])
-                order = list(HOST_VARIANTS[i % 3 :] + HOST_VARIANTS[: i % 3])
-                for name in order:
-                    variant = "dynamic" if name == "dynamic" else "prefixkv"
+                turn = i % len(HOST_VARIANTS)
+                for name in HOST_VARIANTS[turn:] + HOST_VARIANTS[:turn]:
+                    variant = name if name in ("dynamic", "floor") else "prefixkv"
                     ms = decode_ms(copies[name], ids, new, variant, stores.get(name))
                     if i:
                         samples[name].append(ms)
@@ -183,12 +222,14 @@ def host_overhead(sizes: list[str], batches: list[int], prompt: int, new: int, r
 
 
 def host_report(result: dict[str, Any]) -> str:
+    names = ("floor", "blocks", "gather")
     out = [
-        [r["size"], r["batch"], f"{r['dynamic']:.3f}", f"{r['blocks']:.3f}", f"{r['gather']:.3f}",
-         f"{r['blocks'] / r['dynamic']:.2f}x", f"{r['gather'] / r['dynamic']:.2f}x"]
+        [r["size"], r["batch"], f"{r['dynamic']:.3f}", *(f"{r[n]:.3f}" for n in names),
+         *(f"{r[n] / r['dynamic']:.2f}x" for n in names)]
         for r in result["rows"]
     ]  # fmt: skip
-    header = ["model", "batch", "Dynamic", "blocks", "gather", "blocks / Dynamic", "gather / Dynamic"]
+    header = ["model", "batch", "Dynamic", "floor", "blocks", "gather", "floor / Dynamic", "blocks / Dynamic",
+              "gather / Dynamic"]  # fmt: skip
     return (
         f"Decode milliseconds per step, {result['prompt']}-token prompts on a shared prefix, "
         f"{result['new_tokens']} new tokens:\n\n" + table(header, out)

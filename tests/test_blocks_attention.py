@@ -200,6 +200,9 @@ def test_a_batch_prefilled_together_decodes_as_one_strided_view(monkeypatch: pyt
         return planned
 
     monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
+    folds: list[bool] = []
+    lone_fold = prefixkv.attention.planner.lone_fold
+    monkeypatch.setattr(prefixkv.attention.planner, "lone_fold", lambda *a: folds.append(lone_fold(*a)) or folds[-1])
     for seed in (1, 2):  # a fresh store, then one whose pool holds what the first call published
         steps.clear()
         ids = torch.stack([random_tokens(18, seed=10 * seed + r) for r in range(3)])
@@ -258,8 +261,9 @@ def test_short_rows_are_one_gather_rather_than_parts_to_merge() -> None:
 def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pytest.MonkeyPatch, dtype, fold) -> None:
     # the first call publishes the block holding the prompt's end and its first generated tokens; a second call
     # on that prompt reuses the prefix and gets a block of its own after it: every decode step reads two views,
-    # merged by their log-sum-exps (rows too long to fold), or one gather of both (fold). Then an ordinary request
-    # reuses what that call published
+    # merged by their log-sum-exps (rows too long to fold), or one gather of both (fold), which a lone row reads
+    # as whole rows for the model's own attention, without a plan of the blocks. Then an ordinary request reuses
+    # what that call published
     model = prefixkv.models.tiny_model("llama", dtype=dtype)
     store = prefixkv.PrefixStore(model, block_size=4)
     plans: list[list[tuple]] = []
@@ -272,18 +276,26 @@ def test_a_warm_row_whose_own_blocks_lie_apart_decodes_as_stock(monkeypatch: pyt
         return planned
 
     monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
+    folds: list[bool] = []
+    lone_fold = prefixkv.attention.planner.lone_fold
+    monkeypatch.setattr(prefixkv.attention.planner, "lone_fold", lambda *a: folds.append(lone_fold(*a)) or folds[-1])
     if not fold:
         monkeypatch.setattr(prefixkv.attention.planner, "_FOLD_TOKENS", 0)
-    expected = [((0,), False)] if fold else [((0,), True), ((0,), True)]
+    expected = [((0,), True), ((0,), True)]
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     ids = random_tokens(23, seed=7)[None]
     for call in range(3):
         plans.clear()
+        folds.clear()
         result = compare(model, store, ids, max_new_tokens=12)
         assert result.same_tokens and result.max_diff <= tolerance, (call, result.max_diff)
         if call:
             assert result.cache.stats.cached_tokens >= 20
-            assert any(plan == expected for plan in plans)
+            if fold:  # a decode step the blocks would read in one gather: whole rows, and no plan of the blocks
+                assert folds.count(True) >= 8, (folds, plans)
+                assert [((0,), False)] not in plans, "the planner folded a lone row's step"
+            else:
+                assert any(plan == expected for plan in plans) and not any(folds)
     result = compare(model, store, torch.cat([ids[0], random_tokens(6, seed=8)])[None], max_new_tokens=6)
     assert result.same_tokens and result.max_diff <= tolerance
     store.close()
@@ -487,6 +499,9 @@ def test_eight_rows_on_one_warm_prefix_read_it_once_a_step_and_decode_as_stock(m
         return planned
 
     monkeypatch.setattr(prefixkv.attention.planner, "plan_reads", recording)
+    folds: list[bool] = []
+    lone_fold = prefixkv.attention.planner.lone_fold
+    monkeypatch.setattr(prefixkv.attention.planner, "lone_fold", lambda *a: folds.append(lone_fold(*a)) or folds[-1])
     ids = torch.stack([torch.cat([prefix, random_tokens(6, seed=50 + r)]) for r in range(8)])
     result = compare(model, store, ids, max_new_tokens=10)
     assert result.same_tokens and result.max_diff <= 1e-10

@@ -10,7 +10,7 @@ import torch
 
 from ..base.settings import StoreSettings
 from ..base.slots import slot_table
-from . import registry
+from . import planner, registry
 from .interface import READ_DEVICES, serves, verified
 from .reads import ForwardReads, Layout, PoolView, shapes_differ
 
@@ -33,6 +33,7 @@ class WholeRows:
         self._index: dict[torch.device, torch.Tensor] = {}  # [B, capacity] slots; columns [0, _filled) are set
         self._filled: dict[torch.device, int] = {}
         self._columns = 0
+        self._now: dict[torch.device, torch.Tensor] = {}  # the forward's index per device, once filled
         self._new: torch.Tensor | None = None  # the forward's own columns' slots, [B, q], which end at _columns
         self._next: tuple[list[int], list[list[int]], int] | None = None
 
@@ -56,11 +57,15 @@ class WholeRows:
             self._index, self._filled, self._pads = {}, {}, list(pads)
         self._tables = [list(t) for t in tables]
         self._columns = length
+        self._now = {}
 
     def index(self, device: torch.device) -> torch.Tensor:
         """``[B, columns]`` pool slots of every row's columns of the forward, on ``device`` (pad columns: slot 0).
         Mutates only what it keeps."""
         self._settle()
+        now = self._now.get(device)
+        if now is not None:  # the forward's later layers
+            return now
         columns, filled = self._columns, self._filled.get(device, 0)
         index = self._index.get(device)
         if index is None or index.shape[1] < columns:
@@ -78,7 +83,8 @@ class WholeRows:
             # a column past a row's blocks reads slot 0 now, and may lie in blocks the row claims later
             held = min((p + len(t) * self._bs for p, t in zip(self._pads, self._tables)), default=columns)
             self._filled[device] = min(columns, held)
-        return index[:, :columns]
+        now = self._now[device] = index[:, :columns]
+        return now
 
     def read(
         self, layer: int, views: tuple[torch.Tensor, torch.Tensor], quantized: bool
@@ -91,9 +97,9 @@ class WholeRows:
         if quantized:
             return self._gather_kv(layer, slots=index)
         rows, columns = index.shape
+        flat = index.view(-1) if rows == 1 else index.reshape(-1)
         if rows == 1:
-            return k.index_select(1, index[0])[None], v.index_select(1, index[0])[None]
-        flat = index.reshape(-1)
+            return k.index_select(1, flat)[None], v.index_select(1, flat)[None]
         return tuple(  # type: ignore[return-value]
             t.index_select(1, flat).view(t.shape[0], rows, columns, t.shape[2]).transpose(0, 1) for t in (k, v)
         )
@@ -131,7 +137,11 @@ class Reader:
             # computes what it computes without a cache (docs/correctness.md, "Autocast")
             self._run = None
             return self._planned(ForwardReads(self._pool, start + q, gather, in_place=False))
-        if self._backend.name == "gather" or not serves(self._model) or self._whole_rows_only:
+        # a lone row's decode step that the blocks would read in one gather (planner.lone_fold) reads the same
+        # gather as whole rows for the model's own attention: no plan, no kernel of ours, the same copy
+        # (docs/how-it-works.md, "Attention reads the blocks")
+        folds = self._backend.name == "blocks" and planner.lone_fold(pads, tables, start, q, self._bs)
+        if self._backend.name == "gather" or folds or not serves(self._model) or self._whole_rows_only:
             canonical = self._invariant and serves(self._model)
             self._run = _lone_run(self._pool, pads, tables, start + q, self._bs) if canonical else None
             return self._planned(ForwardReads(self._pool, start + q, gather, in_place=False, canonical=canonical))

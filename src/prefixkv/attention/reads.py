@@ -146,6 +146,8 @@ class ForwardReads:
         # where another thread's growth moved the pool meanwhile, prefixkv.hf.forward.write_layer)
         self.views: list[tuple[torch.Tensor, torch.Tensor]] = [pool.slots(layer) for layer in range(len(pool.specs))]
         self.moves = -1
+        # the step's new slots, flat, per device (set by the cache's first write on that device)
+        self.new_slots: dict[torch.device, torch.Tensor] = {}
         self.columns = columns
         self.gather = gather
         self.probe = probe

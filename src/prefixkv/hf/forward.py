@@ -309,9 +309,14 @@ def write_layer(
         # the decode step's write, into the slot views the plan took at the step's begin: no lock, no call into
         # the pool, as BlockPool.write_unlocked writes ([B, H, q, D] -> [H, B*q, D], a view for a decode step)
         k, v = plan.views[layer_idx]
-        slots = held.new.reshape(-1).to(device)
-        k.index_copy_(1, slots, key_states.detach().transpose(0, 1).reshape(k.shape[0], -1, k.shape[2]).to(k.dtype))
-        v.index_copy_(1, slots, value_states.detach().transpose(0, 1).reshape(v.shape[0], -1, v.shape[2]).to(v.dtype))
+        slots = plan.new_slots.get(device)
+        if slots is None:  # the step's slots, flat, on each device once
+            slots = plan.new_slots[device] = held.new.reshape(-1).to(device)
+        for pool_t, t in ((k, key_states), (v, value_states)):
+            if t.requires_grad:
+                t = t.detach()
+            t = t.transpose(0, 1).reshape(pool_t.shape[0], -1, pool_t.shape[2])
+            pool_t.index_copy_(1, slots, t if t.dtype == pool_t.dtype else t.to(pool_t.dtype))
         landed = not pool.growing and pool.moves == plan.moves
     else:
         keep = None if held.keep is None else held.keep.to(device)
@@ -328,7 +333,8 @@ def write_layer(
         hand_out(plan, layer_idx, key_states)
         return key_states, value_states
     keys, values = plan.gather(layer_idx)
-    if not plan.canonical:  # contiguous, as a DynamicCache hands them out: a model's own attention may .view them
+    if not plan.canonical and not (keys.is_contiguous() and values.is_contiguous()):
+        # contiguous, as a DynamicCache hands them out: a model's own attention may .view them
         keys, values = keys.contiguous(), values.contiguous()
     if keys.dtype != key_states.dtype:
         keys, values = keys.to(key_states.dtype), values.to(value_states.dtype)
