@@ -199,6 +199,14 @@ MUTATIONS = [
         "a decode step's own slot lands one column past where the read looks: it reads the null block",
     ),
     Mutation(
+        "lone-fold-past-the-fold-limit",
+        "attention/planner.py",
+        "    if held <= 0 or held > _FOLD_TOKENS:\n",
+        "    if held <= 0:\n",
+        ("tests/test_blocks_attention.py::test_a_lone_fold_is_exactly_a_step_the_planner_reads_in_one_gather",),
+        "a long lone row read in place by views is copied out whole at every step instead",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import compare, random_tokens
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import prefixkv
 from prefixkv.attention import blocks, gather, interface, kernels, reads, registry
 from prefixkv.attention.blocks import BlocksForward
-from prefixkv.attention.planner import plan_reads, table_runs
+from prefixkv.attention.planner import lone_fold, plan_reads, table_runs
 from prefixkv.base.slots import slot_view
 
 
@@ -517,6 +517,36 @@ def _described(reads: list) -> list[tuple]:
         (r.rows, r.columns, r.length, r.first_slot, r.row_stride, *(None if t is None else t.tolist() for t in r[5:]))
         for r in reads
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@example(runs=[(1, 10), (5, 2)], extra=0, pad=0, rows=1, q=1)  # a warm turn: folded, so whole rows
+@example(runs=[(1, 12)], extra=1, pad=0, rows=1, q=1)  # one run: a view of the pool
+@example(runs=[(1, 60), (5, 10)], extra=0, pad=0, rows=1, q=1)  # past 1024 tokens: two views
+@given(
+    runs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=4, unique_by=lambda r: r[0]),
+    extra=st.integers(0, 3),
+    pad=st.sampled_from([0, 0, 0, 2]),
+    rows=st.sampled_from([1, 1, 1, 2]),
+    q=st.sampled_from([1, 1, 3]),
+)
+def test_a_lone_fold_is_exactly_a_step_the_planner_reads_in_one_gather(
+    runs: list[tuple[int, int]], extra: int, pad: int, rows: int, q: int
+) -> None:
+    """The rule that has a lone row's decode step read whole rows (planner.lone_fold) says yes exactly where the
+    planner, from scratch, reads the step in one gather of that row (a fold), so the blocks read a row in place
+    wherever the planner would read it in place."""
+    bs = 16
+    table: list[int] = []
+    for first, length in runs:  # runs of consecutive blocks, anywhere in the pool
+        table += list(range(100 * first, 100 * first + length))
+    start = pad + len(table) * bs - extra - q  # the step's new columns lie in the row's last block
+    if start < pad + 1:
+        return
+    pads, tables = [pad] * rows, [list(table) for _ in range(rows)]
+    planned, new_from = plan_reads(pads, tables, start, q, bs)
+    folded = rows == 1 and q == 1 and new_from is None and len(planned) == 1 and planned[0].slots is not None
+    assert lone_fold(pads, tables, start, q, bs) == folded, (planned, new_from)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -232,11 +232,14 @@ def steady_reads(
 
 def lone_fold(pads: list[int], tables: list[list[int]], start: int, q: int, block_size: int) -> bool:
     """Whether :func:`plan_reads` reads this forward in one gather of a lone row: a decode step (``q`` 1) of one row
-    without padding whose at most :data:`_FOLD_TOKENS` tokens lie in more than one run of blocks (a cached prefix,
-    then blocks of its own elsewhere in the pool). Does not mutate."""
-    if q != 1 or len(tables) != 1 or pads[0] or start + 1 > _FOLD_TOKENS:
+    whose at most :data:`_FOLD_TOKENS` tokens lie in more than one run of blocks (a cached prefix, then blocks of its
+    own elsewhere in the pool). Does not mutate."""
+    if q != 1 or len(tables) != 1:
         return False
-    table = tables[0][: -(-(start + 1) // block_size)]
+    held = start + 1 - pads[0]
+    if held <= 0 or held > _FOLD_TOKENS:
+        return False
+    table = tables[0][: -(-held // block_size)]
     return bool(table) and table != list(range(table[0], table[0] + len(table)))
 
 
