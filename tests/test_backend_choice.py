@@ -15,7 +15,7 @@ from conftest import compare, random_tokens
 
 import prefixkv
 from prefixkv import PrefixStore
-from prefixkv.attention import blocks, flex, gather, reader, reads
+from prefixkv.attention import blocks, flex, gather, planner, reader, reads
 
 TOL = 1e-4
 BS = 4
@@ -44,7 +44,8 @@ def eager() -> Any:
 class Ran:
     """What runs on the forwards of a store's caches: per forward that reads the pool in place, the backend whose
     plan it is, ``"gather"`` for one that hands out whole rows (a probe, which checks a model's layers once, is
-    neither), and the backends whose ``attend`` ran."""
+    neither; a lone row's decode step that the blocks would read in one gather, :func:`planner.lone_fold`, is
+    ``"lone fold"``), and the backends whose ``attend`` ran."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.plans: set[str] = set()
@@ -53,8 +54,14 @@ class Ran:
 
         def planned(r: reader.Reader, *args: Any) -> reads.ForwardReads:
             made = plan(r, *args)
-            if not made.probe:
-                self.plans.add(made.backend.name if made.in_place and made.backend is not None else "gather")
+            if made.probe:
+                return made
+            if made.in_place and made.backend is not None:
+                self.plans.add(made.backend.name)
+            elif r._backend.name == "blocks" and planner.lone_fold(*args[:4], BS):
+                self.plans.add("lone fold")
+            else:
+                self.plans.add("gather")
             return made
 
         monkeypatch.setattr(reader.Reader, "plan", planned)
@@ -89,7 +96,8 @@ def test_the_backend_the_store_names_is_the_one_that_runs(
             result = compare(model, store, ids, do_sample=False)
             assert (result.cache.stats.cached_tokens > 0) == warm
             assert result.same_tokens and result.max_diff <= TOL, result.max_diff
-    assert ran.plans == {named}
+    # a warm lone row reads its cached prefix and its own block: the blocks backend's decode steps fold
+    assert ran.plans == ({named, "lone fold"} if named == "blocks" else {named})
     assert ran.attended == ({named} - {"gather"})
 
 
