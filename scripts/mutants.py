@@ -207,6 +207,14 @@ MUTATIONS = [
         "a long lone row read in place by views is copied out whole at every step instead",
     ),
     Mutation(
+        "reader-keeps-the-plan-past-the-forward",
+        "hf/forward.py",
+        "        self._reader.end()\n",
+        "",
+        ("tests/test_generate_core.py",),
+        "an idle cache keeps its last step's read plan, and with it the pool's tensors of before a growth",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

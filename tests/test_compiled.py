@@ -847,8 +847,8 @@ def test_a_compiled_call_after_a_clear_gave_the_pool_back_holds_the_new_pool(mon
         later_request_matches_stock(model, store, prompt)
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_an_eager_write_that_a_growth_overtook_is_written_again(kv_dtype: str | None) -> None:
+@pytest.mark.parametrize(("kv_dtype", "attention"), [(None, "auto"), (None, "gather"), ("int8", "auto")])
+def test_an_eager_write_that_a_growth_overtook_is_written_again(kv_dtype: str | None, attention: str) -> None:
     """The eager step writes a layer without the store's lock, into the slot views its plan took when the step began
     (hf/forward.py, ``write_layer``; an 8-bit pool's write goes through the pool's ``write_unlocked``): where
     another thread's growth copied the tensors just before the write landed in them (simulated when the write asks
@@ -860,7 +860,8 @@ def test_an_eager_write_that_a_growth_overtook_is_written_again(kv_dtype: str | 
     twin = stock_twin(model)
     prompt = random_tokens(13, seed=31)[None]
     ref = generate(twin, prompt, None, reference_cache(twin, kv_dtype), max_new_tokens=8)
-    with prefixkv.PrefixStore(model, block_size=4, kv_dtype=kv_dtype) as store:
+    # "gather": the step's whole rows are read without the lock, from the views its write refreshed
+    with prefixkv.PrefixStore(model, block_size=4, kv_dtype=kv_dtype, attention=attention) as store:
         blocks, pool = store.blocks, store.blocks.pool
         raced: list[int] = []
 

@@ -4,6 +4,7 @@ generate with DynamicCache (within 1e-6) and the same tokens, while the warm pre
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -221,8 +222,32 @@ def test_the_whole_row_index_is_the_slot_table_of_every_layout_it_is_given() -> 
             pads, tables = (
                 (pads[:1], tables[:1]) if len(pads) == 2 else ([*pads, 1], [*tables, [9] * -(-(length - 1) // 4)])
             )
-        whole.begin(list(pads), [list(t) for t in tables], length)
+        # a forward's own slots where the rows have them (as a decode step's begin passes them), or not
+        q = rng.randrange(1, 3) if length > max(pads) + 2 else 1
+        new = slot_table(pads, tables, length - q, length, 4) if rng.random() < 0.7 else None
+        whole.begin(list(pads), [list(t) for t in tables], length, new)
         assert whole.index(torch.device("cpu")).tolist() == slot_table(pads, tables, 0, length, 4).tolist(), step
+
+
+@pytest.mark.parametrize("attention", ["auto", "gather"])
+def test_an_idle_cache_keeps_none_of_a_grown_pools_old_storage(model: object, attention: str) -> None:
+    """A forward's read plan holds the pool's tensors of its step; once the forward ends, nothing of the cache does:
+    after another request's growth replaced the tensors, an open, idle cache (a chat loop between turns) keeps no
+    reference to the old ones, so their memory is freed (docs/correctness.md, "Releasing caches")."""
+    store = prefixkv.PrefixStore(model, block_size=4, attention=attention)
+    prompt = random_tokens(14, seed=41)
+    compare(model, store, prompt[None], max_new_tokens=2)  # warm: the next call's row is read as whole rows too
+    ids = torch.cat([prompt, random_tokens(2, seed=42)])[None]
+    with prefixkv.PagedPrefixCache(store, ids) as cache:
+        model.generate(ids, **cache_kw(cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        pool = store.blocks.pool
+        old = [weakref.ref(t) for t in (*pool.keys, *pool.values)]
+        with store.blocks.lock:  # as the store's room grows the pool for another request (kv/room.py)
+            pool.grow(pool.capacity + 8)
+            store.blocks._allocator.grow(pool.capacity)
+        assert all(ref() is None for ref in old), "an idle cache keeps the pool's old tensors alive"
+        assert not cache.forward.in_use()
+    store.close()
 
 
 def test_the_last_sharer_of_a_part_block_writes_in_place(model: object) -> None:

@@ -33,7 +33,7 @@ class WholeRows:
         self._index: dict[torch.device, torch.Tensor] = {}  # [B, capacity] slots; columns [0, _filled) are set
         self._filled: dict[torch.device, int] = {}
         self._columns = 0
-        self._now: dict[torch.device, torch.Tensor] = {}  # the forward's index per device, once filled
+        self._now: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the forward's index, and flat
         self._new: torch.Tensor | None = None  # the forward's own columns' slots, [B, q], which end at _columns
         self._next: tuple[list[int], list[list[int]], int] | None = None
 
@@ -63,9 +63,9 @@ class WholeRows:
         """``[B, columns]`` pool slots of every row's columns of the forward, on ``device`` (pad columns: slot 0).
         Mutates only what it keeps."""
         self._settle()
-        now = self._now.get(device)
-        if now is not None:  # the forward's later layers
-            return now
+        kept = self._now.get(device)
+        if kept is not None:  # the forward's later layers
+            return kept[0]
         columns, filled = self._columns, self._filled.get(device, 0)
         index = self._index.get(device)
         if index is None or index.shape[1] < columns:
@@ -83,7 +83,8 @@ class WholeRows:
             # a column past a row's blocks reads slot 0 now, and may lie in blocks the row claims later
             held = min((p + len(t) * self._bs for p, t in zip(self._pads, self._tables)), default=columns)
             self._filled[device] = min(columns, held)
-        now = self._now[device] = index[:, :columns]
+        now = index[:, :columns]
+        self._now[device] = (now, now.reshape(-1))  # the flat copy made once a forward, not once a layer
         return now
 
     def read(
@@ -97,7 +98,7 @@ class WholeRows:
         if quantized:
             return self._gather_kv(layer, slots=index)
         rows, columns = index.shape
-        flat = index.view(-1) if rows == 1 else index.reshape(-1)
+        flat = self._now[k.device][1]
         if rows == 1:
             return k.index_select(1, flat)[None], v.index_select(1, flat)[None]
         return tuple(  # type: ignore[return-value]
@@ -151,6 +152,11 @@ class Reader:
     def _planned(self, reads: ForwardReads) -> ForwardReads:
         self._reads = reads
         return reads
+
+    def end(self) -> None:
+        """The forward ended: drop its plan, which holds the pool's tensors of its step (an idle cache must not keep
+        a grown pool's old storage) and this reader (through its ``gather``). Mutates."""
+        self._reads = None
 
     def _gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's whole K/V of ``layer``, ``[B, kv_heads, columns, head_dim]``, copied out of the pool; in an

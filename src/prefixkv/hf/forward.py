@@ -236,6 +236,7 @@ class Forward:
         if self._owner != threading.get_ident():
             return  # begin refused this forward (the cache is another thread's): nothing of ours ran
         plan, self._reads = self._reads, None
+        self._reader.end()
         step, self.step = self.step, None
         if step is not None:
             end_step(self.rows, self.store.blocks, step, ok)
