@@ -473,11 +473,13 @@ def test_the_public_methods_of_pagedprefixcache_are_what_a_user_calls_and_the_ca
     assert public - CACHE_USER_FACING <= interface, f"not the Cache interface: {public - CACHE_USER_FACING - interface}"
 
 
-def decode_step_modules(step: int = 2) -> tuple[set[str], set[str]]:
+def decode_step_modules(step: int = 2, apart: bool = False) -> tuple[set[str], set[str]]:
     """The prefixkv modules whose code runs in decode step ``step`` of a warm ``generate`` call on a tiny llama with
     a ``PagedPrefixCache`` (from one step's logits processor to the next one's: the rest of ``generate``'s step, the
     next step's ``prepare_inputs_for_generation``, its forward and hooks), and those within layer 0's attention call.
-    The 11-token prompt in blocks of 4: step 2 enters a new block, step 3 is a steady step (within its block).
+    The 11-token prompt in blocks of 4: step 2 enters a new block, step 3 is a steady step (within its block). With
+    ``apart``, the first call generates 8 tokens, which it publishes after the prompt, so the measured call's own
+    blocks lie apart from the prefix it reuses (a warm chat turn: its decode steps fold).
     Measured with ``sys.setprofile``, in this thread."""
     import inspect
     import sys
@@ -525,7 +527,7 @@ def decode_step_modules(step: int = 2) -> tuple[set[str], set[str]]:
     for processors in ([], [Profiling()]):  # the first call makes the second one warm (its prefix cached)
         with prefixkv.PagedPrefixCache(store, ids) as cache:
             kw = {GENERATE_CACHE_KWARG: cache, "logits_processor": LogitsProcessorList(processors)}
-            model.generate(ids, **kw, max_new_tokens=4, do_sample=False)
+            model.generate(ids, **kw, max_new_tokens=8 if apart and not processors else 4, do_sample=False)
     sys.setprofile(None)
     assert cache.stats.cached_tokens > 0, "the call was not warm"
     return total, per_layer
@@ -556,3 +558,16 @@ def test_an_eager_decode_step_runs_few_modules(step: int, most: int) -> None:
     assert per_layer <= total and per_layer, "the measure saw no layer"
     assert len(total) <= most, f"eager decode step {step} runs {len(total)} modules: {sorted(total)}"
     assert len(per_layer) <= LAYER_MODULES, f"one layer's attention runs {len(per_layer)}: {sorted(per_layer)}"
+
+
+# a warm chat turn's steady step, which folds (attention/planner.py's lone_fold): the row's whole K/V by slots for
+# the model's own attention, no plan, no kernel of prefixkv's; 16 a step and 3 a layer (interface, reader, forward)
+FOLDED_STEP_MODULES = 16
+FOLDED_LAYER_MODULES = 3
+
+
+def test_a_warm_turns_folded_decode_step_runs_fewer_modules() -> None:
+    total, per_layer = decode_step_modules(3, apart=True)
+    assert "prefixkv.attention.blocks" not in total, "the step was read by the blocks, not folded"
+    assert len(total) <= FOLDED_STEP_MODULES, f"the folded step runs {len(total)} modules: {sorted(total)}"
+    assert len(per_layer) <= FOLDED_LAYER_MODULES, f"one layer's attention runs {len(per_layer)}: {sorted(per_layer)}"
