@@ -240,7 +240,12 @@ def lone_fold(pads: list[int], tables: list[list[int]], start: int, q: int, bloc
     if held <= 0 or held > _FOLD_TOKENS:
         return False
     table = tables[0][: -(-held // block_size)]
-    return bool(table) and table != list(range(table[0], table[0] + len(table)))
+    return bool(table) and not one_run(table)
+
+
+def one_run(blocks: list[int]) -> bool:
+    """Whether ``blocks`` (not empty) are consecutive block ids, one run of the pool. Does not mutate."""
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
 def plan_reads(

@@ -29,7 +29,7 @@ class WholeRows:
         self._gather_kv = gather
         self._bs = block_size
         self._pads: list[int] = []
-        self._tables: list[list[int]] = []  # each row's blocks when the index was last filled
+        self._tables: list[list[int]] = []  # each row's blocks at the forward's begin (a copy)
         self._index: dict[torch.device, torch.Tensor] = {}  # [B, capacity] slots; columns [0, _filled) are set
         self._filled: dict[torch.device, int] = {}
         self._columns = 0
@@ -186,6 +186,6 @@ def _lone_run(
         return None
     count = -(-columns // bs)
     table = tables[0][:count]
-    if len(table) < count or any(b != table[0] + i for i, b in enumerate(table)):
+    if len(table) < count or not planner.one_run(table):
         return None
     return table[0], count, columns
