@@ -20,14 +20,17 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def model_for(size: str) -> Any:
-    """``small``: the demo's 4-layer model; ``100m``: the ~100M-parameter Llama-shaped model."""
+    """``small``: the demo's 4-layer model; ``100m``: the ~100M-parameter Llama-shaped model; ``tiny``: the 2-layer
+    model of the tests, ``tiny-N`` its shape with ``N`` layers."""
+    if size.startswith("tiny-"):
+        return prefixkv.models.tiny_model("llama", vocab_size=512, num_hidden_layers=int(size[5:]))
     if size == "100m":
         return prefixkv.models.bench_model()
     if size == "small":
         return prefixkv.models.demo_model()
     if size == "tiny":
         return prefixkv.models.tiny_model("llama", vocab_size=512)
-    raise ValueError(f"unknown size {size!r}: small, 100m or tiny")
+    raise ValueError(f"unknown size {size!r}: small, 100m, tiny or tiny-N (N layers)")
 
 
 def tokens(n: int, vocab: int, seed: int) -> torch.Tensor:

@@ -11,7 +11,9 @@ ms per step of ``DynamicCache`` on a copy of the model without a store, of the f
 with the ``"blocks"`` and the ``"gather"`` backends (each on its own copy), at batch 1 and 8, on the 2-layer
 embedded model and the demo's 4-layer one, where a step is bound by Python and kernel launches as a GPU's is;
 every prompt is a shared prefix (cached after the first call) and tokens of its own, as in ``python -m prefixkv
-demo --small``."""
+demo --small``; ``--host-sizes tiny-2 tiny-8 tiny-16`` runs the 2-layer model's shape at those depths instead
+(what grows with the layers and what is paid once a step), and ``--cpu-time`` times every step in the process's
+CPU time (one thread with ``--host``) instead of the wall clock's."""
 
 from __future__ import annotations
 
@@ -27,15 +29,19 @@ from transformers.generation.streamers import BaseStreamer
 
 import prefixkv
 
+CLOCK = time.perf_counter
+"""What :class:`StepClock` reads: the wall clock, or ``time.process_time`` (``--cpu-time``: this process's CPU
+time, which the time other processes take from it on a loaded machine does not count in)."""
+
 
 class StepClock(BaseStreamer):
-    """Timestamps of each generated step (the first ``put`` is the prompt)."""
+    """Timestamps of each generated step (the first ``put`` is the prompt), by :data:`CLOCK`."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
 
     def put(self, value: Any) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(CLOCK())
 
     def end(self) -> None:
         return None
@@ -255,10 +261,17 @@ def main() -> None:
         "--warm", type=int, nargs="*", default=[512], help="prompt lengths of warm-turn cases (none: no such case)"
     )
     ap.add_argument("--host", action="store_true", help="the host overhead of a decode step on the small models")
+    ap.add_argument(
+        "--host-sizes", nargs="+", default=["tiny", "small"], help="with --host: the models (tiny-N: N layers)"
+    )
+    ap.add_argument("--cpu-time", action="store_true", help="time steps in this process's CPU time, not wall time")
     args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
     if args.host:
         torch.set_num_threads(1)
-        host = host_overhead(["tiny", "small"], args.batches, 256, 64, args.repeat + 3)
+        host = host_overhead(args.host_sizes, args.batches, 256, 64, args.repeat + 3)
         save("decode_host", host)
         print(host_report(host))
         return

@@ -119,6 +119,15 @@ def test_decode_smoke() -> None:
     assert "StaticCache" in decode.report(r) and "warm turn" in decode.report(r)
 
 
+def test_decode_host_smoke_at_another_depth() -> None:
+    """``--host-sizes tiny-3``: the 2-layer model's shape with 3 layers, every cache of the host table timed."""
+    r = decode.host_overhead(["tiny-3"], [1], prompt=24, new=4, repeat=1)
+    assert decode.model_for("tiny-3").config.num_hidden_layers == 3
+    assert [row["size"] for row in r["rows"]] == ["tiny-3"]
+    assert all(r["rows"][0][name] > 0 for name in decode.HOST_VARIANTS)
+    assert "tiny-3" in decode.host_report(r)
+
+
 def test_memory_smoke_shares_the_prefix() -> None:
     r = memory.run("tiny", 64, 4, 8, 4)
     # four requests over one 64-token prefix: shared blocks hold far less than four deep copies
