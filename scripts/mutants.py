@@ -215,6 +215,25 @@ MUTATIONS = [
         "an idle cache keeps its last step's read plan, and with it the pool's tensors of before a growth",
     ),
     Mutation(
+        "kv-slots-kept-across-a-growth",
+        "kv/pool.py",
+        "    pool.kv_slots = _kv_slots(pool._views)\n",
+        "",
+        (
+            "tests/test_slots.py",
+            "tests/test_compiled.py::test_a_compiled_step_after_a_growth_holds_the_new_pool_and_gives_eagers_tokens",
+        ),
+        "a step's plan takes the slot views of the pool before its growth: the step writes and reads the old tensors",
+    ),
+    Mutation(
+        "refcounts-read-from-a-copy",
+        "kv/allocator.py",
+        "self.refcount: Callable[[int], int] = self._refcount.__getitem__",
+        "self.refcount: Callable[[int], int] = list(self._refcount).__getitem__",
+        ("tests/test_allocator.py", "tests/test_generate_core.py"),
+        "the copy-on-write check reads the refcounts of the allocator's start: a row writes into a block others hold",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",
@@ -1099,7 +1118,7 @@ MUTATIONS = [
     Mutation(
         "corridor-write-keeps-stale-views",
         "hf/forward.py",
-        "            plan.views, plan.moves = [pool.slots(layer) for layer in range(len(plan.views))], pool.moves\n",
+        "            plan.views, plan.moves = pool.kv_slots, pool.moves\n",
         "            plan.moves = pool.moves\n",
         ("tests/test_compiled.py::test_an_eager_write_that_a_growth_overtook_is_written_again",),
         "after another thread's growth the step's later layers write and read the old tensors the plan took",

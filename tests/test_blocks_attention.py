@@ -118,7 +118,11 @@ class _Pool:
         return slot_view(self.keys[layer]), slot_view(self.values[layer])
 
     @property
-    def specs(self) -> list[None]:  # one a layer: how many the plan takes the slot views of
+    def kv_slots(self) -> list[tuple[torch.Tensor, torch.Tensor]]:  # what the plan takes, once a step
+        return [self.slots(layer) for layer in range(len(self.keys))]
+
+    @property
+    def specs(self) -> list[None]:  # one a layer
         return [None] * len(self.keys)
 
 

@@ -167,7 +167,7 @@ def blocks_reference(case: dict[str, Any], pool_k: torch.Tensor, pool_v: torch.T
         n = int(case["lengths"][row])
         mask[row, 0, 0, :n] = case["visible"][row, :n]
     pool = SimpleNamespace(
-        keys=[pool_k], values=[pool_v], specs=[None], slots=lambda layer: (slot_view(pool_k), slot_view(pool_v))
+        keys=[pool_k], values=[pool_v], specs=[None], kv_slots=[(slot_view(pool_k), slot_view(pool_v))]
     )
     forward = BlocksForward(pool, reads, columns, None, lambda layer: (pool_k, pool_v))
     return blocks.blocks_attention(forward, 0, case["query"], case["key"], case["value"], mask, None)

@@ -546,9 +546,11 @@ def decode_step_modules(step: int = 2, apart: bool = False) -> tuple[set[str], s
 # whether a block must be copied (18: no kv/room.py). The issue aims at about 12 a step: the rest are the hooks, the
 # proof (base/tokens.py), generate's step (compat/generation.py, compat/patching.py), the slot table
 # (base/slots.py), the plan (attention/reader.py, reads.py, planner.py, whose steady step reuses the last one's
-# reads) and the pool's slot views (kv/pool.py)
-DECODE_STEP_MODULES = 19
-STEADY_STEP_MODULES = 18
+# reads) and the pool's slot views (kv/pool.py). Then the plan took every layer's slot views by one attribute of the
+# pool (kv_slots) and the copy-on-write check the refcounts by the list's own lookup: no kv/pool.py, and no
+# kv/allocator.py in a steady step: 18 and 16
+DECODE_STEP_MODULES = 18
+STEADY_STEP_MODULES = 16
 LAYER_MODULES = 4
 
 
@@ -561,8 +563,8 @@ def test_an_eager_decode_step_runs_few_modules(step: int, most: int) -> None:
 
 
 # a warm chat turn's steady step, which folds (attention/planner.py's lone_fold): the row's whole K/V by slots for
-# the model's own attention, no plan, no kernel of prefixkv's; 16 a step and 3 a layer (interface, reader, forward)
-FOLDED_STEP_MODULES = 16
+# the model's own attention, no plan, no kernel of prefixkv's; 14 a step and 3 a layer (interface, reader, forward)
+FOLDED_STEP_MODULES = 14
 FOLDED_LAYER_MODULES = 3
 
 

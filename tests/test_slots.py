@@ -56,6 +56,37 @@ def test_the_pools_slots_are_its_blocks_offsets() -> None:
     assert bool((pool.keys[0][:, 1, 3] == 1.5).all())
 
 
+def _views_of_the_tensors_now(pool: BlockPool) -> bool:
+    """Whether every layer's ``kv_slots`` (what a decode step's plan takes) are the slot views of its K and V now."""
+    return len(pool.kv_slots) == len(pool.specs) and all(
+        k.data_ptr() == key.data_ptr() and v.data_ptr() == value.data_ptr()
+        and k.shape == slot_view(key).shape and v.shape == slot_view(value).shape
+        for (k, v), key, value in zip(pool.kv_slots, pool.keys, pool.values)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_the_slot_views_a_step_takes_follow_every_change_of_the_tensors(kv_dtype: str | None) -> None:
+    """``kv_slots`` (all layers' ``slots`` at once, by one attribute) are a new list of views of the tensors after
+    every change of them: a growth, a shrink, tensors set through ``keys`` and ``values``; a list taken before the
+    change keeps the old views (a step's plan notes the pool's moves and takes the new list itself)."""
+    spec = LayerSpec(2, 3, torch.device("cpu"), torch.float32)
+    pool = BlockPool([spec, spec], block_size=4, capacity=5, kv_dtype=kv_dtype)
+    assert _views_of_the_tensors_now(pool)
+    assert all(torch.equal(k, pool.slots(layer)[0]) for layer, (k, _) in enumerate(pool.kv_slots))
+    for change in (
+        lambda: pool.grow(9),
+        lambda: pool.shrink(6),
+        lambda: setattr(pool, "keys", [k.clone() for k in pool.keys]),
+        lambda: setattr(pool, "values", [v.clone() for v in pool.values]),
+    ):
+        taken = pool.kv_slots
+        kept = [(k.data_ptr(), v.data_ptr()) for k, v in taken]
+        change()
+        assert pool.kv_slots is not taken and [(k.data_ptr(), v.data_ptr()) for k, v in taken] == kept
+        assert _views_of_the_tensors_now(pool)
+
+
 @pytest.mark.parametrize(
     "visible, token",
     [(True, 0), (True, 7), (False, 0), (False, 7)],

@@ -96,7 +96,7 @@ class PoolView(Protocol):
     it): per layer the K and V tensors ``[kv_heads, num_blocks, block_size, head_dim]`` (``kv``, read at each call: a
     growth of the pool replaces them), its blocks (``capacity``), where each layer lies (``specs``), and the 8-bit
     storage (``kv_dtype``, ``None`` when the pool is stored in a float dtype), and each layer's K and V by slot
-    (``slots``)."""
+    (``slots``, and all layers' at once: ``kv_slots``)."""
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V tensors."""
@@ -114,6 +114,11 @@ class PoolView(Protocol):
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s K and V indexed by slot, ``[kv_heads, num_blocks * block_size, head_dim]`` views
         (:func:`prefixkv.base.slots.slot_view`), kept by the pool between growths."""
+        ...
+
+    @property
+    def kv_slots(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's :meth:`slots`, a list the pool replaces (never changes) when its tensors change."""
         ...
 
 
@@ -144,7 +149,7 @@ class ForwardReads:
         # every layer's K and V by slot, taken once a step: the write and the attention of each layer read them here
         # (one call less a layer); the pool count of moves they are of (set by the cache, whose write refreshes both
         # where another thread's growth moved the pool meanwhile, prefixkv.hf.forward.write_layer)
-        self.views: list[tuple[torch.Tensor, torch.Tensor]] = [pool.slots(layer) for layer in range(len(pool.specs))]
+        self.views: list[tuple[torch.Tensor, torch.Tensor]] = pool.kv_slots
         self.moves = -1
         # the step's new slots, flat, per device (set by the cache's first write on that device)
         self.new_slots: dict[torch.device, torch.Tensor] = {}

@@ -328,7 +328,7 @@ def write_layer(
                 keep = None if held.keep is None else held.keep.to(device)
                 pool.write(layer_idx, held.new.to(device), key_states, value_states, keep)
             # the step's later writes and reads go to the new tensors
-            plan.views, plan.moves = [pool.slots(layer) for layer in range(len(plan.views))], pool.moves
+            plan.views, plan.moves = pool.kv_slots, pool.moves
     held.seen[layer_idx] = held.length
     if plan.in_place:
         hand_out(plan, layer_idx, key_states)

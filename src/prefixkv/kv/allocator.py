@@ -13,6 +13,7 @@ of the pool instead of gathering them.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 NULL_BLOCK = 0
 
@@ -34,7 +35,9 @@ class BlockAllocator:
     def __init__(self, capacity: int = 1) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (block 0 is reserved), got {capacity}")
-        self._refcount: list[int] = [1] + [0] * (capacity - 1)
+        self._refcount: list[int] = [1] + [0] * (capacity - 1)  # changed in place only: refcount reads it
+        self.refcount: Callable[[int], int] = self._refcount.__getitem__
+        """A block's refcount: the list's own lookup, no call of this module's (a decode step asks for every row)."""
         # a min-heap of free ids; an id taken out of order (``after``) stays in it until popped, and is skipped
         # then because its refcount is no longer 0 (or pushed again if it was freed meanwhile: duplicates skip)
         self._free: list[int] = list(range(1, capacity))
@@ -53,9 +56,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         """Blocks with a refcount >= 1, the null block excluded."""
         return self.capacity - 1 - self._num_free
-
-    def refcount(self, block: int) -> int:
-        return self._refcount[block]
 
     def free_run(self, n: int) -> int | None:
         """The first id of the lowest ``n`` consecutive free ids, or ``None``. Does not mutate.

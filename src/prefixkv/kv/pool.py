@@ -197,6 +197,7 @@ class _EveryLayer:
     def __set__(self, pool: BlockPool, given: Sequence[torch.Tensor]) -> None:
         for tensors, t in zip(pool.scales if self._scales else pool.tensors, given, strict=True):
             tensors[self._name] = t
+        _views_anew(pool)
 
 
 class BlockPool:
@@ -228,6 +229,9 @@ class BlockPool:
                 self.tensors.append(tensors)
                 self.scales.append(scales)
         self._views = _slot_views(self.tensors)
+        self.kv_slots: list[tuple[torch.Tensor, torch.Tensor]] = _kv_slots(self._views)
+        """Every layer's K and V by slot (:meth:`slots` of each layer), a new list whenever the tensors change: a
+        decode step takes them all at once, by this attribute (no call into the pool a layer)."""
 
     def layer(self, layer: int) -> Mapping[str, torch.Tensor]:
         """``layer``'s per-token tensors by name, ``[heads, num_blocks, block_size, size]`` each (8-bit codes in a
@@ -274,7 +278,7 @@ class BlockPool:
                 tensors = [{name: new(t) for name, t in per_layer.items()} for per_layer in self.tensors]
                 scales = [{name: new(t) for name, t in per_layer.items()} for per_layer in self.scales]
             self.tensors, self.scales = tensors, scales
-            self._views = _slot_views(self.tensors)
+            _views_anew(self)
             self.moves += 1
         finally:
             self.growing = False
@@ -369,7 +373,7 @@ class BlockPool:
         views, tensors = self._views[layer] if layer < len(self._views) else {}, self.tensors[layer]
         k, v = views.get(K), views.get(V)
         if k is None or v is None or k[0] is not tensors[K] or v[0] is not tensors[V]:  # set from outside: anew
-            self._views = _slot_views(self.tensors)
+            _views_anew(self)
             views = self._views[layer]
             k, v = views[K], views[V]
         return k[1], v[1]
@@ -479,6 +483,18 @@ def _slot_views(layers: list[dict[str, torch.Tensor]]) -> list[dict[str, tuple[t
     """Every layer's tensors and their slot views (:meth:`BlockPool.slots`), made once per storage (a decode step
     asks for them every layer)."""
     return [{name: (t, slot_view(t)) for name, t in per_layer.items()} for per_layer in layers]
+
+
+def _views_anew(pool: BlockPool) -> None:
+    """Make ``pool``'s slot views (:meth:`BlockPool.slots`, :attr:`BlockPool.kv_slots`) of its tensors now, after
+    they changed. Mutates the pool."""
+    pool._views = _slot_views(pool.tensors)
+    pool.kv_slots = _kv_slots(pool._views)
+
+
+def _kv_slots(views: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V slot views out of :func:`_slot_views`'s."""
+    return [(per_layer[K][1], per_layer[V][1]) for per_layer in views]
 
 
 def _every(pool: BlockPool) -> list[torch.Tensor]:
