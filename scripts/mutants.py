@@ -234,6 +234,14 @@ MUTATIONS = [
         "the copy-on-write check reads the refcounts of the allocator's start: a row writes into a block others hold",
     ),
     Mutation(
+        "flex-failure-refuses-every-block-size",
+        "attention/flex_kernel.py",
+        "    failed = _failed.get((kind, dtype, block_size))",
+        "    failed = next((why for (d, t, _), why in _failed.items() if (d, t) == (kind, dtype)), None)",
+        ("tests/test_flex.py::test_a_compile_failure_raises_and_is_then_refused",),
+        "one block size that FlexAttention's kernel cannot tile (blocks of 16 on an H100) turns flex off at every size",
+    ),
+    Mutation(
         "eviction-newest-first",
         "kv/eviction.py",
         "heapq.heappush(queue, (self.priority(node), node.last_access, next(self._tiebreak), node))",

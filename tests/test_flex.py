@@ -335,11 +335,22 @@ def test_a_compile_failure_raises_and_is_then_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(flex_kernel, "_failed", {})
     layout = dict(DECODE_CASES[2], holes=False, window=None, group=1, scale=None, seed=0)
     pool_k, pool_v = pools(0)
-    with pytest.raises(flex.FlexUnavailable, match=r"did not compile on cpu for torch\.float32"):
+    with pytest.raises(flex.FlexUnavailable, match=r"did not compile on cpu for torch\.float32 in blocks of 16"):
         run(build(layout), pool_k, pool_v, None)
     ok, reason = flex.can_serve("cpu", torch.float32, 16)
     assert not ok and "did not compile" in reason
-    assert flex.can_serve("cpu", torch.bfloat16, 16)[0]  # only what failed is refused
+    # only what failed is refused: another dtype, and another block size (a kernel's tiles may fit one and not another)
+    assert flex.can_serve("cpu", torch.bfloat16, 16)[0] and flex.can_serve("cpu", torch.float32, 64)[0]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_on_cuda_the_kernels_key_tiles_divide_the_pools_blocks(block_size: int) -> None:
+    """inductor's CUDA kernel refuses a block mask whose key blocks its key tile (``BLOCK_N``, by default 64 or 128
+    on recent GPUs) does not divide; the compiled call asks for tiles of at most the pool's block, and at least 16
+    (a tensor core's least), on CUDA only (the CPU's kernel tiles by itself)."""
+    options = flex_kernel._kernel_options(torch.device("cuda"), block_size)["kernel_options"]
+    assert block_size % options["BLOCK_N"] == 0 and 16 <= options["BLOCK_N"] <= 64
+    assert flex_kernel._kernel_options(torch.device("cpu"), block_size) == {}
 
 
 def test_plan_refuses_tables_that_miss_blocks() -> None:

@@ -71,12 +71,12 @@ def _flex_frame(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **k
 _compiled: Any = torch.compile(_flex_frame, dynamic=False)
 _lock = threading.Lock()
 _buckets: set[tuple[Any, ...]] = set()  # the shapes compiled so far (one compile each)
-_failed: dict[tuple[str, torch.dtype], str] = {}  # (device type, dtype) -> why compiling failed there
+_failed: dict[tuple[str, torch.dtype, int], str] = {}  # (device type, dtype, block size) -> why compiling failed there
 
 
 class FlexUnavailable(PrefixKVError, RuntimeError):
     """FlexAttention could not compile for these inputs; the message says why. Read the pool another way (the
-    gather or the blocks reader): :func:`can_serve` refuses this device and dtype from now on."""
+    gather or the blocks reader): :func:`can_serve` refuses this device, dtype and block size from now on."""
 
 
 def can_serve(
@@ -121,7 +121,7 @@ def can_serve(
     refusal = releases.flex_refusal()
     if refusal is not None:
         return False, refusal
-    failed = _failed.get((kind, dtype))
+    failed = _failed.get((kind, dtype, block_size))
     if failed is not None:
         return False, failed
     return True, "FlexAttention serves it"
@@ -322,17 +322,20 @@ def _flex(
             if bucket not in _buckets
             else nullcontext()
         )
+        block_size = reads.block_mask.BLOCK_SIZE[1]
         try:
             with raised:
                 result = _compiled(
-                    query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux
-                )
+                    query, key, value, block_mask=reads.block_mask, scale=scale, enable_gqa=True, return_aux=aux,
+                    **_kernel_options(query.device, block_size),
+                )  # fmt: skip
         except torch._dynamo.exc.BackendCompilerFailed as error:
             reason = (
-                f"FlexAttention did not compile on {query.device.type} for {query.dtype}: {str(error).splitlines()[0]}"
+                f"FlexAttention did not compile on {query.device.type} for {query.dtype} in blocks of {block_size}: "
+                f"{str(error).splitlines()[0]}"
             )
             with _lock:
-                _failed[(query.device.type, query.dtype)] = reason
+                _failed[(query.device.type, query.dtype, block_size)] = reason
             raise FlexUnavailable(reason) from error
         with _lock:
             _buckets.add(bucket)
@@ -340,6 +343,15 @@ def _flex(
         out, extra = result
         return out, extra.lse
     return result, None
+
+
+def _kernel_options(device: torch.device, block_size: int) -> dict[str, Any]:
+    """``flex_attention``'s ``kernel_options`` for a pool of ``block_size``: on CUDA, key tiles of at most the block
+    (inductor's main kernel tiles keys by 64 or 128 on recent GPUs and refuses a block mask whose key blocks its tile
+    does not divide, as a pool's blocks of 16 are); none elsewhere (the CPU kernel tiles by itself)."""
+    if device.type != "cuda":
+        return {}
+    return {"kernel_options": {"BLOCK_N": min(block_size, 64)}}
 
 
 def attend(
