@@ -7,7 +7,8 @@ on a machine with CUDA:
 2. generate with a ``PagedPrefixCache`` against stock ``generate`` with ``DynamicCache``, with the store's default
    backend (the gather on CUDA) and with ``attention="flex"``: a tiny Llama in float64 (every step's logits within
    1e-6; flex does not serve float64) and float32 (1e-4), the ~100M model in float32 and bfloat16, cold with left
-   padding, warm, and rows on a shared prefix;
+   padding, warm, and rows on a shared prefix, each backend eagerly (``disable_compile``: section 6 checks the
+   compiled default);
 3. attention per decode step, all layers of a Llama-shaped ~1.5B model (28 layers, 12 query and 2 KV heads of
    128): the FlexAttention kernel reading the pool in place, against the gather (each row's K/V copied together,
    then SDPA), ``DynamicCache``'s read (its append, then SDPA) and ``StaticCache``'s (SDPA over the whole
@@ -15,9 +16,9 @@ on a machine with CUDA:
    bfloat16, and 16 rows on a shared 2048-token prefix; and how long planning one step's reads takes;
 4. milliseconds per new token of ``generate``: ``DynamicCache``, ``StaticCache``, ``StaticCache`` under
    ``torch.compile`` (the fastest stock path) and prefixkv (block sizes 16 and 64, the default backend and
-   ``attention="flex"``; on the 1.5B model also the default ``PagedPrefixCache`` under ``generate``'s
-   own compile, CUDA graphs through ``mode="reduce-overhead"``) on the ~100M model (float32, bfloat16) and the
-   ~1.5B model with random weights (bfloat16);
+   ``attention="flex"``; on the 1.5B model also the default ``PagedPrefixCache`` of block size 16 under
+   ``generate``'s own compile, CUDA graphs through ``mode="reduce-overhead"``, for a 512-token prompt and the shared
+   prefix) on the ~100M model (float32, bfloat16) and the ~1.5B model with random weights (bfloat16);
 5. time to the first token on a warm 2048-token prefix against stock;
 6. the decode corridor (issue 54): a hybrid model (a tiny Qwen3-Next-shaped one) against stock, cold and warm, and
    its eager decode against ``DynamicCache``; prefixkv's default cache under ``generate``'s compile with CUDA graphs
@@ -29,11 +30,13 @@ prefixkv's ``generate`` on CUDA runs the gather by default (``attention="auto"``
 FlexAttention backend (``attention="flex"``) faster; sections 2 and 4 run both, section 3 the kernel alone.
 
 Run: ``python benchmarks/gpu_check.py --out gpu_check.md`` (on CUDA, every section in one run of at most
-:data:`BUDGET_S` seconds, which the last line judges); ``--device cpu --quick`` (or ``--cpu-smoke``) runs a tiny
-version of every measurement on the CPU (to check the script; ``--quick`` alone, on CUDA: the tiny sizes there);
-``--sections corridor ...`` runs only the sections named. Writes ``results/gpu_check.json`` (and
-``$OUT/gpu_check.json``, ``$OUT/gpu_check.md`` when ``OUT`` is set) for a run on CUDA. Asked for CUDA where there
-is none, it says so and exits 0."""
+:data:`BUDGET_S` seconds, which the last line judges: the sections run in :data:`ORDER`, 1, 2, 6, 3, 5, 4, and one
+that would start in the budget's last quarter is skipped and reported so; ``--budget S`` sets another);
+``--device cpu --quick`` (or ``--cpu-smoke``) runs a tiny version of every measurement on the CPU (to check the
+script; ``--quick`` alone, on CUDA: the tiny sizes there); ``--sections corridor ...`` runs only the sections named.
+Writes ``results/gpu_check.json`` (and ``$OUT/gpu_check.json``, ``$OUT/gpu_check.md`` when ``OUT`` is set) for a run
+on CUDA, after every section, so that a run cut short keeps the tables it finished. Asked for CUDA where there is
+none, it says so and exits 0."""
 
 from __future__ import annotations
 
@@ -79,6 +82,10 @@ class Sizes:
 
 
 BUDGET_S = 8 * 60  # a full CUDA run, every section: what a lent device's session can spare
+# the order a run takes the sections in: what issue 54 and exactness need first, the longest (compiles of the 1.5B
+# model) last; on a budget, no section starts in its last quarter (it is reported skipped), and the tables so far are
+# written after every section, so a run cut short keeps them
+ORDER = ("kernel", "generate exactness", "corridor", "attention", "ttft", "generate speed")
 KERNEL_POOL = 64  # blocks in the pool of the kernel section
 QUESTION = 32  # tokens after the warm prefix
 
@@ -239,6 +246,9 @@ def logits_diff(
     existed) over the steps up to the first differing token, whether all tokens agree, stock's smallest top-2
     margin at the differing step (a near-tie explains a flip), and tokens reused."""
     kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    # each backend's own read, eagerly: on CUDA generate would compile the default cache's decode steps, which read
+    # whole rows in the graph whatever the backend (section 6 checks the compiled default)
+    kwargs["disable_compile"] = True
     ref = stock.generate(ids, attention_mask=mask, cache=DynamicCache(config=stock.config), **kwargs)
     with prefixkv.PagedPrefixCache(store, ids, mask) as cache:
         out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
@@ -368,16 +378,21 @@ def attention_case(
     def run_static() -> None:
         for k in static:
             k[:, :, prompt - 1 : prompt] = new
-            sdpa(query, k, k, attn_mask=static_mask, enable_gqa=True)
+            # as transformers calls sdpa with a mask on CUDA: the K/V heads repeated first (enable_gqa with a mask
+            # falls back to the math kernel there, which StaticCache's decode does not run)
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            sdpa(query, k, k, attn_mask=static_mask)
 
     def run_plan() -> None:
         plan()
 
-    # what is timed computes the same: the kernel against SDPA over the gathered rows, on the first layer
-    diff = (flex.attend(reads, query, pools[0][0], pools[0][1]).transpose(1, 2) - gather(pools[0])).abs().max().item()
-    variants = {"flex": run_flex, "gather": run_gather, "dynamic": run_dynamic, "static": run_static}
-    times = {**timed(device, variants, sizes.repeat), **timed(device, {"plan": run_plan}, sizes.repeat)}
-    return {**times, "diff": diff}
+    others = {"gather": run_gather, "dynamic": run_dynamic, "static": run_static}
+    times = {**timed(device, others, sizes.repeat), **timed(device, {"plan": run_plan}, sizes.repeat)}
+    try:  # what is timed computes the same: the kernel against SDPA over the gathered rows, on the first layer
+        diff = (flex.attend(reads, query, pools[0][0], pools[0][1]).transpose(1, 2) - gather(pools[0])).abs().max()
+    except flex.FlexUnavailable as error:  # the others are measured all the same
+        return {**times, "flex": float("nan"), "diff": float("nan"), "unavailable": str(error)}
+    return {**times, **timed(device, {"flex": run_flex}, sizes.repeat), "diff": diff.item()}
 
 
 def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
@@ -393,15 +408,13 @@ def attention_step(device: str, sizes: Sizes) -> list[list[Any]]:
             pools = [torch.randn(shape, device=device, dtype=dtype) for _ in range(sizes.layers)]
             for case in cases:
                 shown = [str(dtype).replace("torch.", ""), bs, case[0], case[1], case[2] or "-"]
-                try:
-                    ms = attention_case(device, sizes, pools, case, dtype)
-                except flex.FlexUnavailable as error:  # the other block sizes and dtypes are still measured
-                    rows.append([*shown, f"unavailable: {error}", *["-"] * 7])
-                    continue
+                ms = attention_case(device, sizes, pools, case, dtype)
+                flex_ms = f"unavailable: {ms['unavailable']}" if "unavailable" in ms else f"{ms['flex']:.3f}"
                 rows.append(
                     [
                         *shown,
-                        *(f"{ms[k]:.3f}" for k in ("flex", "gather", "dynamic", "static")),
+                        flex_ms,
+                        *(f"{ms[k]:.3f}" for k in ("gather", "dynamic", "static")),
                         f"{ms['flex'] / ms['dynamic']:.2f}",
                         f"{ms['flex'] / ms['gather']:.2f}",
                         f"{ms['plan']:.3f}",
@@ -424,9 +437,10 @@ def generate_case(
     compile_config: CompileConfig | None = None,
 ) -> dict[str, float]:
     """The fastest of ``min(repeat, 2)`` calls per cache, taking turns (the eager ones with ``disable_compile``);
-    ``with_compile``: also ``StaticCache`` and prefixkv's default cache (the gather's and the blocks' stores) under
-    transformers' own ``torch.compile`` of the decode steps (inductor with CUDA graphs, ``mode="reduce-overhead"``),
-    or under ``compile_config``."""
+    ``with_compile``: also ``StaticCache`` and prefixkv's default cache (the first store that is not flex's: a
+    compile costs about a minute on the 1.5B model, and the compiled step reads whole rows whatever the backend)
+    under transformers' own ``torch.compile`` of the decode steps (inductor with CUDA graphs,
+    ``mode="reduce-overhead"``), or under ``compile_config``."""
     compiling = {} if compile_config is None else {"compile_config": compile_config}
     new, any_store = sizes.new_tokens, next(iter(stores.values()))
     variants: dict[str, Callable[[], float]] = {
@@ -435,11 +449,12 @@ def generate_case(
     }
     if with_compile:
         variants["static compiled"] = lambda: decode_ms(model, ids, new, "static", any_store, **compiling)
+    compiled = [label for label in stores if not label.startswith("flex")][:1]
     for label, store in stores.items():
         variants[f"prefixkv {label}"] = lambda store=store: decode_ms(
             model, ids, new, "prefixkv", store, disable_compile=True
         )  # type: ignore[misc]
-        if with_compile and not label.startswith("flex"):
+        if with_compile and label in compiled:
             variants[f"prefixkv {label} compiled"] = lambda store=store: decode_ms(
                 model, ids, new, "prefixkv", store, **compiling
             )  # type: ignore[misc]
@@ -477,8 +492,9 @@ def generate_speed(device: str, sizes: Sizes) -> list[list[Any]]:
                 stores[f"{store.attention_backend.split(':')[0]} {bs}"] = store
         for prompt, batch, shared in cases:
             ids = batch_ids(prompt, batch, shared, model.config.vocab_size, seed=7).to(device)
-            # StaticCache under torch.compile compiles per shape (a minute each on the 1.5B model): the targets' cases
-            targeted = (prompt, batch) in ((min(sizes.prompts), 1), (max(sizes.prompts), 8)) or shared > 0
+            # StaticCache under torch.compile compiles per shape (a minute each on the 1.5B model): two cases, the
+            # short prompt alone and the shared prefix
+            targeted = (prompt, batch) == (min(sizes.prompts), 1) or shared > 0
             # every compiled variant shares the model's one compiled call: each cache class and shape is a
             # recompile of it, past dynamo's default limit of 8
             with torch._dynamo.config.patch(recompile_limit=64):
@@ -609,12 +625,16 @@ def corridor(device: str, sizes: Sizes) -> list[list[Any]]:
     stock = copy.deepcopy(model)
     ids = batch_ids(prompt, 2, prompt - 8, model.config.vocab_size, seed=11).to(device)
     store = prefixkv.PrefixStore(model, block_size=16)
-    ref = outputs(stock, ids, new, cache=DynamicCache(config=stock.config))
+    # eager, both: on CUDA generate would compile prefixkv's default cache (not stock's), and time that instead
+    ref = outputs(stock, ids, new, cache=DynamicCache(config=stock.config), disable_compile=True)
     for turn in ("cold", "warm"):
         with prefixkv.PagedPrefixCache(store, ids) as cache:
-            out = outputs(model, ids, new, cache=cache)
+            out = outputs(model, ids, new, cache=cache, disable_compile=True)
         rows.append(["hybrid", turn, "-", "-", *versus(out, ref), f"{cache.stats.cached_tokens} reused"])
-    ms = {v: min(decode_ms(model, ids, new, v, store) for _ in range(2)) for v in ("dynamic", "prefixkv")}
+    ms = {
+        v: min(decode_ms(model, ids, new, v, store, disable_compile=True) for _ in range(2))
+        for v in ("dynamic", "prefixkv")
+    }
     rows.append(["hybrid", "eager decode", f"{ms['prefixkv']:.2f}", f"{ms['prefixkv'] / ms['dynamic']:.2f}", "-", "-",
                  "-"])  # fmt: skip
     store.close()
@@ -729,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sections", nargs="+", choices=[key for key, *_ in SECTIONS], help="run only these sections (default: all)"
     )
+    ap.add_argument(
+        "--budget", type=float, help=f"seconds: start no section in the last quarter (a full CUDA run: {BUDGET_S})"
+    )
     args = ap.parse_args(argv)
     device = "cpu" if args.cpu_smoke else args.device
     quick = args.quick or args.cpu_smoke
@@ -738,14 +761,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sizes = SMOKE if quick else FULL
     full = device == "cuda" and not quick and not args.sections
+    budget = args.budget if args.budget is not None else (BUDGET_S if full else None)
     started = time.perf_counter()
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     where += " (quick)" if quick else ""
     report = [f"# gpu_check: {where}; {machine()}", ""]
     result: dict[str, Any] = {"machine": report[0][2:], "tables": {}}
-    failed = []
-    for key, title, header, section in SECTIONS:
+    failed, skipped = [], []
+    by_key = {key: (title, header, section) for key, title, header, section in SECTIONS}
+    for key in ORDER:
+        title, header, section = by_key[key]
         if args.sections and key not in args.sections:
+            continue
+        if budget is not None and time.perf_counter() - started > 0.75 * budget:
+            skipped.append(key)
+            body = f"skipped: {time.perf_counter() - started:.0f} s of the {budget:.0f} s budget had passed"
+            print(f"## {title}\n\n{body}\n", flush=True)
+            report.append(f"## {title}\n\n{body}\n")
+            result["tables"][key] = body
             continue
         begun = time.perf_counter()
         # an unattended run records a section's failure and goes on: one broken measurement keeps the others
@@ -758,23 +791,31 @@ def main(argv: list[str] | None = None) -> int:
         print(text + "\n", flush=True)
         report.append(text + "\n")
         result["tables"][key] = body
+        write(args.out, device, report, result)  # each section as it ends: a run cut short keeps what it measured
     seconds = time.perf_counter() - started
-    budget = f" (budget {BUDGET_S} s: {'met' if seconds <= BUDGET_S else 'MISSED'})" if full else ""
-    tail = f"flex compiles: {flex.compiles()}; {seconds:.0f} s in all{budget}" + (
+    verdict = f" (budget {budget:.0f} s: {'met' if seconds <= budget else 'MISSED'})" if budget is not None else ""
+    tail = f"flex compiles: {flex.compiles()}; {seconds:.0f} s in all{verdict}" + (
         f"; FAILED: {', '.join(failed)}" if failed else ""
     )
+    tail += f"; skipped for the budget: {', '.join(skipped)}" if skipped else ""
     print(tail)
     report.append(tail)
     result["summary"] = tail
+    write(args.out, device, report, result)
+    return 1 if failed else 0
+
+
+def write(out: Path | None, device: str, report: list[str], result: dict[str, Any]) -> None:
+    """The report so far as Markdown to ``out``; on CUDA also ``results/gpu_check.json`` and, where ``OUT`` is set,
+    ``$OUT/gpu_check.json`` and ``$OUT/gpu_check.md``."""
     markdown = "\n".join(report) + "\n"
-    if args.out:
-        args.out.write_text(markdown)
+    if out:
+        out.write_text(markdown)
     if device == "cuda":
         save("gpu_check", result)
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "gpu_check.json").write_text(json.dumps(result, indent=2))
             Path(os.environ["OUT"], "gpu_check.md").write_text(markdown)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@ prints its table, and the properties that do not depend on timing hold."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+import prefixkv
 from prefixkv import kv_bytes_per_token
 from prefixkv.base.memory import format_bytes
 from prefixkv.models import tiny_model
@@ -244,7 +247,8 @@ def test_gpu_check_cpu_smoke_runs_every_measurement(tmp_path: Path, capsys: pyte
     kernel = _cells(report.split("## ")[1])
     assert {row[2] for row in kernel} == {"decode", "prefill (merged)"} and all(row[-1] == "met" for row in kernel)
     assert all(float(row[3]) <= 1e-4 for row in kernel)  # float32 against the float64 reference
-    timed = _cells(report.split("## ")[3])  # the attention step: what was timed computed what the gather does
+    attention = next(title for key, title, *_ in gpu_check.SECTIONS if key == "attention")
+    timed = _cells(report.split(f"## {attention}")[1].split("\n## ")[0])  # what was timed computed the gather's
     assert timed and all(float(row[-1]) <= 1e-4 for row in timed)
     assert report.splitlines()[-1] in capsys.readouterr().out  # printed as well as written
 
@@ -264,6 +268,64 @@ def test_gpu_check_quick_corridor_on_the_cpu(tmp_path: Path) -> None:
     timed = {row[1]: float(row[2]) for row in rows if row[2] != "-"}
     assert set(timed) == {"eager decode", "dynamic", "prefixkv eager", "static compiled", "prefixkv compiled"}
     assert all(ms > 0 for ms in timed.values())
+
+
+def test_gpu_check_on_a_budget_writes_each_section_and_skips_what_would_start_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--budget``: a section that would start in the budget's last quarter is skipped and reported so; the tables
+    so far are written after every section (a run cut short keeps them). A clock the sections move stands in."""
+    out, now = tmp_path / "gpu.md", [0.0]
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def section(seconds: float, before: str | None) -> Any:
+        def run(device: str, sizes: Any) -> list[list[Any]]:
+            if before is not None:  # the sections that ended are on disk already
+                assert f"## {before}" in out.read_text()
+            now[0] += seconds
+            return [[seconds]]
+
+        return run
+
+    titles = {key: title for key, title, *_ in gpu_check.SECTIONS}
+    timings = {"kernel": section(100, None), "generate exactness": section(700, titles["kernel"])}
+    monkeypatch.setattr(gpu_check, "SECTIONS", [(k, t, ["s"], timings.get(k, section(1, None)))
+                                                for k, t, *_ in gpu_check.SECTIONS])  # fmt: skip
+    argv = ["--device", "cpu", "--quick", "--budget", "1000", "--out", str(out)]
+    assert gpu_check.main([*argv, "--sections", "kernel", "generate exactness", "corridor", "ttft"]) == 0
+    report = out.read_text()
+    assert all(f"## {titles[k]}" in report for k in ("kernel", "generate exactness", "corridor", "ttft"))
+    assert report.count("skipped: 800 s of the 1000 s budget had passed") == 2  # the corridor and ttft
+    assert report.splitlines()[-1].endswith("skipped for the budget: corridor, ttft")
+
+
+def test_gpu_check_times_the_other_reads_where_flex_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Section 3 where FlexAttention does not compile: the row says so, and the gather, ``DynamicCache``,
+    ``StaticCache`` and the plan are timed all the same."""
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise gpu_check.flex.FlexUnavailable("FlexAttention did not compile on cpu for torch.float32: (test)")
+
+    monkeypatch.setattr(gpu_check.flex, "attend", unavailable)
+    rows = gpu_check.attention_step("cpu", gpu_check.SMOKE)
+    assert rows and all(str(row[5]).startswith("unavailable: FlexAttention did not compile") for row in rows)
+    assert all(float(cell) > 0 for row in rows for cell in row[6:9])  # gather, Dynamic, Static
+    assert all(float(row[11]) > 0 for row in rows)  # the plan
+
+
+def test_gpu_check_compares_each_backend_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Section 2 reads each backend as it is (``disable_compile``): on CUDA ``generate`` would otherwise compile the
+    default cache's decode steps, which read whole rows in the graph, and compare that against eager stock."""
+    model = tiny_model("llama", dtype=torch.float64)
+    stock = copy.deepcopy(model)
+    seen: list[Any] = []
+    for m in (model, stock):
+        generate = m.generate
+        monkeypatch.setattr(m, "generate", lambda *a, _g=generate, **k: (seen.append(k.get("disable_compile")),
+                                                                         _g(*a, **k))[1])  # fmt: skip
+    with prefixkv.PrefixStore(model, block_size=4) as store:
+        diff, same, _, _ = gpu_check.logits_diff(model, stock, store, torch.arange(1, 9)[None], None)
+    assert seen == [True, True] and same and diff <= 1e-10
 
 
 def test_gpu_check_without_cuda_says_so_and_exits_0(
