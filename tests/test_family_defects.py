@@ -226,3 +226,15 @@ def test_a_model_in_training_mode_is_measured_without_dropout_and_keeps_its_mode
     assert shapes.padded_refusal(model) is None  # two forwards under dropout would differ: a false refusal
     assert {name: m.training for name, m in model.named_modules()} == modes
     store.close()
+
+
+def test_a_model_in_training_mode_is_refused_what_it_is_refused_in_eval_mode() -> None:
+    """The padded-reuse check measures without dropout either way: under dropout its bound (a multiple of the
+    model's own noise between two equal computations) would swallow any difference, and a model that counts
+    positions in columns (TrOCR, dropout 0.1) would pass it in training mode."""
+    refusals = []
+    for train in (False, True):
+        model = _tiny("trocr").train(train)
+        with prefixkv.PrefixStore(model, block_size=4):
+            refusals.append(shapes.padded_refusal(model))
+    assert refusals[0] is not None and refusals[1] == refusals[0], refusals
